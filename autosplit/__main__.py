@@ -1,0 +1,81 @@
+"""Command line: ``python -m autosplit plan MODEL --mesh PP,TP,DP --batch N --out DIR``.
+
+MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
+returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
+allocates no weights.  The plan's summary is printed and the readable dump written to DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+import torch
+
+import autosplit
+from autosplit.errors import AutosplitError
+
+
+def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
+    """A model on the meta device from a timm name or 'package.module:factory'."""
+    with torch.device("meta"):
+        if ":" in spec:
+            module_name, _, factory = spec.partition(":")
+            return getattr(importlib.import_module(module_name), factory)()
+        import timm
+        if spec not in timm.list_models():
+            raise AutosplitError(f"unknown model {spec!r}: not a timm model name (see timm.list_models('vit*')) "
+                                 f"and not of the form 'package.module:factory'")
+        kwargs = {"img_size": img_size} if img_size else {}
+        return timm.create_model(spec, pretrained=False, **kwargs)
+
+
+def _input_shape(model: torch.nn.Module, image_size: int | None) -> tuple[int, int, int]:
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    if "input_size" in cfg:
+        c, h, w = cfg["input_size"]
+        return (c, image_size or h, image_size or w)
+    if hasattr(model, "image_size"):  # torchvision's VisionTransformer
+        return (3, model.image_size, model.image_size)
+    raise AutosplitError("cannot tell the model's input size: pass --image-size")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m autosplit", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="compile a plan and dump it")
+    plan.add_argument("model", help="timm model name or package.module:factory")
+    plan.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (default 2,1,1)")
+    plan.add_argument("--batch", type=int, default=8, help="microbatch size (default 8)")
+    plan.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
+    plan.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    plan.add_argument("--chunks-per-rank", type=int, default=1)
+    plan.add_argument("--microbatches", type=int, default=None)
+    plan.add_argument("--device", default="h100", help="cost model: h100, a100 or cpu (measured here)")
+    plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        start = time.perf_counter()
+        model = build_model(args.model, args.image_size)
+        x = torch.empty(args.batch, *_input_shape(model, args.image_size), device="meta")
+        plan = autosplit.compile(model, mesh=args.mesh, example_input=x, schedule=args.schedule,
+                                 chunks_per_rank=args.chunks_per_rank, num_microbatches=args.microbatches,
+                                 device=args.device)
+        print(plan.summary())
+        print(f"planned in {time.perf_counter() - start:.2f} s")
+        if args.out:
+            files = plan.dump(args.out)
+            print(f"wrote {len(files)} files to {args.out}")
+    except AutosplitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""``autosplit.compile``: from an unchanged model and one example microbatch to a Plan.
+
+Terms: see plan.py (stage, layers, memory) and passes/cut_points.py (cut, segment).
+
+Steps, each a graph pass or a pure function:
+  trace -> MetaShapeProp -> AnnotateCosts -> find_cuts -> balanced_bounds -> assign stages
+  -> SplitStages -> Plan.
+Nothing here allocates a weight: parameters may live on the meta device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autosplit.cost_model import AnnotateCosts, get_profile, graph_time, p2p_time
+from autosplit.errors import AutosplitError
+from autosplit.layers import find_layer_ends, layers_label
+from autosplit.mesh import MeshShape
+from autosplit.passes.cut_points import Cut, find_cuts
+from autosplit.passes.partition import balanced_bounds, equal_layer_bounds, stage_costs
+from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
+from autosplit.passes.split_stages import SplitStages
+from autosplit.plan import Plan, StageInfo, TensorInfo
+from autosplit.schedule import check_schedule
+from autosplit.trace import trace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+OPTIMIZER_FACTOR = 4   # parameter + gradient + two Adam moments, all in the parameter's dtype
+
+
+def _check_args(mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_rank: int) -> None:
+    if tp_mode not in ("1d", "2d"):
+        raise AutosplitError(f"tp_mode={tp_mode!r}: expected '1d' (Megatron) or '2d' (SUMMA)")
+    if mesh.tp > 1:
+        raise AutosplitError(f"tensor parallelism (tp={mesh.tp}) is not in this release yet; use tp=1 "
+                             f"(pipeline and data parallelism are supported)")
+    if schedule not in SCHEDULES:
+        raise AutosplitError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if not isinstance(chunks_per_rank, int) or chunks_per_rank < 1:
+        raise AutosplitError(f"chunks_per_rank={chunks_per_rank!r} must be a positive integer")
+    if schedule == "interleaved" and chunks_per_rank < 2:
+        raise AutosplitError(f"schedule='interleaved' needs chunks_per_rank >= 2 (got {chunks_per_rank})")
+    if schedule == "1f1b" and chunks_per_rank != 1:
+        raise AutosplitError(f"schedule='1f1b' runs one chunk per rank (got chunks_per_rank="
+                             f"{chunks_per_rank}); use schedule='interleaved' for several")
+
+
+def _as_inputs(model: nn.Module, example_input) -> tuple[torch.Tensor, ...]:
+    if example_input is None:
+        meta = any(p.device.type == "meta" for p in model.parameters())
+        why = "the model is on the meta device, so " if meta else ""
+        raise AutosplitError(
+            f"example_input is required: {why}autosplit plans shapes from one microbatch, e.g. "
+            f"example_input=torch.empty(8, 3, 224, 224, device='meta')")
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise AutosplitError(f"example_input[{i}] is a {type(x).__name__}; expected a tensor")
+    return inputs
+
+
+def _shape_prop(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> None:
+    try:
+        MetaShapeProp(inputs)(gm)
+    except AutosplitError as exc:
+        shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
+        raise AutosplitError(f"{exc}\nThe example input has shape {shapes}; it must be one microbatch "
+                             f"of what the model's forward takes, batch dim first (e.g. (B, C, H, W))") from exc
+
+
+def _segments(nodes: list[fx.Node], cuts: list[Cut]) -> list[list[fx.Node]]:
+    ends = [c.position for c in cuts] + [len(nodes) - 1]
+    segments, start = [], 0
+    for end in ends:
+        segments.append(nodes[start:end + 1])
+        start = end + 1
+    return segments
+
+
+def _in_flight(schedule: str, pp: int, chunks: int, microbatches: int) -> list[int]:
+    """Microbatches whose activations each stage holds at the schedule's peak (from the simulator)."""
+    result = check_schedule(schedule, pp, microbatches, chunks)
+    return [max(1, -(-result.peak_activations[s % pp] // chunks)) for s in range(pp * chunks)]
+
+
+def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str = "1d",
+            schedule: str = "1f1b", chunks_per_rank: int = 1, num_microbatches: int | None = None, *,
+            device="h100", memory_budget: float | None = None, leaf_modules: Sequence[type] = (),
+            concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None) -> Plan:
+    """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
+
+    ``device``: a cost-model profile ("h100", "a100", "cpu" measured here, or a DeviceProfile).
+    ``memory_budget``: bytes per stage the cut must respect.  ``num_microbatches`` defaults to 2 * pp.
+    ``stage_bounds``: reuse another plan's cut (``plan.bounds``) instead of searching, e.g. to re-plan
+    the same model for a new batch size while keeping every parameter on the same rank.
+    """
+    mesh = MeshShape.parse(mesh)
+    _check_args(mesh, tp_mode, schedule, chunks_per_rank)
+    inputs = _as_inputs(model, example_input)
+    num_microbatches = num_microbatches or 2 * mesh.pp
+    n_stages = mesh.pp * chunks_per_rank
+    in_flight = _in_flight(schedule, mesh.pp, chunks_per_rank, num_microbatches)
+    profile = get_profile(device)
+
+    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
+    _shape_prop(gm, inputs)
+    annotate = AnnotateCosts()
+    annotate(gm)
+    nodes = list(gm.graph.nodes)
+    cuts = find_cuts(gm)
+    if n_stages > len(cuts) + 1:
+        raise AutosplitError(
+            f"pp({mesh.pp}) * chunks_per_rank({chunks_per_rank}) = {n_stages} stages, but the graph has only "
+            f"{len(cuts)} places to cut (at most {len(cuts) + 1} stages); use fewer pipeline stages")
+    segments = _segments(nodes, cuts)
+    seg_time = [sum(graph_time(seg, profile)) for seg in segments]
+    out_time = [2 * p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
+    seg_params = [sum(n.meta["cost"].param_bytes for n in seg) for seg in segments]
+    seg_saved = [sum(n.meta["cost"].saved_bytes for n in seg) for seg in segments]
+
+    def stage_memory(s: int, j: int, k: int) -> float:
+        return OPTIMIZER_FACTOR * sum(seg_params[j:k + 1]) + in_flight[s] * sum(seg_saved[j:k + 1])
+
+    bounds = list(stage_bounds) if stage_bounds is not None else \
+        balanced_bounds(seg_time, out_time, n_stages, stage_memory, memory_budget)
+    layer_ends = find_layer_ends(model, segments)
+    equal = equal_layer_bounds(layer_ends, len(segments), n_stages) if len(layer_ends) >= n_stages else bounds
+    _assign_stages(segments, bounds)
+    split = SplitStages(n_stages)
+    split(gm)
+    stages = [_stage_info(model, s, mesh.pp, split, segments, bounds, cuts, profile, in_flight[s])
+              for s in range(n_stages)]
+    return Plan(mesh=mesh, tp_mode=tp_mode, schedule=schedule, chunks_per_rank=chunks_per_rank,
+                num_microbatches=num_microbatches, device=profile.name,
+                example_shapes=[tuple(x.shape) for x in inputs], stages=stages,
+                equal_layer_times=stage_costs(equal, seg_time, out_time),
+                unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
+                schedule_grid=check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank).format_grid())
+
+
+def _assign_stages(segments: list[list[fx.Node]], bounds: list[int]) -> None:
+    stage = 0
+    for k, seg in enumerate(segments):
+        for n in seg:
+            n.meta["stage"] = stage
+        if k == bounds[stage] and stage < len(bounds) - 1:
+            stage += 1
+    for seg in segments:   # a parameter read belongs to the stage of its first user
+        for n in seg:
+            if n.op == "get_attr" and n.users:
+                n.meta["stage"] = min(u.meta["stage"] for u in n.users)
+
+
+def _tensor_infos(names: list[str], by_name: dict[str, fx.Node]) -> list[TensorInfo]:
+    infos = []
+    for name in names:
+        val = by_name[name].meta.get("val") if name in by_name else None
+        if isinstance(val, torch.Tensor):
+            infos.append(TensorInfo(name, tuple(val.shape), str(val.dtype).removeprefix("torch."),
+                                    tensor_bytes(val)))
+        else:
+            infos.append(TensorInfo(name, (), type(val).__name__, 0))
+    return infos
+
+
+def _stage_info(model, s: int, pp: int, split: SplitStages, segments, bounds, cuts, profile, in_flight) -> StageInfo:
+    all_nodes = [n for seg in segments for n in seg]
+    first = 0 if s == 0 else bounds[s - 1] + 1
+    nodes = [n for seg in segments[first:bounds[s] + 1] for n in seg]
+    module = split.stages[s]
+    fwd, bwd = graph_time(nodes, profile)
+    comm = 2 * p2p_time(cuts[bounds[s]].nbytes, profile) if bounds[s] < len(cuts) else 0.0
+    params = dict(module.named_parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    saved = sum(n.meta["cost"].saved_bytes for n in nodes)
+    by_name = {n.name: n for n in all_nodes}
+    out_names = split.outputs[s]
+    if out_names == ["output"]:
+        result = all_nodes[-1].args[0]
+        if isinstance(result, fx.Node):
+            by_name["output"] = result
+    return StageInfo(
+        index=s, pp_rank=s % pp, chunk=s // pp, layers=layers_label(model, nodes, all_nodes),
+        nodes=[n.name for n in nodes], params=list(params), n_params=sum(p.numel() for p in params.values()),
+        param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd, comm_time=comm, activation_bytes=saved,
+        in_flight=in_flight, memory_bytes=OPTIMIZER_FACTOR * param_bytes + in_flight * saved,
+        inputs=_tensor_infos(split.inputs[s], by_name), outputs=_tensor_infos(out_names, by_name))

@@ -1,0 +1,32 @@
+"""``autosplit.parallelize``: the training entry point, run inside every process of the job.
+
+Terms: see runtime/world.py (world, backend, groups) and runtime/parallel_module.py (replica batch,
+microbatch, local params).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from autosplit.runtime.parallel_module import ParallelModule
+from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
+
+
+def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | None = None,
+                num_microbatches: int = 8, schedule: str = "1f1b", chunks_per_rank: int = 1,
+                tp_mode: str = "1d", example_input=None, *, autocast: torch.dtype | None = None,
+                checkpoint: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                bucket_mb: float = 25, **compile_options) -> ParallelModule:
+    """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
+
+    ``mesh``: (pp, tp, dp); dp=-1 takes what the world size leaves.  ``loss_fn(logits, labels)``
+    defaults to cross-entropy.  ``autocast``: torch.bfloat16 or torch.float16 (with a loss scaler).
+    ``checkpoint="stage"`` recomputes each stage's forward in its backward.  ``compile_options`` go
+    to ``autosplit.compile`` (e.g. ``device="a100"``, ``memory_budget=...``).
+    Every rank must build ``model`` identically (same seed) before calling this.
+    """
+    world = init_world(mesh, timeout_s)
+    return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), num_microbatches, schedule,
+                          chunks_per_rank, tp_mode, example_input, autocast=autocast, checkpoint=checkpoint,
+                          bucket_bytes=int(bucket_mb * 2**20), compile_options=compile_options)

@@ -1,0 +1,110 @@
+"""The Plan: what autosplit decided, as plain data, plus the per-stage GraphModules that carry it out.
+
+Terms:
+  stage  -- global pipeline stage s; chunk c of pipeline rank r is stage ``c * pp + r`` (looped
+            placement, as in Megatron's interleaved schedule).
+  layers -- a readable summary of the module paths a stage covers ("blocks.0-3, blocks.4.attn").
+  memory -- predicted peak bytes of one stage on its rank: parameters, gradients and two optimizer
+            moments (4 x parameter bytes), plus the activations kept for backward times the number of
+            microbatches the schedule keeps in flight on that stage.
+
+A Plan is pure: building one needs no process group and no GPU.  The runtime interprets it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch.fx as fx
+
+from autosplit.mesh import MeshShape
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass
+class StageInfo:
+    index: int
+    pp_rank: int
+    chunk: int
+    layers: str
+    nodes: list[str]
+    params: list[str]
+    n_params: int
+    param_bytes: int
+    fwd_time: float               # seconds per microbatch, predicted
+    bwd_time: float
+    comm_time: float              # sending outputs forward and receiving their gradients back
+    activation_bytes: int         # kept for backward, per microbatch
+    in_flight: int                # microbatches whose activations the schedule holds at once
+    memory_bytes: int
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+
+    @property
+    def time(self) -> float:
+        return self.fwd_time + self.bwd_time + self.comm_time
+
+
+@dataclass
+class Plan:
+    mesh: MeshShape
+    tp_mode: str
+    schedule: str
+    chunks_per_rank: int
+    num_microbatches: int
+    device: str
+    example_shapes: list[tuple[int, ...]]
+    stages: list[StageInfo]
+    equal_layer_times: list[float]            # stage costs of the equal-layer-count cut, for comparison
+    unknown_ops: list[str]
+    bounds: list[int]                         # last segment of each stage (see passes/partition.py)
+    graph: fx.GraphModule = field(repr=False)  # the whole traced graph, annotated
+    modules: list[fx.GraphModule] = field(repr=False)
+    schedule_grid: str = field(default="", repr=False)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_modules(self, pp_rank: int, tp_rank: int = 0) -> list[fx.GraphModule]:
+        """The GraphModules pipeline rank ``pp_rank`` runs, one per chunk, in stage order."""
+        if not 0 <= pp_rank < self.mesh.pp:
+            raise IndexError(f"pp_rank {pp_rank} is outside 0..{self.mesh.pp - 1} (pp={self.mesh.pp})")
+        if not 0 <= tp_rank < self.mesh.tp:
+            raise IndexError(f"tp_rank {tp_rank} is outside 0..{self.mesh.tp - 1} (tp={self.mesh.tp})")
+        return [self.modules[c * self.mesh.pp + pp_rank] for c in range(self.chunks_per_rank)]
+
+    def balance(self) -> tuple[float, float]:
+        """max/mean predicted stage time: (autosplit's cut, the equal-layer-count cut)."""
+        ours = [s.time for s in self.stages]
+        return max(ours) / (sum(ours) / len(ours)), max(self.equal_layer_times) / (
+            sum(self.equal_layer_times) / len(self.equal_layer_times))
+
+    def summary(self) -> str:
+        from autosplit.report import summary_table
+        return summary_table(self)
+
+    def to_dict(self) -> dict:
+        from autosplit.report import plan_dict
+        return plan_dict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def dump(self, directory) -> list[str]:
+        """Write per-rank code, a graph drawing per stage, plan.json, summary.txt, schedule.txt."""
+        from autosplit.dump import dump_plan
+        return dump_plan(self, directory)
+
+
+def stage_info_dict(stage: StageInfo) -> dict:
+    d = asdict(stage)
+    d["time"] = stage.time
+    return d

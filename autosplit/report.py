@@ -1,0 +1,77 @@
+"""Readable views of a Plan: the summary table and the JSON-ready dict.
+
+Terms: see plan.py.  Times are the cost model's predictions per microbatch (ms), memory is the
+predicted peak per stage (MiB/GiB), "boundary" lists the tensors a stage sends to the next.
+"""
+from __future__ import annotations
+
+from autosplit.plan import Plan, stage_info_dict
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _boundary(stage) -> str:
+    if not stage.outputs or stage.outputs[0].name == "output":
+        return "(model output)"
+    shapes = " ".join("x".join(map(str, t.shape)) for t in stage.outputs)
+    return f"{len(stage.outputs)} x [{shapes}] {_bytes(sum(t.nbytes for t in stage.outputs))}"
+
+
+def summary_table(plan: Plan) -> str:
+    header = ("stage", "rank", "layers", "params", "fwd ms", "bwd ms", "comm ms", "act/mb", "memory", "boundary")
+    rows = [header]
+    for s in plan.stages:
+        rows.append((str(s.index), f"pp{s.pp_rank}.c{s.chunk}", s.layers, _count(s.n_params),
+                     f"{s.fwd_time * 1e3:.3f}", f"{s.bwd_time * 1e3:.3f}", f"{s.comm_time * 1e3:.3f}",
+                     _bytes(s.activation_bytes), _bytes(s.memory_bytes), _boundary(s)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    ours, equal = plan.balance()
+    shapes = ", ".join("x".join(map(str, s)) for s in plan.example_shapes)
+    head = (f"autosplit plan: mesh {plan.mesh}, {plan.n_stages} stages, schedule {plan.schedule}, "
+            f"{plan.num_microbatches} microbatches of [{shapes}], device model {plan.device}")
+    foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {equal:.3f} equal layer count"]
+    if plan.unknown_ops:
+        foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
+    return "\n".join([head, *lines, *foot])
+
+
+def plan_dict(plan: Plan) -> dict:
+    ours, equal = plan.balance()
+    return {
+        "mesh": {"pp": plan.mesh.pp, "tp": plan.mesh.tp, "dp": plan.mesh.dp},
+        "tp_mode": plan.tp_mode, "schedule": plan.schedule, "chunks_per_rank": plan.chunks_per_rank,
+        "num_microbatches": plan.num_microbatches, "device": plan.device,
+        "example_shapes": [list(s) for s in plan.example_shapes],
+        "balance": {"autosplit": ours, "equal_layer_count": equal,
+                    "equal_layer_stage_times": plan.equal_layer_times},
+        "unknown_ops": plan.unknown_ops,
+        "stages": [stage_info_dict(s) for s in plan.stages],
+        "nodes": [_node_dict(n) for n in plan.graph.graph.nodes],
+    }
+
+
+def _node_dict(node) -> dict:
+    val = node.meta.get("val")
+    cost = node.meta.get("cost")
+    d = {"name": node.name, "op": node.op, "target": str(node.target),
+         "module_path": node.meta.get("module_path", ""), "stage": node.meta.get("stage"),
+         "spec": str(node.meta["spec"]) if "spec" in node.meta else None}
+    if hasattr(val, "shape"):
+        d["shape"], d["dtype"] = list(val.shape), str(val.dtype).removeprefix("torch.")
+    if cost is not None:
+        d["fwd_flops"], d["bwd_flops"], d["saved_bytes"] = cost.fwd_flops, cost.bwd_flops, cost.saved_bytes
+    return d

@@ -1,0 +1,93 @@
+"""Average gradients over the data-parallel axis in buckets, overlapped with the last backward.
+
+Terms:
+  bucket -- a group of this rank's parameters (about ``bucket_bytes``, in reverse registration order,
+            roughly the order backward produces their gradients), reduced as one flat tensor.
+  armed  -- a stage is armed just before its final backward of the step (its last microbatch);
+            from then on each parameter's post-accumulate-grad hook means "this gradient is final",
+            and a bucket whose gradients are all final is all-reduced at once, asynchronously, while
+            the rest of the backward runs.  Buckets with unused parameters are launched at ``finish``.
+  no_sync -- gradient accumulation across several steps can skip the reduction until the last one.
+
+We write the bucketing ourselves instead of wrapping stages in DistributedDataParallel: DDP's reducer
+assumes one forward and one backward per iteration, while a pipeline runs m of each per step and only
+the last backward of each stage may trigger the reduction.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.ready: set[int] = set()
+        self.had_grad: list[bool] = []
+        self.flat: torch.Tensor | None = None
+        self.work = None
+
+
+class GradBuckets:
+    def __init__(self, params_by_stage: dict[int, list[torch.nn.Parameter]], group, dp: int, watchdog,
+                 bucket_bytes: int = 25 * 2**20):
+        self.group, self.dp, self.watchdog = group, dp, watchdog
+        self.enabled = True
+        self.armed: set[int] = set()
+        self.buckets: list[_Bucket] = []
+        self.where: dict[int, tuple[int, _Bucket]] = {}
+        for stage, params in params_by_stage.items():
+            for bucket in self._split([p for p in reversed(params) if p.requires_grad], bucket_bytes):
+                self.buckets.append(bucket)
+                for p in bucket.params:
+                    self.where[id(p)] = (stage, bucket)
+                    p.register_post_accumulate_grad_hook(self._hook)
+
+    @staticmethod
+    def _split(params: list[torch.nn.Parameter], limit: int) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in params:
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+        return buckets + ([_Bucket(current)] if current else [])
+
+    def arm(self, stage: int) -> None:
+        if self.enabled:
+            self.armed.add(stage)
+
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        stage, bucket = self.where[id(p)]
+        if stage not in self.armed or bucket.work is not None:
+            return
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.had_grad = [p.grad is not None for p in bucket.params]   # unused params keep grad None
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, write the averages back into .grad."""
+        if not self.enabled:
+            return
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            self.watchdog.wait(bucket.work, "data-parallel gradient all-reduce")
+            bucket.flat.div_(self.dp)
+            offset = 0
+            for p, had in zip(bucket.params, bucket.had_grad):
+                n = p.numel()
+                if had:
+                    p.grad = bucket.flat[offset:offset + n].view_as(p).clone()
+                offset += n
+            bucket.flat, bucket.work = None, None
+            bucket.ready.clear()
+        self.armed.clear()

@@ -1,0 +1,51 @@
+"""Dynamic loss scaling for fp16, decided consistently on every rank.
+
+Terms:
+  scale     -- the factor the loss is multiplied by before backward (so small fp16 gradients do not
+               flush to zero); gradients are divided by it again before the optimizer step.
+  overflow  -- an inf or nan in any rank's gradients; ranks agree on it with one all-reduce (MAX) over
+               the whole world, so either every rank skips the step or none does.
+  skip      -- on overflow every gradient is set to None, which torch optimizers treat as "no update",
+               and the scale is halved; after ``growth_interval`` clean steps it doubles.
+
+torch.amp.GradScaler decides overflow per process and wraps the optimizer; a pipeline needs one
+decision across ranks that each hold a different part of the model, hence this small class.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class LossScaler:
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+        self.skipped = False
+
+    def unscale_and_update(self, params: list[torch.nn.Parameter], world, watchdog) -> None:
+        self.skipped = False
+        if not self.enabled:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        bad = torch.zeros(1, device=world.device)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                bad.fill_(1.0)
+                break
+        work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)
+        watchdog.wait(work, "fp16 overflow check")
+        if bad.item() > 0:
+            for p in params:
+                p.grad = None
+            self.scale /= 2
+            self.clean_steps = 0
+            self.skipped = True
+            return
+        for g in grads:
+            g.div_(self.scale)
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= 2

@@ -1,0 +1,225 @@
+"""ParallelModule: what ``autosplit.parallelize`` returns; one rank's share of the training program.
+
+Terms:
+  replica batch -- the batch ``step`` receives: this data-parallel replica's rows of the global batch,
+                   the same tensors on every rank of the replica.
+  microbatch    -- replica batch / num_microbatches rows; the plan is built for its shape.
+  local params  -- the parameters of the stages this rank runs (shared with the user's model object,
+                   under the original names); ``parameters()`` yields only these.
+  owner         -- the pipeline rank whose stages hold a parameter; ``full_state_dict`` broadcasts
+                   each parameter from its owner over the pp axis.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import autosplit.compile as compile_mod
+from autosplit.errors import AutosplitError
+from autosplit.runtime.data_parallel import GradBuckets
+from autosplit.runtime.executor import PipelineExecutor
+from autosplit.runtime.faults import Watchdog
+from autosplit.runtime.loss_scaler import LossScaler
+from autosplit.runtime.world import World
+
+
+class ParallelModule:
+    def __init__(self, model: torch.nn.Module, world: World, loss_fn: Callable, num_microbatches: int,
+                 schedule: str, chunks_per_rank: int, tp_mode: str, example_input=None, *,
+                 autocast: torch.dtype | None = None, checkpoint: str | None = None,
+                 bucket_bytes: int = 25 * 2**20, compile_options: dict | None = None):
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise AutosplitError(f"num_microbatches={num_microbatches!r} must be a positive integer")
+        if autocast not in (None, torch.bfloat16, torch.float16):
+            raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
+        self.model, self.world, self.loss_fn = model, world, loss_fn
+        self.num_microbatches, self.schedule, self.chunks_per_rank = num_microbatches, schedule, chunks_per_rank
+        self.tp_mode, self.autocast, self.checkpoint = tp_mode, autocast, checkpoint
+        self.bucket_bytes, self.compile_options = bucket_bytes, compile_options or {}
+        self.watchdog = Watchdog(world.store, world.rank, world.coord, world.timeout_s)
+        self.scaler = LossScaler(enabled=autocast is torch.float16)
+        self.plan = None
+        if example_input is not None:
+            self._build(example_input)
+
+    # ---- coordinates ---------------------------------------------------------------------------
+    pp_rank = property(lambda self: self.world.coord.pp)
+    tp_rank = property(lambda self: self.world.coord.tp)
+    dp_rank = property(lambda self: self.world.coord.dp)
+    dp_size = property(lambda self: self.world.mesh.dp)
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _build(self, microbatch) -> None:
+        example = tuple(microbatch) if isinstance(microbatch, (tuple, list)) else (microbatch,)
+        example = tuple(torch.empty_like(x, device="meta") for x in example)
+        self.plan = compile_mod.compile(
+            self.model, mesh=(self.world.mesh.pp, self.world.mesh.tp, self.world.mesh.dp), example_input=example,
+            tp_mode=self.tp_mode, schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
+            num_microbatches=self.num_microbatches, **self.compile_options)
+        self.modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        if self.checkpoint not in (None, "stage"):
+            raise AutosplitError(f"checkpoint={self.checkpoint!r}: expected None or 'stage'")
+        if self.checkpoint == "stage":
+            self.modules = [_Checkpointed(m) for m in self.modules]
+        stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
+        self.buckets = None
+        if self.dp_size > 1:
+            self.buckets = GradBuckets({s: list(m.parameters()) for s, m in zip(stages, self.modules)},
+                                       self.world.group("dp"), self.dp_size, self.watchdog, self.bucket_bytes)
+        self.executor = PipelineExecutor(self.world, self.plan, self.modules, self.loss_fn, self.watchdog,
+                                         self.autocast, self.buckets.arm if self.buckets else None)
+
+    def _require_plan(self, what: str) -> None:
+        if self.plan is None:
+            raise AutosplitError(f"{what} needs the plan, which is built from the first microbatch: pass "
+                                 f"example_input=<one microbatch> to autosplit.parallelize, or call step() first")
+
+    def parameters(self):
+        self._require_plan("parameters()")
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self):
+        self._require_plan("named_parameters()")
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    # ---- training ------------------------------------------------------------------------------
+    def _microbatches(self, tensors: tuple, what: str) -> list[tuple]:
+        batch = tensors[0].shape[0]
+        m = self.num_microbatches
+        if batch % m:
+            raise AutosplitError(f"{what}: batch of {batch} rows is not divisible by num_microbatches({m}); "
+                                 f"use a batch that is a multiple of {m}")
+        parts = [t.to(self.world.device).chunk(m) for t in tensors]
+        return list(zip(*parts))
+
+    def _check_shapes(self, mb: tuple) -> None:
+        got = [tuple(x.shape) for x in mb]
+        want = [tuple(s) for s in self.plan.example_shapes]
+        if got != want:
+            raise AutosplitError(f"step inputs give microbatches of shape {got}, but the plan was built for "
+                                 f"{want}; keep the batch size and image size of the first step")
+
+    def step(self, images, labels) -> float:
+        """Forward and backward of every microbatch; gradients averaged over dp; returns the mean loss."""
+        inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
+        xs = self._microbatches(inputs, "step")
+        ys = [y[0] for y in self._microbatches((labels,), "step labels")]
+        if self.plan is None:
+            self._build(xs[0])
+        self._check_shapes(xs[0])
+        self.watchdog.check()
+        scale = self.scaler.scale / self.num_microbatches
+        loss_sum, _ = self.executor.run(xs, ys, loss_scale=scale, train=True)
+        if self.buckets is not None:
+            self.buckets.finish()
+        self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
+        return self._global_mean(loss_sum)
+
+    def _global_mean(self, loss_sum: torch.Tensor) -> float:
+        total = loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches
+        work = dist.all_reduce(total, async_op=True)
+        self.watchdog.wait(work, "loss all-reduce")
+        return float(total.item() / (self.world.mesh.tp * self.world.mesh.dp))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over several ``step`` calls without the dp all-reduce."""
+        previous = self.buckets.enabled if self.buckets else None
+        if self.buckets:
+            self.buckets.enabled = False
+        try:
+            yield
+        finally:
+            if self.buckets:
+                self.buckets.enabled = previous
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global gradient norm over pp, tp and dp (each parameter counted once)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = torch.zeros(1, dtype=torch.float64, device=self.world.device)
+        for g in grads:
+            local += g.detach().double().square().sum()
+        work = dist.all_reduce(local, group=self.world.group("pp"), async_op=True)
+        self.watchdog.wait(work, "gradient-norm all-reduce")
+        norm = math.sqrt(local.item())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    # ---- inference -----------------------------------------------------------------------------
+    def predict(self, images) -> torch.Tensor:
+        """Forward only; the replica's full output on every rank of the replica."""
+        inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
+        xs = self._microbatches(inputs, "predict")
+        if self.plan is None:
+            self._build(xs[0])
+        self._check_shapes(xs[0])
+        _, outs = self.executor.run(xs, None, train=False)
+        last = self.world.rank_at(pp=(self.plan.n_stages - 1) % self.world.mesh.pp)
+        info = self.plan.stages[-1].outputs[0]
+        result = torch.cat(outs) if outs else torch.empty(
+            (info.shape[0] * self.num_microbatches, *info.shape[1:]), dtype=getattr(torch, info.dtype),
+            device=self.world.device)
+        work = dist.broadcast(result, src=last, group=self.world.group("pp"), async_op=True)
+        self.watchdog.wait(work, "predict broadcast")
+        return result
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def _owners(self) -> dict[str, int]:
+        owners = {}
+        for s, module in enumerate(self.plan.modules):
+            for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+                owners.setdefault(name, s % self.world.mesh.pp)
+        return owners
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state dict (full shapes, CPU tensors), identical on every rank."""
+        self._require_plan("full_state_dict()")
+        owners = self._owners()
+        result = {}
+        for name, tensor in self.model.state_dict().items():
+            buf = tensor.detach().to(self.world.device).clone()
+            if name in owners and self.world.mesh.pp > 1:
+                src = self.world.rank_at(pp=owners[name])
+                work = dist.broadcast(buf, src=src, group=self.world.group("pp"), async_op=True)
+                self.watchdog.wait(work, f"full_state_dict broadcast of {name}")
+            result[name] = buf.cpu()
+        return result
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise AutosplitError(f"load_full_state_dict: missing keys {missing[:5]}, unexpected keys "
+                                 f"{unexpected[:5]}")
+        for name, tensor in own.items():
+            if tuple(state_dict[name].shape) != tuple(tensor.shape):
+                raise AutosplitError(f"load_full_state_dict: '{name}' has shape {tuple(state_dict[name].shape)}, "
+                                     f"the model has {tuple(tensor.shape)}")
+            with torch.no_grad():
+                tensor.copy_(state_dict[name])
+
+
+class _Checkpointed(torch.nn.Module):
+    """Recompute a stage's forward during its backward instead of keeping its activations."""
+
+    def __init__(self, stage: torch.nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *inputs):
+        if not torch.is_grad_enabled():
+            return self.stage(*inputs)
+        return torch.utils.checkpoint.checkpoint(self.stage, *inputs, use_reentrant=False)
+
+    def named_parameters(self, *args, **kwargs):   # keep the original names (no "stage." prefix)
+        return self.stage.named_parameters(*args, **kwargs)
+

@@ -1,0 +1,83 @@
+"""The distributed world a ParallelModule runs in: process group, device, mesh axes and groups.
+
+Terms:
+  world    -- all processes of the job (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or an already
+              initialized default process group).
+  backend  -- NCCL with ``cuda:LOCAL_RANK`` when GPUs are present, gloo on CPU otherwise; chosen here.
+  groups   -- one process group per mesh axis ("pp", "tp", "dp"), from torch's DeviceMesh of shape
+              (pp, dp, tp): tp innermost, so tensor-parallel ranks are consecutive (see mesh.py).
+  timeout  -- every wait in the runtime gives up after this many seconds with an error naming the rank
+              and what it waited for; the same value is the process groups' own timeout.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    device: torch.device
+    backend: str
+    mesh: MeshShape
+    coord: Coord
+    device_mesh: DeviceMesh = field(repr=False)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def group(self, axis: str):
+        return self.device_mesh.get_group(axis)
+
+    def rank_at(self, *, pp: int | None = None, tp: int | None = None, dp: int | None = None) -> int:
+        """The global rank that differs from this one only on the named axes."""
+        c = self.coord
+        return self.mesh.rank_of(pp=c.pp if pp is None else pp, tp=c.tp if tp is None else tp,
+                                 dp=c.dp if dp is None else dp)
+
+    @property
+    def store(self):
+        return dist.distributed_c10d._get_default_store()
+
+
+def _choose_backend() -> tuple[str, torch.device]:
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return "nccl", torch.device("cuda", local)
+    return "gloo", torch.device("cpu")
+
+
+def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """Join (or create) the default process group and build the mesh's axis groups.
+
+    Raises the same clear error on every rank, without communicating, when the mesh does not match
+    the world size: "pp(2) * tp(1) * dp(2) != WORLD_SIZE(3)".
+    """
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        size = dist.get_world_size()
+    else:
+        if "WORLD_SIZE" not in os.environ:
+            raise RuntimeError("autosplit.parallelize needs a distributed launch: run under torchrun "
+                               "(torchrun --nproc-per-node N train.py) or init_process_group first")
+        size = int(os.environ["WORLD_SIZE"])
+        shape = MeshShape.parse(mesh, world_size=size)   # fail before any rendezvous wait
+        backend, device = _choose_backend()
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    shape = MeshShape.parse(mesh, world_size=size)
+    dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
+    device_mesh = init_device_mesh(device.type, dims, mesh_dim_names=LAYOUT_ORDER)
+    rank = dist.get_rank()
+    return World(rank=rank, size=size, device=device, backend=backend, mesh=shape,
+                 coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s)

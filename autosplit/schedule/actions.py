@@ -1,0 +1,96 @@
+"""The unit of a pipeline schedule: one action of one stage on one microbatch.
+
+Terms:
+  stage      -- a global pipeline stage ``s``; stage ``s`` sends activations to ``s+1`` and gradients
+                to ``s-1``.  With ``pp`` pipeline ranks and looped placement, stage ``s`` is chunk
+                ``s // pp`` of rank ``s % pp``.
+  microbatch -- index ``i`` of a microbatch within one optimizer step, ``0 <= i < m``.
+  F, B       -- compute: forward / backward of one stage on one microbatch (one time step each).
+  SEND_F     -- stage ``s`` sends its output activation of microbatch ``i`` to stage ``s+1``.
+  RECV_F     -- stage ``s`` receives its input activation of microbatch ``i`` from stage ``s-1``.
+  SEND_B     -- stage ``s`` sends the gradient of its input for microbatch ``i`` to stage ``s-1``.
+  RECV_B     -- stage ``s`` receives the gradient of its output for microbatch ``i`` from stage ``s+1``.
+
+For a communication action, ``stage`` is always the *local* stage (the one sending or receiving);
+``peer_stage`` is the stage at the other end.
+
+The compact text form is ``f"{stage}{kind}{microbatch}"``: ``2F0``, ``1B3``, ``3SEND_F1``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ActionKind(Enum):
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.F, ActionKind.B)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+F, B = ActionKind.F, ActionKind.B
+SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
+SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
+
+# The receive that consumes each send, and vice versa (the peer runs the matching action).
+MATCHING = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
+
+_PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.name}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind.is_compute
+
+    @property
+    def peer_stage(self) -> int:
+        """The stage at the other end of a communication action."""
+        if self.kind in (SEND_F, RECV_B):
+            return self.stage + 1
+        if self.kind in (RECV_F, SEND_B):
+            return self.stage - 1
+        raise ValueError(f"{self} is a compute action; only SEND_*/RECV_* actions have a peer stage")
+
+    def matching(self) -> "Action":
+        """The action the peer stage runs to complete this communication (RECV_F <-> SEND_F...)."""
+        return Action(self.peer_stage, MATCHING[self.kind], self.microbatch)
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Inverse of ``str``: ``Action.parse("3SEND_F1") == Action(3, SEND_F, 1)``."""
+        found = _PATTERN.match(text.strip())
+        if found is None:
+            raise ValueError(
+                f"cannot parse action {text!r}; expected <stage><kind><microbatch> with kind one of "
+                f"{', '.join(k.name for k in ActionKind)}, e.g. '2F0' or '3SEND_F1'"
+            )
+        stage, kind, microbatch = found.groups()
+        return cls(int(stage), ActionKind[kind], int(microbatch))

@@ -1,0 +1,141 @@
+"""Schedule generators: per pipeline rank, the ordered list of compute actions (F and B only).
+
+Terms:
+  pp     -- number of pipeline ranks.
+  v      -- ``chunks_per_rank``: model chunks (stages) held by each rank.
+  m      -- ``num_microbatches`` per optimizer step.
+  S      -- ``pp * v`` global stages.  Looped placement (Megatron interleaved): chunk ``c`` of rank
+            ``r`` is global stage ``s = c*pp + r``, so stage ``s`` lives on rank ``s % pp``.
+  chunk-step -- one F (or one B) of one chunk on one microbatch; it takes one time step.
+  warmup / steady / cooldown -- the forwards a rank runs before its first backward, the
+            alternating one-forward-one-backward middle, and the backwards left at the end.
+
+Schedules are data: ``Schedule.actions[r]`` is rank ``r``'s compute-only list.  The communication
+actions are added by ``lower.lower`` and the timing is checked by ``simulate.simulate``.
+
+Schedules and the microbatch counts each accepts (every accepted count runs with the ideal bubble,
+idle fraction ``(pp-1) / (v*m + pp-1)``, when each chunk-step takes one time step):
+  gpipe       -- all forwards, then all backwards (backwards in *forward* microbatch order, chunks
+                 last-to-first).  v == 1: any m >= 1.  v >= 2 (looped): m >= pp, else chunk c+1 on
+                 rank 0 would wait for chunk c's wrap-around from rank pp-1.
+  1f1b        -- v == 1 only; any m >= 1.  Rank r: ``min(pp-r-1, m)`` warmup forwards, then F/B
+                 pairs, then the remaining backwards.  At most ``pp - r`` microbatches in flight.
+  interleaved -- Megatron's interleaved 1F1B, v >= 2; any m >= pp.  Microbatches run in groups:
+                 a group goes through chunk 0, then chunk 1, ..., then the next group.  With
+                 m a multiple of pp every group has pp microbatches and the warmup on rank r is
+                 ``(pp-r-1)*2 + (v-1)*pp`` chunk-steps (Megatron), capped at ``v*m``.  Otherwise the
+                 ``m % pp`` extra microbatches are spread over the ``m // pp`` groups (sizes >= pp,
+                 differing by at most one, larger first) and the warmup uses the first group's size:
+                 ``(pp-r-1)*2 + (v-1)*size0``.  m < pp cannot fill the loop: chunk 1 on rank 0 would
+                 wait for chunk 0's wrap-around.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autosplit.errors import AutosplitError
+
+from .actions import Action, B, F
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    num_microbatches: int
+    chunks_per_rank: int
+    actions: dict[int, list[Action]] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks_per_rank
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.pp + rank
+
+    def lowered(self) -> dict[int, list[Action]]:
+        """Per rank, the action list with SEND/RECV actions inserted (see ``lower.lower``)."""
+        from .lower import lower
+        return lower(self)
+
+    def __str__(self) -> str:
+        rows = [f"{self.name} pp={self.pp} m={self.num_microbatches} v={self.chunks_per_rank}"]
+        rows += [f"  rank {r}: {' '.join(map(str, acts))}" for r, acts in sorted(self.actions.items())]
+        return "\n".join(rows)
+
+
+def build_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1) -> Schedule:
+    """Compute-only action lists for schedule ``name`` (one of ``SCHEDULES``)."""
+    validate(name, pp, num_microbatches, chunks_per_rank)
+    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
+    actions = {r: make(r, pp, num_microbatches, chunks_per_rank) for r in range(pp)}
+    return Schedule(name, pp, num_microbatches, chunks_per_rank, actions)
+
+
+def validate(name: str, pp: int, m: int, v: int) -> None:
+    """Raise AutosplitError (a ValueError) naming the arithmetic if the schedule cannot be built."""
+    if name not in SCHEDULES:
+        raise AutosplitError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
+    for label, value in (("pp", pp), ("num_microbatches", m), ("chunks_per_rank", v)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise AutosplitError(f"{label} must be an integer >= 1, got {value!r}")
+    if name == "1f1b" and v != 1:
+        raise AutosplitError(
+            f"1f1b schedule needs chunks_per_rank == 1, got {v}; "
+            f"use schedule 'interleaved' for chunks_per_rank >= 2")
+    if name == "gpipe" and v > 1 and m < pp:
+        raise AutosplitError(
+            f"gpipe with chunks_per_rank({v}) > 1 needs num_microbatches({m}) >= pp({pp}); "
+            f"use num_microbatches >= {pp} or chunks_per_rank=1")
+    if name == "interleaved":
+        if v < 2:
+            raise AutosplitError(
+                f"interleaved schedule needs chunks_per_rank >= 2, got {v}; use schedule '1f1b' for 1")
+        if m < pp:
+            raise AutosplitError(
+                f"interleaved schedule needs num_microbatches({m}) >= pp({pp}), else chunk 1 on "
+                f"rank 0 waits for chunk 0 to come round the loop; use num_microbatches >= {pp}")
+
+
+def _gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    forwards = [Action(c * pp + rank, F, i) for c in range(v) for i in range(m)]
+    backwards = [Action(c * pp + rank, B, i) for c in reversed(range(v)) for i in range(m)]
+    return forwards + backwards
+
+
+def _one_f_one_b(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    forwards = [Action(rank, F, i) for i in range(m)]
+    backwards = [Action(rank, B, i) for i in range(m)]
+    return _fill_drain(forwards, backwards, warmup=min(pp - rank - 1, m))
+
+
+def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    forwards = [Action(c * pp + rank, F, i) for c, i in _chunk_order(pp, m, v, reverse=False)]
+    backwards = [Action(c * pp + rank, B, i) for c, i in _chunk_order(pp, m, v, reverse=True)]
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * len(microbatch_groups(pp, m)[0]), v * m)
+    return _fill_drain(forwards, backwards, warmup)
+
+
+def microbatch_groups(pp: int, m: int) -> list[range]:
+    """Split ``range(m)`` into ``m // pp`` consecutive groups: sizes >= pp, within one, larger first."""
+    count, extra = divmod(m, pp)
+    sizes = [pp + (1 if g < extra % count else 0) + extra // count for g in range(count)]
+    starts = [sum(sizes[:g]) for g in range(count)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _chunk_order(pp: int, m: int, v: int, reverse: bool) -> list[tuple[int, int]]:
+    """(chunk, microbatch) in the order one rank runs them: each group through every chunk in turn."""
+    chunks = list(reversed(range(v))) if reverse else list(range(v))
+    return [(c, i) for group in microbatch_groups(pp, m) for c in chunks for i in group]
+
+
+def _fill_drain(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then alternate one forward / one backward, then the rest backward."""
+    steady = len(forwards) - warmup
+    out = forwards[:warmup]
+    for k in range(steady):
+        out += [forwards[warmup + k], backwards[k]]
+    return out + backwards[steady:]

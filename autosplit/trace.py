@@ -1,0 +1,154 @@
+"""Trace a model into a torch.fx graph, with errors a user can act on.
+
+Terms:
+  leaf module   -- a module the tracer records as one ``call_module`` node instead of tracing into it
+                   (torch.nn built-ins such as Linear, Conv2d, MultiheadAttention; timm's registered
+                   no-trace modules; anything the user lists in ``leaf_modules``).
+  concrete args -- forward parameters fixed to a Python value while tracing (here: every parameter with a
+                   default that the example input does not supply, e.g. timm's ``attn_mask=None``).
+  module path   -- the dotted name of the module a node came from (``blocks.3.attn.qkv``), kept in
+                   ``node.meta["module_path"]`` so stages and dumps can show the original names.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from autosplit.errors import TraceError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _timm_notrace():
+    """timm registers modules and functions that torch.fx cannot trace through; honour them."""
+    try:
+        from timm.layers import _fx as timm_fx
+    except ImportError:  # timm is a dependency, but tracing plain torch models must not need it
+        return (), ()
+    return tuple(timm_fx.get_notrace_modules()), tuple(timm_fx.get_notrace_functions())
+
+
+class _Tracer(fx.Tracer):
+    """fx.Tracer that remembers which module it is inside, for error messages."""
+
+    def __init__(self, leaf_types: tuple[type, ...], autowrap_functions: tuple):
+        super().__init__(autowrap_functions=autowrap_functions)
+        self.leaf_types = leaf_types
+        self.module_scope: list[tuple[str, nn.Module]] = []
+        self.failed_scope: list[tuple[str, nn.Module]] | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self.module_scope.append((self.path_of_module(m), m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_scope is None:   # the innermost module, recorded before unwinding
+                self.failed_scope = list(self.module_scope)
+            raise
+        finally:
+            self.module_scope.pop()
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost stack frame outside torch itself: the model's own source line."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in frames if not f.filename.endswith(os.path.join("autosplit", "trace.py"))]
+    return frames[-1] if frames else None
+
+
+def _explain(exc: BaseException, scope: list[tuple[str, nn.Module]]) -> TraceError:
+    path, module = scope[-1] if scope else ("", None)
+    where = f"module '{path or '<root>'}' ({type(module).__module__}.{type(module).__qualname__})" if module \
+        else "the model's forward"
+    frame = _user_frame(exc)
+    line = f"\n  at {frame.filename}:{frame.lineno}: {frame.line}" if frame else ""
+    leaf = type(module).__qualname__ if module is not None else "TheModule"
+    return TraceError(
+        f"torch.fx cannot trace {where}: {type(exc).__name__}: {exc}{line}\n"
+        f"How to fix: make that module a leaf (autosplit.compile(..., leaf_modules=[{leaf}])), so it runs "
+        f"whole and replicated; or fix the Python control flow that depends on tensor values with "
+        f"concrete_args={{'name': value}}; or rewrite the branch with torch.where.")
+
+
+def _concrete_args(model: nn.Module, n_inputs: int, given: dict | None) -> dict:
+    """Fix every forward parameter after the example inputs to its default value (or the user's)."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    concrete = {}
+    for p in params[n_inputs:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if given and p.name in given:
+            concrete[p.name] = given[p.name]
+        elif p.default is not inspect.Parameter.empty:
+            concrete[p.name] = p.default
+    return concrete
+
+
+def trace(model: nn.Module, n_inputs: int = 1, *, leaf_modules: Sequence[type] = (),
+          concrete_args: dict | None = None) -> fx.GraphModule:
+    """Symbolically trace ``model`` (which is not modified) into a GraphModule sharing its parameters."""
+    timm_leaves, timm_functions = _timm_notrace()
+    tracer = _Tracer(tuple(leaf_modules) + timm_leaves, timm_functions)
+    concrete = _concrete_args(model, n_inputs, concrete_args)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    except TraceError:
+        raise
+    except Exception as exc:  # fx raises many types (TraceError, TypeError, RuntimeError ...)
+        raise _explain(exc, tracer.failed_scope or []) from exc
+    gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    _drop_concrete_placeholders(gm.graph, n_inputs)
+    gm.recompile()
+    for node in gm.graph.nodes:
+        node.meta["module_path"] = _module_path(node)
+    return gm
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op in ("call_module", "get_attr"):
+        target = str(node.target)
+        return target if node.op == "call_module" else target.rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, _ = list(stack.values())[-1]
+        return path
+    return ""
+
+
+def _drop_concrete_placeholders(graph: fx.Graph, n_inputs: int) -> None:
+    """Replace placeholders fx made for concrete args (they carry a default) by their value.
+
+    fx keeps them, guarded by ``_assert_is_none`` / ``_assert`` checks; once the value is substituted
+    those checks have constant arguments, so we remove them and let dead-code elimination do the rest.
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders[n_inputs:]:
+        _substitute(node, node.args[0] if node.args else None)
+        graph.erase_node(node)
+    checks = (torch._assert, fx._symbolic_trace._assert_is_none)
+    for node in list(graph.nodes):  # forward order, so folded constants flow into later nodes
+        if node.op != "call_function" or node.all_input_nodes:
+            continue
+        if node.target in checks:
+            graph.erase_node(node)
+        elif getattr(node.target, "__module__", None) == "_operator":  # e.g. `False == False`
+            _substitute(node, node.target(*node.args, **node.kwargs))
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+
+
+def _substitute(node: fx.Node, value) -> None:
+    """Replace every use of ``node`` by the constant ``value``."""
+    for user in list(node.users):
+        user.args = tree_map_only(fx.Node, lambda a: value if a is node else a, user.args)
+        user.kwargs = tree_map_only(fx.Node, lambda a: value if a is node else a, user.kwargs)

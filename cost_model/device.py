@@ -1,0 +1,97 @@
+"""What a device can do, as the few numbers the cost model needs.
+
+Terms:
+  peak FLOP/s     -- dense matrix-multiply throughput per dtype, floating-point operations per second
+                     (a multiply-accumulate is 2 FLOPs).  For float32 on NVIDIA parts we use the plain
+                     FP32 (CUDA-core, non-tensor-core) figure, not TF32: PyTorch leaves TF32 matmuls off
+                     by default (``torch.backends.cuda.matmul.allow_tf32 = False``).
+  mem bandwidth   -- bytes per second between the device's main memory (HBM, DRAM) and its compute units.
+  link bandwidth  -- bytes per second, ONE direction, between two devices of one node (NVLink here).
+  link latency    -- seconds of fixed cost per message on that link (the alpha of the alpha-beta model).
+  op overhead     -- seconds of fixed cost per op (a GPU kernel launch, a CPU dispatch): small models are
+                     dominated by it, so without it tiny stages would look free.
+  profile         -- a frozen ``DeviceProfile`` holding the numbers above, plus the memory size.
+
+Built-in profiles come from the vendor datasheets (dense figures, i.e. without 2:4 sparsity):
+  H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/):
+             BF16/FP16 tensor core 989 TFLOPS dense (1979 with sparsity), FP32 67 TFLOPS,
+             HBM3 3.35 TB/s, NVLink 900 GB/s total = 450 GB/s per direction, 80 GB.
+  A100 SXM4 80GB: NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100/):
+             BF16/FP16 tensor core 312 TFLOPS dense, FP32 19.5 TFLOPS, HBM2e 2,039 GB/s,
+             NVLink 600 GB/s total = 300 GB/s per direction, 80 GB.
+  Op overhead of ~4 us is the usual measured CUDA launch-plus-dispatch cost of a small PyTorch op.
+  Latency of ~3 us per NVLink message is the usual NCCL small-message figure, not a datasheet number.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+_HALF = (torch.bfloat16, torch.float16)
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    peak_flops: dict          # torch.dtype -> FLOP/s (dense matmul)
+    mem_bandwidth: float      # B/s, main memory
+    link_bandwidth: float     # B/s, one direction, intra-node
+    link_latency: float       # s per message
+    memory_bytes: int         # device memory size
+    op_overhead: float = 4e-6  # s per op launched (CUDA kernel launch + framework dispatch)
+
+    def flops_for(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.
+
+        float16 <-> bfloat16 stand in for each other (same tensor-core rate on A100/H100).
+        float64 is float32 / 2 (true of A100/H100 FP64 vs FP32 and of CPU SIMD; consumer GPUs are slower).
+        float8 uses the 16-bit figure (conservative: Hopper runs FP8 at twice the BF16 rate).
+        Anything else (ints, bool, complex) uses float32.
+        """
+        table = self.peak_flops
+        if dtype in table:
+            return table[dtype]
+        if dtype in _HALF or dtype in _FP8:
+            for half in _HALF:
+                if half in table:
+                    return table[half]
+        if dtype == torch.float64:
+            return table[torch.float32] / 2
+        return table[torch.float32]
+
+
+H100 = DeviceProfile(
+    name="h100",
+    peak_flops={torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    mem_bandwidth=3.35e12, link_bandwidth=450e9, link_latency=3e-6, memory_bytes=80 * GiB)
+
+A100 = DeviceProfile(
+    name="a100",
+    peak_flops={torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
+    mem_bandwidth=2.039e12, link_bandwidth=300e9, link_latency=3e-6, memory_bytes=80 * GiB)
+
+_BUILTIN = {"h100": H100, "a100": A100}
+NAMES = tuple(_BUILTIN) + ("cpu",)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_profile() -> DeviceProfile:
+    from autosplit.cost_model.calibrate import calibrate  # calibrate imports this module
+    return calibrate()
+
+
+def get_profile(name_or_profile) -> DeviceProfile:
+    """A DeviceProfile from "h100", "a100", "cpu" (measured here, once per process) or a DeviceProfile."""
+    if isinstance(name_or_profile, DeviceProfile):
+        return name_or_profile
+    key = str(name_or_profile).lower()
+    if key == "cpu":
+        return _cpu_profile()
+    if key not in _BUILTIN:
+        raise ValueError(f"unknown device profile {name_or_profile!r}; valid names: {', '.join(NAMES)} "
+                         f"(or pass a DeviceProfile)")
+    return _BUILTIN[key]

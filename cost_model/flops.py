@@ -1,0 +1,405 @@
+"""FLOPs, memory traffic and saved activations of one graph node, from its meta shapes.
+
+Terms:
+  FLOP         -- one floating-point add or multiply; a multiply-accumulate (MAC) is 2 FLOPs.
+  fwd_bytes    -- bytes the forward reads and writes in main memory: tensor inputs (parameters read
+                  through get_attr included) + outputs + the parameters of a call_module's module.
+  bwd_bytes    -- grad of the output read + saved tensors read + grad of every input written
+                  + the module's parameters read and their grads written (2 x param_bytes)
+                  + parameters fed by get_attr read again, for ops that need their weight in backward.
+  param_bytes  -- parameters the node owns: all params of a call_module's module; the tensor of a
+                  get_attr (parameter or buffer); 0 otherwise.
+  saved_bytes  -- activation bytes autograd keeps from forward to backward (parameters and views of
+                  them, like ``self.weight.t()``, excluded: they are kept anyway).  Per rule below; views and add/sub/neg save nothing.
+  view         -- an op that only re-describes memory (reshape, permute, getitem ...): 0 FLOPs, 0 bytes.
+                  ``reshape`` / ``flatten`` that cannot be a view (e.g. after ``transpose``) count as a copy.
+  unknown op   -- an op with no rule: 0 FLOPs, bytes = inputs + outputs, saves its inputs (conservative).
+
+Rules (N = output elements):
+  linear / conv        N * K MACs (K = in_features, or Cin/groups * kernel size); bias +N FLOPs.
+  matmul, mm, bmm      N * K MACs (K = contracted dim); addmm / baddbmm +N for the add.
+  einsum               product of all index sizes (the loop nest) MACs per extra operand.
+  sdpa                 2 matmuls of B*L*S*E MACs (QK^T, PV) + softmax 5 FLOPs per score; is_causal halves.
+                       Saves q, k, v, out and a float32 logsumexp per row (flash style, no score matrix).
+  MultiheadAttention   in-projections + the two attention matmuls + out-projection + softmax.
+  norms                layer/group/batch norm 5 FLOPs/elt (+1 each for weight, bias); rms_norm 4 (+1).
+  pointwise            per-element FLOPs in _POINTWISE (exp/erf/tanh count as 1 FLOP).
+  softmax              5 FLOPs/elt (max, sub, exp, sum, div); saves its output.
+  dropout (p > 0)      2 FLOPs/elt (draw, scale); saves a 1-byte/elt mask.  p == 0 is a no-op (a view).
+  mean / sum / pooling 1 FLOP per input element.
+  copies (cat, clone..) 0 FLOPs, bytes = inputs + outputs.
+Backward FLOPs: 2x forward for linear, conv, matmul-like ops (grad of each operand / of input and weight),
+attention and norms; 2x for non-linear pointwise ops (evaluate the derivative, then multiply by the grad)
+and mul/div (one product per operand); 1x for add/sub/neg, relu, softmax (y * (g - sum(g * y))),
+dropout (mask multiply) and reductions (broadcast of the grad).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import astuple, dataclass
+from typing import NamedTuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from autosplit.passes.shape_prop import tensor_bytes
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+    param_bytes: int = 0
+    saved_bytes: int = 0
+
+    @property
+    def fwd_macs(self) -> float:
+        return self.fwd_flops / 2
+
+    def __add__(self, other: NodeCost) -> NodeCost:
+        return NodeCost(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+ZERO = NodeCost()
+
+
+class _Est(NamedTuple):     # what a rule returns; bytes are added generically by node_cost
+    fwd_flops: int
+    bwd_flops: int
+    saved: int
+    extra_bytes: int = 0    # forward traffic of intermediates the op writes and reads back
+
+
+# ----------------------------------------------------------------------------- argument helpers
+
+def _arg(node: fx.Node, i: int, name: str | None = None, default=None):
+    """Value of positional arg ``i`` (or kwarg ``name``): a Node's meta['val'], else the constant."""
+    if i is not None and i < len(node.args):
+        a = node.args[i]
+    elif name is not None and name in node.kwargs:
+        a = node.kwargs[name]
+    else:
+        return default
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _is_param(a: fx.Node) -> bool:
+    """True for a get_attr, or a view of one (``self.weight.t()``): not an activation."""
+    while a.op in ("call_function", "call_method") and a.args and isinstance(a.args[0], fx.Node) \
+            and _rule_key(a, None) in _VIEWS | {"reshape", "flatten"}:
+        a = a.args[0]
+    return a.op == "get_attr"
+
+
+def _act_bytes(node: fx.Node, *positions: tuple[int, str]) -> int:
+    """Bytes of the given args that are activations (tensors that are not parameters or their views)."""
+    total = 0
+    for i, name in positions:
+        a = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        if isinstance(a, fx.Node) and not _is_param(a):
+            total += tensor_bytes(a.meta.get("val"))
+    return total
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _numel(node: fx.Node) -> int:
+    return sum(t.numel() for t in _tensors(node.meta.get("val")))
+
+
+# ----------------------------------------------------------------------------- matmul-like rules
+
+def _weight(node, module, i, name):
+    return getattr(module, name) if module is not None else _arg(node, i, name)
+
+
+def _linear(node, module):
+    x, w, b = _arg(node, 0, "input"), _weight(node, module, 1, "weight"), _weight(node, module, 2, "bias")
+    n = _numel(node)
+    macs = n * x.shape[-1]
+    if isinstance(w, torch.Tensor) and w.dim() > 2:   # conv: (Cout, Cin / groups, *kernel)
+        macs = n * math.prod(w.shape[1:])
+    bias = n if b is not None else 0
+    return _Est(2 * macs + bias, 4 * macs + bias, _act_bytes(node, (0, "input")))
+
+
+def _matmul(node, module):   # matmul / mm / bmm: out[..., m, n] = sum_k a[..., m, k] b[..., k, n]
+    return _mm(node, (0, "input"), (1, "other"), add=0)
+
+
+def _addmm(node, module):    # addmm(input, m1, m2) / baddbmm(input, b1, b2) = beta input + alpha m1 @ m2
+    return _mm(node, (1, "mat1"), (2, "mat2"), add=_numel(node))
+
+
+def _mm(node, pa, pb, add):
+    macs = _numel(node) * _arg(node, *pa).shape[-1]
+    return _Est(2 * macs + add, 4 * macs + add, _act_bytes(node, pa, pb))
+
+
+def _einsum_operands(node):
+    eq = node.args[0]
+    ops = node.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = ops[0]
+    return eq, ops
+
+
+def _einsum(node, module):
+    eq, ops = _einsum_operands(node)
+    terms = eq.replace(" ", "").partition("->")[0].split(",")
+    sizes, ellipsis = {}, 1
+    for term, op in zip(terms, ops):
+        shape = list(op.meta["val"].shape)
+        pre, _, post = term.partition("...")
+        for letter, size in zip(pre, shape):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+        for letter, size in zip(post, shape[len(shape) - len(post):]):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+        if "..." in term:
+            ellipsis = max(ellipsis, math.prod(shape[len(pre):len(shape) - len(post)]))
+    loop = ellipsis * math.prod(sizes.values())
+    if len(ops) == 1:   # a reduction / transpose of one operand
+        return _Est(loop, loop, 0)
+    macs = (len(ops) - 1) * loop
+    saved = sum(tensor_bytes(o.meta["val"]) for o in ops if not _is_param(o))
+    return _Est(2 * macs, 4 * macs, saved)
+
+
+# ----------------------------------------------------------------------------- attention rules
+
+def _sdpa(node, module):
+    q, k, v = _arg(node, 0, "query"), _arg(node, 1, "key"), _arg(node, 2, "value")
+    mask, p = _arg(node, 3, "attn_mask"), _arg(node, 4, "dropout_p", 0.0)
+    out = node.meta["val"]
+    batch, L, S = math.prod(out.shape[:-2]), q.shape[-2], k.shape[-2]
+    scores = batch * L * S // (2 if _arg(node, 5, "is_causal", False) else 1)
+    macs = scores * (q.shape[-1] + v.shape[-1])
+    pointwise = scores * (5 + (1 if mask is not None else 0) + (2 if p else 0))
+    fwd = 2 * macs + pointwise
+    lse = batch * L * 4
+    saved = _act_bytes(node, (0, "query"), (1, "key"), (2, "value")) + tensor_bytes(out) + lse
+    return _Est(fwd, 2 * fwd, saved)
+
+
+def _seq_and_batch(x: torch.Tensor, batch_first: bool) -> tuple[int, int]:
+    """(sequence length, batch size) of an nn.MultiheadAttention input: (L, N, E), (N, L, E) or (L, E)."""
+    if x.dim() == 2:
+        return x.shape[0], 1
+    return (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+
+
+def _mha(node, m: nn.MultiheadAttention):
+    q, k = _arg(node, 0, "query"), _arg(node, 1, "key")
+    need_weights = _arg(node, 4, "need_weights", True)
+    (L, N), (S, _) = _seq_and_batch(q, m.batch_first), _seq_and_batch(k, m.batch_first)
+    E, H = m.embed_dim, m.num_heads
+    proj = N * (L * E * E + S * m.kdim * E + S * m.vdim * E + L * E * E)   # q, k, v in; out
+    attn = 2 * N * L * S * E                                                # QK^T and PV over all heads
+    bias = N * (L + 2 * S + L) * E if m.in_proj_bias is not None else 0
+    fwd = 2 * (proj + attn) + bias + 5 * N * H * L * S
+    elt = q.element_size()
+    inner = N * (2 * L + 2 * S) * E * elt                                   # q, k, v, context
+    probs = N * H * L * S * elt if need_weights else N * H * L * 4          # weights, or logsumexp
+    saved = sum(tensor_bytes(a.meta["val"]) for a in node.all_input_nodes if not _is_param(a))
+    return _Est(fwd, 2 * fwd, saved + inner + probs, 2 * inner + (2 * probs if need_weights else 0))
+
+
+# ----------------------------------------------------------------------------- pointwise, norms, reductions
+
+_POINTWISE = {   # name: (forward FLOPs per output element, backward multiple, what backward needs)
+    "add": (1, 1, None), "sub": (1, 1, None), "rsub": (1, 1, None), "neg": (1, 1, None),
+    "mul": (1, 2, "inputs"), "div": (1, 2, "inputs"),
+    "relu": (1, 1, "output"), "gelu": (8, 2, "input"), "silu": (4, 2, "input"),
+    "sigmoid": (4, 2, "output"), "tanh": (4, 2, "output"), "exp": (1, 2, "output"),
+    "sqrt": (1, 2, "output"), "rsqrt": (1, 2, "output"), "pow": (1, 2, "input"),
+}
+_ALIASES = {"truediv": "div", "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
+            "conv1d": "conv", "conv2d": "conv", "conv3d": "conv", "concat": "cat", "concatenate": "cat",
+            "adaptive_avg_pool1d": "avg_pool", "adaptive_avg_pool2d": "avg_pool", "avg_pool1d": "avg_pool",
+            "avg_pool2d": "avg_pool", "adaptive_avg_pool3d": "avg_pool", "avg_pool3d": "avg_pool",
+            "mm": "matmul", "bmm": "matmul",
+            "baddbmm": "addmm", "log_softmax": "softmax"}
+
+
+def _pointwise(name):
+    per_elt, bwd_mult, needs = _POINTWISE[name]
+
+    def rule(node, module):
+        n = _numel(node)
+        tensor_args = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
+                       and isinstance(a.meta.get("val"), torch.Tensor)]
+        if needs == "output":
+            saved = tensor_bytes(node.meta["val"])
+        elif needs == "input" or (needs == "inputs" and len(tensor_args) > 1):
+            saved = _act_bytes(node, *((i, None) for i in tensor_args))
+        else:
+            saved = 0
+        return _Est(per_elt * n, bwd_mult * per_elt * n, saved)
+    return rule
+
+
+_NORM_AFFINE = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4), "rms_norm": (2, None)}
+
+
+def _norm(name):
+    w_pos, b_pos = _NORM_AFFINE[name]
+
+    def rule(node, module):
+        x = _arg(node, 0, "input")
+        w = _weight(node, module, w_pos, "weight")
+        b = _weight(node, module, b_pos, "bias") if b_pos is not None else None
+        per_elt = (4 if name == "rms_norm" else 5) + (w is not None) + (b is not None)
+        stats = 8 * x.numel() // x.shape[-1] if name in ("layer_norm", "rms_norm") else 0  # fp32 mean, rstd
+        fwd = per_elt * x.numel()
+        return _Est(fwd, 2 * fwd, _act_bytes(node, (0, "input")) + stats)
+    return rule
+
+
+def _softmax(node, module):
+    n = _numel(node)
+    return _Est(5 * n, 5 * n, tensor_bytes(node.meta["val"]))
+
+
+def _dropout(node, module):
+    p = module.p if module is not None else _arg(node, 1, "p", 0.5)
+    training = True if module is not None else _arg(node, 2, "training", True)
+    if not p or not training:
+        return None                     # aten returns its input unchanged: a no-op
+    n = _numel(node)
+    return _Est(2 * n, n, n)            # the mask: one byte per element
+
+
+def _reduce(node, module):
+    n = sum(t.numel() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+    return _Est(n, n, 0)
+
+
+def _copy(node, module):
+    return _Est(0, 0, 0)
+
+
+# ----------------------------------------------------------------------------- views
+
+_VIEWS = {"view", "view_as", "permute", "transpose", "t", "unflatten", "unbind", "split", "chunk",
+          "expand", "expand_as", "squeeze", "unsqueeze", "narrow", "select", "getattr", "size", "dim",
+          "detach", "movedim", "swapaxes", "identity", "as_strided", "unfold"}
+
+
+def _reshape(node, module):
+    """A view when the input's strides allow one; otherwise reshape copies."""
+    x, out = _arg(node, 0, "input"), node.meta["val"]
+    try:
+        x.view(out.shape)
+        return None
+    except RuntimeError:
+        return _copy(node, module)
+
+
+def _getitem(node, module):
+    """Indexing with ints / slices / None is a view; with tensors or lists it gathers (a copy)."""
+    if not isinstance(_arg(node, 0), torch.Tensor):
+        return None                     # picking an element of a tuple
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    gathers = any(isinstance(i, list) or isinstance(i, fx.Node) and isinstance(i.meta.get("val"), torch.Tensor)
+                  for i in index)
+    return _copy(node, module) if gathers else None
+
+
+def _cast(node, module):
+    """to / float / contiguous ...: a copy only when dtype or layout changes."""
+    x, out = _arg(node, 0, "input"), node.meta["val"]
+    same = x.dtype == out.dtype and (x.is_contiguous() or node.target != "contiguous")
+    return None if same else _copy(node, module)
+
+
+# ----------------------------------------------------------------------------- rule tables
+
+_RULES = {
+    "linear": (_linear, True), "conv": (_linear, True), "matmul": (_matmul, True), "addmm": (_addmm, True),
+    "einsum": (_einsum, True), "scaled_dot_product_attention": (_sdpa, False),
+    "multi_head_attention": (_mha, True), "softmax": (_softmax, False), "dropout": (_dropout, False),
+    "mean": (_reduce, False), "sum": (_reduce, False), "avg_pool": (_reduce, False),
+    "reshape": (_reshape, False), "flatten": (_reshape, False), "getitem": (_getitem, False),
+    **{n: (_cast, False) for n in ("to", "type", "float", "half", "bfloat16", "double", "contiguous")},
+    **{n: (_copy, False) for n in ("cat", "stack", "clone", "repeat", "tile", "roll", "flip", "pad",
+                                   "gather", "index_select")},
+    **{n: (_norm(n), True) for n in _NORM_AFFINE},
+    **{n: (_pointwise(n), False) for n in _POINTWISE},
+    **{n: (lambda node, module: None, False) for n in _VIEWS},
+}
+
+_MODULES = {nn.Linear: "linear", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv",
+            nn.LayerNorm: "layer_norm", nn.GroupNorm: "group_norm", nn.modules.batchnorm._BatchNorm: "batch_norm",
+            nn.GELU: "gelu", nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
+            nn.Softmax: "softmax", nn.modules.dropout._DropoutNd: "dropout",
+            nn.MultiheadAttention: "multi_head_attention", nn.Identity: "identity", nn.Flatten: "flatten",
+            nn.Unflatten: "unflatten", nn.AdaptiveAvgPool1d: "avg_pool", nn.AdaptiveAvgPool2d: "avg_pool",
+            nn.AvgPool1d: "avg_pool", nn.AvgPool2d: "avg_pool"}
+if hasattr(nn, "RMSNorm"):
+    _MODULES[nn.RMSNorm] = "rms_norm"
+
+_TORCH_NAMESPACES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    """A readable name of what ``node`` runs: module class, ``Tensor.method`` or ``module.function``."""
+    if node.op == "call_module":
+        cls = type(gm.get_submodule(node.target))
+        return f"{cls.__module__}.{cls.__qualname__}"
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    t = node.target
+    return f"{getattr(t, '__module__', None) or ''}.{getattr(t, '__name__', repr(t))}".lstrip(".")
+
+
+def _rule_key(node: fx.Node, module: nn.Module | None) -> str | None:
+    if module is not None:
+        return next((_MODULES[c] for c in type(module).__mro__ if c in _MODULES), None)
+    if node.op == "call_function":
+        if not (getattr(node.target, "__module__", None) or "torch").startswith(_TORCH_NAMESPACES):
+            return None                 # a user function: no rule, even if its name matches one
+        name = getattr(node.target, "__name__", "")
+    else:
+        name = str(node.target)
+    name = name.strip("_")              # in-place add_ / dunder __iadd__
+    return _ALIASES.get(name, name)
+
+
+def _module_params(module: nn.Module | None) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+
+
+def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> NodeCost:
+    """Cost of ``node`` (needs meta['val'] on it and its inputs).  Adds unruled op names to ``unknown``."""
+    if node.op == "get_attr":
+        return NodeCost(param_bytes=tensor_bytes(node.meta.get("val")))
+    if node.op not in ("call_function", "call_method", "call_module") or not _tensors(node.meta.get("val")):
+        return ZERO                     # placeholders, output, and Python-value arithmetic on shapes
+    module = gm.get_submodule(node.target) if node.op == "call_module" else None
+    ins = node.all_input_nodes
+    in_b = sum(tensor_bytes(a.meta.get("val")) for a in ins)
+    attr_b = sum(tensor_bytes(a.meta.get("val")) for a in ins if _is_param(a))
+    out_b, param_b = tensor_bytes(node.meta["val"]), _module_params(module)
+    key = _rule_key(node, module)
+    if key in _RULES:
+        rule, weighted = _RULES[key]
+        est = rule(node, module)
+        if est is None:
+            return NodeCost(param_bytes=param_b)
+    elif not any(_tensors(a.meta.get("val")) for a in ins):
+        est, weighted = _Est(0, 0, 0), False        # a factory (zeros, arange ...): writes its output
+    else:
+        if unknown is not None:
+            unknown.add(op_name(node, gm))
+        est, weighted = _Est(0, 0, in_b - attr_b), False
+    return NodeCost(
+        fwd_flops=int(est.fwd_flops), bwd_flops=int(est.bwd_flops),
+        fwd_bytes=in_b + out_b + param_b + est.extra_bytes,
+        bwd_bytes=out_b + est.saved + in_b + 2 * param_b + (attr_b if weighted else 0),
+        param_bytes=param_b, saved_bytes=int(est.saved))

@@ -1,0 +1,85 @@
+"""Find the places in a graph where a pipeline cut is cheap and legal.
+
+Terms:
+  position  -- index i in the graph's node order; a cut at i puts nodes [.., i] before the cut and
+               nodes [i+1, ..] after it.
+  crossing  -- the values a cut must send: nodes at or before i (not get_attr) with a user after i.
+  candidate -- a position where every crossing value is a tensor, no parameter or module is used on
+               both sides (tied weights stay together), compute lies on both sides, and the number of
+               crossing tensors is the smallest the graph allows.  In a transformer these are the
+               residual stream between blocks and between the attention and MLP halves of a block.
+  segment   -- the nodes between two consecutive candidates: the unit the partitioner assigns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autosplit.passes.shape_prop import tensor_bytes
+
+_NO_COMPUTE = ("placeholder", "output", "get_attr")
+
+
+@dataclass(frozen=True)
+class Cut:
+    position: int               # cut after nodes[position]
+    crossing: tuple[str, ...]   # names of the values sent across, in graph order
+    nbytes: int                 # bytes of those values for one microbatch
+
+
+def _owner(node: fx.Node) -> str | None:
+    """The parameter-holding thing a node touches: a module it calls or an attribute it reads."""
+    return str(node.target) if node.op in ("call_module", "get_attr") else None
+
+
+def crossing_sets(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """crossing[i]: the non-get_attr values defined at or before i that are used after i."""
+    index = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    live: list[fx.Node] = []
+    out = []
+    for i, n in enumerate(nodes):
+        if n.op != "get_attr":
+            live.append(n)
+        live = [v for v in live if last_use[v] > i]
+        out.append(list(live))
+    return out
+
+
+def _split_owners(nodes: list[fx.Node]) -> list[bool]:
+    """split[i]: some module or parameter is used both at/before i and after i."""
+    first, last = {}, {}
+    for i, n in enumerate(nodes):
+        owner = _owner(n)
+        if owner is not None:
+            first.setdefault(owner, i)
+            last[owner] = i
+    split = [False] * len(nodes)
+    for owner, lo in first.items():
+        for i in range(lo, last[owner]):
+            split[i] = True
+    return split
+
+
+def find_cuts(gm: fx.GraphModule) -> list[Cut]:
+    """Candidate cuts of ``gm`` (requires node.meta['val']), in graph order."""
+    nodes = list(gm.graph.nodes)
+    crossing = crossing_sets(nodes)
+    split = _split_owners(nodes)
+    compute = [n.op not in _NO_COMPUTE for n in nodes]
+    first_compute = compute.index(True)
+    last_compute = len(compute) - 1 - compute[::-1].index(True)
+    legal = []
+    for i in range(first_compute, last_compute):
+        values = crossing[i]
+        if split[i] or not values:
+            continue
+        if all(isinstance(v.meta.get("val"), torch.Tensor) for v in values):
+            legal.append(i)
+    if not legal:
+        return []
+    fewest = min(len(crossing[i]) for i in legal)
+    return [Cut(i, tuple(v.name for v in crossing[i]), sum(tensor_bytes(v.meta["val"]) for v in crossing[i]))
+            for i in legal if len(crossing[i]) == fewest]

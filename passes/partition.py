@@ -1,0 +1,87 @@
+"""Choose pipeline stages: contiguous runs of segments that minimize the slowest stage.
+
+Terms:
+  segment    -- the nodes between two candidate cuts (see cut_points); segment k ends at cut k.
+  stage cost -- forward + backward time of the stage's segments plus the time to send its boundary
+                (output) tensors forward and receive their gradients back.
+  bottleneck -- the largest stage cost; a pipeline's steady-state step time is proportional to it.
+  budget     -- optional per-stage memory limit (bytes); a stage over it is infeasible.
+
+The search is exact dynamic programming over cut positions, O(S * K^2) for S stages and K segments,
+minimizing the bottleneck first and the sum of squared stage costs second (so stages that do not set
+the bottleneck are balanced too).  A plain DP rather than a networkx routine: min-max partition is
+not a shortest-path problem networkx solves directly, and the DP is twenty lines.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from autosplit.errors import PlanError
+
+
+def stage_costs(bounds: Sequence[int], seg_time: Sequence[float], out_time: Sequence[float]) -> list[float]:
+    """Costs of the stages whose last segments are ``bounds`` (the final bound is the last segment)."""
+    prefix = [0.0, *accumulate(seg_time)]
+    costs, start = [], 0
+    for b in bounds:
+        comm = out_time[b] if b < len(seg_time) - 1 else 0.0
+        costs.append(prefix[b + 1] - prefix[start] + comm)
+        start = b + 1
+    return costs
+
+
+def balanced_bounds(seg_time: Sequence[float], out_time: Sequence[float], n_stages: int,
+                    stage_memory: Callable[[int, int, int], float] | None = None,
+                    budget: float | None = None) -> list[int]:
+    """Last segment index of each stage, minimizing the bottleneck (then the sum of squares).
+
+    ``out_time[k]``: cost of sending the tensors at the end of segment k (forward and backward).
+    ``stage_memory(stage, first_seg, last_seg)``: bytes the stage needs; checked against ``budget``.
+    """
+    K = len(seg_time)
+    if n_stages > K:
+        raise PlanError(f"cannot cut {K} segments into {n_stages} stages: the graph has only {K - 1} "
+                        f"places where a pipeline cut is possible; use at most {K} stages")
+    prefix = [0.0, *accumulate(seg_time)]
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * K for _ in range(n_stages)]      # best[s][k]: stages 0..s cover segments 0..k
+    back = [[-1] * K for _ in range(n_stages)]
+    for s in range(n_stages):
+        for k in range(s, K - (n_stages - 1 - s)):
+            starts = [0] if s == 0 else range(s, k + 1)
+            for j in starts:                           # stage s covers segments j..k
+                prev = (0.0, 0.0) if s == 0 else best[s - 1][j - 1]
+                if prev == inf:
+                    continue
+                if budget is not None and stage_memory is not None and stage_memory(s, j, k) > budget:
+                    continue
+                cost = prefix[k + 1] - prefix[j] + (out_time[k] if k < K - 1 else 0.0)
+                cand = (max(prev[0], cost), prev[1] + cost * cost)
+                if cand < best[s][k]:
+                    best[s][k], back[s][k] = cand, j
+    if best[-1][K - 1] == inf:
+        raise PlanError(f"no cut into {n_stages} stages fits the memory budget of {budget / 2**30:.2f} GiB "
+                        f"per stage; raise the budget, add pipeline stages, or use activation checkpointing")
+    bounds, k = [], K - 1
+    for s in range(n_stages - 1, -1, -1):
+        bounds.append(k)
+        k = back[s][k] - 1
+    return bounds[::-1]
+
+
+def equal_layer_bounds(layer_end_segment: Sequence[int], n_segments: int, n_stages: int) -> list[int]:
+    """The cut Colossal-AI and torchtitan make: equal numbers of layers per stage (earlier stages take
+    the remainder), the embedding on the first stage and the head on the last.
+
+    ``layer_end_segment[l]``: the segment that ends right after layer l.
+    """
+    L = len(layer_end_segment)
+    if n_stages > L:
+        raise PlanError(f"equal-layer split: {L} layers cannot fill {n_stages} stages")
+    per, extra = divmod(L, n_stages)
+    bounds, used = [], 0
+    for s in range(n_stages - 1):
+        used += per + (1 if s < extra else 0)
+        bounds.append(layer_end_segment[used - 1])
+    return bounds + [n_segments - 1]

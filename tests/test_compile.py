@@ -1,0 +1,148 @@
+"""autosplit.compile: chained stages equal the model; plans are balanced, inspectable and validated."""
+import copy
+import json
+
+import pytest
+import timm
+import torch
+
+import autosplit
+from autosplit.errors import AutosplitError, TraceError
+from tests.models import VARIANTS, HandViT, timm_cls
+
+
+def run_chain(plan, x):
+    """Run every stage in global stage order, the way the pipeline runtime hands tensors on."""
+    values = (x,)
+    for s in range(plan.n_stages):
+        pp_rank, chunk = s % plan.mesh.pp, s // plan.mesh.pp
+        values = plan.stage_modules(pp_rank)[chunk](*values)
+        assert isinstance(values, tuple)
+    assert len(values) == 1, "the last stage returns the model's output as a 1-tuple"
+    return values[0]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("pp,chunks", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2)])
+def test_chained_stages_equal_model(name, pp, chunks):
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 3, 32, 32)
+    schedule = "interleaved" if chunks > 1 else "1f1b"
+    plan = autosplit.compile(model, mesh=(pp, 1, 1), example_input=x, schedule=schedule,
+                             chunks_per_rank=chunks)
+    assert plan.n_stages == pp * chunks
+    out = run_chain(plan, x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for k, p in reference.named_parameters():
+        assert grads[k] is not None, f"no gradient reached {k}"
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_stages_hold_only_their_parameters_under_original_names():
+    model = timm_cls()
+    plan = autosplit.compile(model, mesh=(3, 1, 1), example_input=torch.randn(2, 3, 32, 32))
+    names = [set(dict(m.named_parameters())) for m in plan.modules]
+    assert set().union(*names) == set(dict(model.named_parameters()))
+    assert sum(len(n) for n in names) == len(dict(model.named_parameters())), "a parameter sits in two stages"
+    assert "patch_embed.proj.weight" in names[0] and "head.weight" in names[-1]
+
+
+def test_stage_outputs_are_next_stage_inputs():
+    plan = autosplit.compile(HandViT(), mesh=(4, 1, 1), example_input=torch.randn(2, 3, 32, 32))
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        assert [t.name for t in a.outputs] == [t.name for t in b.inputs]
+        assert all(t.shape == (2, 16, 32) for t in b.inputs)
+
+
+def _vit_b(**kw):
+    with torch.device("meta"):
+        return timm.create_model("vit_base_patch16_224", **kw)
+
+
+@pytest.mark.parametrize("pp", [4, 5])
+def test_vit_base_balance_not_worse_than_equal_layers(pp):
+    plan = autosplit.compile(_vit_b(), mesh=(pp, 1, 1), example_input=torch.empty(8, 3, 224, 224, device="meta"))
+    ours, equal = plan.balance()
+    assert ours <= equal + 1e-9
+    if 12 % pp or pp == 4:  # the count doesn't divide, or the first/last stage carries embedding/head
+        assert ours < equal
+
+
+def test_meta_model_plans_without_allocating():
+    plan = autosplit.compile(_vit_b(), mesh=(2, 1, 1), example_input=torch.empty(4, 3, 224, 224, device="meta"))
+    assert all(p.device.type == "meta" for m in plan.modules for p in m.parameters())
+    assert "blocks" in plan.summary()
+
+
+def test_summary_and_dump(tmp_path):
+    plan = autosplit.compile(timm_cls(), mesh=(2, 1, 1), example_input=torch.randn(2, 3, 32, 32))
+    text = plan.summary()
+    assert text.count("\n") >= 4 and "pp1.c0" in text and "balance" in text
+    files = plan.dump(tmp_path)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert len(data["stages"]) == 2 and data["stages"][0]["outputs"][0]["shape"] == [2, 17, 32]
+    code = (tmp_path / "pp0_tp0" / "stage0.py").read_text()
+    assert "blocks.0.attn" in code and "def forward" in code
+    assert (tmp_path / "stage1.dot").read_text().startswith("digraph")
+    assert "rank 0" in (tmp_path / "schedule.txt").read_text()
+    assert len(files) >= 6
+
+
+def test_cli_plan(tmp_path, capsys):
+    from autosplit.__main__ import main
+    rc = main(["plan", "vit_tiny_patch16_224", "--mesh", "2,1,1", "--batch", "4", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "stage" in capsys.readouterr().out
+    assert (tmp_path / "plan.json").exists()
+
+
+# ---- bad input: each a clear error -----------------------------------------------------------------
+
+def test_too_many_stages():
+    with pytest.raises(AutosplitError, match=r"pp\(40\) \* chunks_per_rank\(1\) = 40 stages.*only \d+ places"):
+        autosplit.compile(timm_cls(depth=2), mesh=(40, 1, 1), example_input=torch.randn(2, 3, 32, 32))
+
+
+@pytest.mark.parametrize("mesh,match", [((0, 1, 1), "pp=0"), ((2, -1, 1), "tp=-1"), ((2, 1, 0), "dp=0"),
+                                        ((2, 1), "three integers")])
+def test_bad_mesh(mesh, match):
+    with pytest.raises(AutosplitError, match=match):
+        autosplit.compile(timm_cls(), mesh=mesh, example_input=torch.randn(2, 3, 32, 32))
+
+
+def test_example_input_of_wrong_rank():
+    with pytest.raises(AutosplitError, match=r"(?s)module 'patch_embed'.*shape \(3, 32, 32\).*one microbatch"):
+        autosplit.compile(timm_cls(), mesh=(2, 1, 1), example_input=torch.randn(3, 32, 32))
+
+
+def test_meta_model_without_example_input():
+    with pytest.raises(AutosplitError, match="example_input is required: the model is on the meta device"):
+        autosplit.compile(_vit_b(), mesh=(2, 1, 1))
+
+
+def test_untraceable_module_names_module_and_line():
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x * 2
+            return x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.gate = DataDependent()
+
+        def forward(self, x):
+            return self.gate(self.lin(x))
+
+    with pytest.raises(TraceError, match=r"module 'gate'.*DataDependent(.|\n)*test_compile.py:\d+: if x.sum\(\) > 0(.|\n)*leaf_modules"):
+        autosplit.compile(Net(), mesh=(1, 1, 1), example_input=torch.randn(2, 4))
+    plan = autosplit.compile(Net(), mesh=(1, 1, 1), example_input=torch.randn(2, 4), leaf_modules=[DataDependent])
+    assert plan.n_stages == 1
