@@ -4,7 +4,7 @@ Public API (see README.md and the API contract):
   autosplit.compile(model, mesh=(pp, tp, dp), example_input=x, ...) -> Plan      (offline, pure)
   autosplit.parallelize(model, mesh=(pp, tp, dp), loss_fn=..., ...)              (inside torchrun)
 """
-from autosplit.compile import compile
+from autosplit.compiler import compile
 from autosplit.errors import AutosplitError, PlanError, TraceError
 from autosplit.mesh import MeshShape
 from autosplit.parallelize import parallelize

@@ -97,7 +97,7 @@ class PipelineExecutor:
             direction = 0 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) else 1
             receiver = a.peer_stage if a.kind.is_send else a.stage
             if a.kind.is_send:
-                tensors = self.outbox.pop((a.stage, a.microbatch, direction))
+                tensors = [t.contiguous() for t in self.outbox.pop((a.stage, a.microbatch, direction))]
             else:
                 tensors = self._buffers(a)
             base = len(ops)

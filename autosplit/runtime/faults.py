@@ -5,15 +5,18 @@ Terms:
                  "rank R (pp=.., tp=.., dp=..) failed at ACTION: Cause" there; every other rank,
                  while it waits, checks for the key and raises the same message, so no rank hangs
                  on a peer that is gone.
-  Watchdog.wait -- polls a distributed Work object instead of blocking in ``work.wait()``, so it can
-                 notice a failure elsewhere and enforce the timeout; it raises RankFailure on
-                 either, naming this rank and what it waited for.
+  Watchdog.wait -- blocks in ``work.wait()`` on a helper thread while this thread watches the store
+                 and the deadline; it raises RankFailure on either, naming this rank and what it
+                 waited for.
 
-We poll rather than use ``work.wait(timeout)`` because a blocked wait cannot also watch the store,
-and a timed-out gloo wait leaves the pair unusable anyway.
+We wait on a thread rather than poll ``work.is_completed()`` because gloo's send/recv Work only
+completes inside ``wait()``, and rather than use ``work.wait(timeout)`` because a timed-out gloo
+wait marks the Work failed for good.  A wait abandoned on failure leaves its thread blocked; the
+ParallelModule is unusable after a RankFailure anyway.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 FAILURE_KEY = "autosplit/failure"
@@ -28,6 +31,7 @@ class Watchdog:
     def __init__(self, store, rank: int, coord, timeout_s: float):
         self.store, self.rank, self.coord, self.timeout_s = store, rank, coord, timeout_s
         self.where = f"rank {rank} (pp={coord.pp}, tp={coord.tp}, dp={coord.dp})"
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autosplit-wait")
 
     def fail(self, doing: str, exc: BaseException) -> RankFailure:
         """Publish this rank's failure (first writer wins) and return the error to raise."""
@@ -49,24 +53,26 @@ class Watchdog:
 
     def wait(self, work, doing: str) -> None:
         """Wait for ``work`` (a torch.distributed Work), at most timeout_s, watching for failures."""
-        if work is None or work.is_completed():
-            return self._finish(work, doing)
-        deadline = time.monotonic() + self.timeout_s
-        next_check = time.monotonic() + _CHECK_EVERY_S
-        while not work.is_completed():
-            now = time.monotonic()
-            if now > deadline:
-                raise self.fail(doing, TimeoutError(
-                    f"no progress for {self.timeout_s:.0f} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"))
-            if now > next_check:
-                self.check()
-                next_check = now + _CHECK_EVERY_S
-            time.sleep(0.0002)
-        self._finish(work, doing)
-
-    def _finish(self, work, doing: str) -> None:
         if work is None:
             return
+        if work.is_completed():
+            return self._finish(work, doing)
+        future = self._waiter.submit(work.wait)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                future.result(timeout=_CHECK_EVERY_S)
+                return
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception as exc:
+                raise self.fail(doing, exc) from exc
+            self.check()
+            if time.monotonic() > deadline:
+                raise self.fail(doing, TimeoutError(
+                    f"no progress for {self.timeout_s:.0f} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"))
+
+    def _finish(self, work, doing: str) -> None:
         try:
             work.wait()
         except Exception as exc:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import autosplit.compile as compile_mod
+from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
@@ -56,7 +56,7 @@ class ParallelModule:
     def _build(self, microbatch) -> None:
         example = tuple(microbatch) if isinstance(microbatch, (tuple, list)) else (microbatch,)
         example = tuple(torch.empty_like(x, device="meta") for x in example)
-        self.plan = compile_mod.compile(
+        self.plan = compile_plan(
             self.model, mesh=(self.world.mesh.pp, self.world.mesh.tp, self.world.mesh.dp), example_input=example,
             tp_mode=self.tp_mode, schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
             num_microbatches=self.num_microbatches, **self.compile_options)

@@ -1,0 +1,93 @@
+"""A pool of spawned gloo processes that stays up across checks (spawning torch costs seconds).
+
+``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (fn must be importable: a module-level
+function) and returns the per-rank results; an exception on any rank is re-raised in the test with
+that rank's traceback.  A pool whose ranks may be left waiting on each other (fault tests) should be
+closed after use; ``run`` kills the pool when its timeout expires.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", AUTOSPLIT_TIMEOUT="60")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    from datetime import timedelta
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=60))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args = task
+        try:
+            value = getattr(importlib.import_module(module), name)(*args)
+            results.put((rank, True, value))
+        except BaseException as exc:  # report everything, including RankFailure
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankError(AssertionError):
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
+
+
+class Pool:
+    def __init__(self, size: int):
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.tasks = [ctx.Queue() for _ in range(size)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, size, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def run_raw(self, fn, *args, timeout: float = 180) -> dict[int, tuple[bool, object]]:
+        for q in self.tasks:
+            q.put((fn.__module__, fn.__name__, args))
+        out = {}
+        try:
+            while len(out) < self.size:
+                rank, ok, value = self.results.get(timeout=timeout)
+                out[rank] = (ok, value)
+        except queue.Empty:
+            self.close(force=True)
+            raise TimeoutError(f"ranks {sorted(set(range(self.size)) - set(out))} did not finish "
+                               f"{fn.__name__} within {timeout} s") from None
+        return out
+
+    def run(self, fn, *args, timeout: float = 180) -> list:
+        out = self.run_raw(fn, *args, timeout=timeout)
+        errors = {r: v for r, (ok, v) in out.items() if not ok}
+        if errors:
+            raise RankError(errors)
+        return [out[r][1] for r in range(self.size)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
