@@ -15,6 +15,7 @@ import torch
 
 import autosplit
 from autosplit.errors import AutosplitError
+from autosplit.inputs import default_input_shape
 
 
 def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
@@ -29,16 +30,6 @@ def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
                                  f"and not of the form 'package.module:factory'")
         kwargs = {"img_size": img_size} if img_size else {}
         return timm.create_model(spec, pretrained=False, **kwargs)
-
-
-def _input_shape(model: torch.nn.Module, image_size: int | None) -> tuple[int, int, int]:
-    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
-    if "input_size" in cfg:
-        c, h, w = cfg["input_size"]
-        return (c, image_size or h, image_size or w)
-    if hasattr(model, "image_size"):  # torchvision's VisionTransformer
-        return (3, model.image_size, model.image_size)
-    raise AutosplitError("cannot tell the model's input size: pass --image-size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start = time.perf_counter()
         model = build_model(args.model, args.image_size)
-        x = torch.empty(args.batch, *_input_shape(model, args.image_size), device="meta")
+        x = torch.empty(args.batch, *default_input_shape(model, args.image_size), device="meta")
         plan = autosplit.compile(model, mesh=args.mesh, example_input=x, schedule=args.schedule,
                                  chunks_per_rank=args.chunks_per_rank, num_microbatches=args.microbatches,
                                  device=args.device)

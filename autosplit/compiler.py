@@ -135,10 +135,16 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
               for s in range(n_stages)]
     return Plan(mesh=mesh, tp_mode=tp_mode, schedule=schedule, chunks_per_rank=chunks_per_rank,
                 num_microbatches=num_microbatches, device=profile.name,
-                example_shapes=[tuple(x.shape) for x in inputs], stages=stages,
+                example_shapes=[tuple(x.shape) for x in inputs],
+                example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs], stages=stages,
                 equal_layer_times=stage_costs(equal, seg_time, out_time),
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
                 schedule_grid=check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank).format_grid())
+
+
+def _visible(node: fx.Node) -> bool:
+    cost = node.meta.get("cost")
+    return cost is not None and (cost.fwd_flops > 0 or cost.param_bytes > 0)
 
 
 def _assign_stages(segments: list[list[fx.Node]], bounds: list[int]) -> None:
@@ -169,7 +175,8 @@ def _tensor_infos(names: list[str], by_name: dict[str, fx.Node]) -> list[TensorI
 def _stage_info(model, s: int, pp: int, split: SplitStages, segments, bounds, cuts, profile, in_flight) -> StageInfo:
     all_nodes = [n for seg in segments for n in seg]
     first = 0 if s == 0 else bounds[s - 1] + 1
-    nodes = [n for seg in segments[first:bounds[s] + 1] for n in seg]
+    nodes = [n for n in all_nodes if n.meta.get("stage") == s]
+    shown = [n for n in all_nodes if _visible(n)]      # labels skip Identity, Dropout(p=0), views
     module = split.stages[s]
     fwd, bwd = graph_time(nodes, profile)
     comm = 2 * p2p_time(cuts[bounds[s]].nbytes, profile) if bounds[s] < len(cuts) else 0.0
@@ -183,7 +190,7 @@ def _stage_info(model, s: int, pp: int, split: SplitStages, segments, bounds, cu
         if isinstance(result, fx.Node):
             by_name["output"] = result
     return StageInfo(
-        index=s, pp_rank=s % pp, chunk=s // pp, layers=layers_label(model, nodes, all_nodes),
+        index=s, pp_rank=s % pp, chunk=s // pp, layers=layers_label(model, [n for n in shown if n.meta["stage"] == s], shown),
         nodes=[n.name for n in nodes], params=list(params), n_params=sum(p.numel() for p in params.values()),
         param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd, comm_time=comm, activation_bytes=saved,
         in_flight=in_flight, memory_bytes=OPTIMIZER_FACTOR * param_bytes + in_flight * saved,

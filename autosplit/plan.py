@@ -61,6 +61,7 @@ class Plan:
     num_microbatches: int
     device: str
     example_shapes: list[tuple[int, ...]]
+    example_dtypes: list[str]
     stages: list[StageInfo]
     equal_layer_times: list[float]            # stage costs of the equal-layer-count cut, for comparison
     unknown_ops: list[str]

@@ -5,9 +5,15 @@ Terms:
                nodes [i+1, ..] after it.
   crossing  -- the values a cut must send: nodes at or before i (not get_attr) with a user after i.
   candidate -- a position where every crossing value is a tensor, no parameter or module is used on
-               both sides (tied weights stay together), compute lies on both sides, and the number of
-               crossing tensors is the smallest the graph allows.  In a transformer these are the
-               residual stream between blocks and between the attention and MLP halves of a block.
+               both sides (tied weights stay together), work lies on both sides, and at most one more
+               tensor crosses than the fewest the graph allows.  In a transformer the fewest (one) is
+               the residual stream between blocks and between the attention and MLP halves of a
+               block; one more is the residual plus a branch tensor (after fc1, after the attention
+               projection), which lets the partitioner balance below half-block granularity; the cost
+               model charges the larger transfer.
+  work      -- a node whose cost (``meta['cost']``, when annotated) moves bytes or does FLOPs; of
+               several candidates with no work between them only the last is kept (a cut between two
+               parameter reads or two views is the same cut).
   segment   -- the nodes between two consecutive candidates: the unit the partitioner assigns.
 """
 from __future__ import annotations
@@ -81,5 +87,24 @@ def find_cuts(gm: fx.GraphModule) -> list[Cut]:
     if not legal:
         return []
     fewest = min(len(crossing[i]) for i in legal)
+    kept = _drop_empty([i for i in legal if len(crossing[i]) <= fewest + 1], nodes)
     return [Cut(i, tuple(v.name for v in crossing[i]), sum(tensor_bytes(v.meta["val"]) for v in crossing[i]))
-            for i in legal if len(crossing[i]) == fewest]
+            for i in kept]
+
+
+def _does_work(node: fx.Node) -> bool:
+    if node.op in _NO_COMPUTE:
+        return False
+    cost = node.meta.get("cost")
+    return cost is None or cost.fwd_flops > 0 or cost.fwd_bytes > 0
+
+
+def _drop_empty(positions: list[int], nodes: list[fx.Node]) -> list[int]:
+    """Of candidates with no work between them keep the last, so no segment is empty."""
+    kept: list[int] = []
+    for i in positions:
+        if kept and not any(_does_work(n) for n in nodes[kept[-1] + 1:i + 1]):
+            kept[-1] = i
+        else:
+            kept.append(i)
+    return kept

@@ -55,3 +55,52 @@ def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, mic
     param_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     return {"loss_diff": loss_diff, "param_diff": param_diff, "losses": losses}
+
+
+def error_of(fn, *args):
+    """Run fn and return the error it raised as 'Type: message' (None if it did not raise)."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _small(mesh=(2, 1, 1), microbatches=2, **kw):
+    torch.manual_seed(0)
+    model = VARIANTS["timm_cls"]()
+    return autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches, **kw)
+
+
+def bad_inputs():
+    """Each bad input must raise the same clear error on every rank, without communicating."""
+    out = {"mesh": error_of(_small, (2, 1, 2))}
+    pm = _small(example_input=torch.randn(2, 3, 32, 32))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    out["indivisible"] = error_of(pm.step, torch.randn(5, 3, 32, 32), torch.randint(0, 10, (5,)))
+    out["shape"] = error_of(pm.step, torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
+    out["dtype"] = error_of(pm.step, x.double(), y)
+    out["ok_after"] = pm.step(x, y)         # the bad calls left the module usable
+    return out
+
+
+def failing_rank():
+    """Rank 1's loss raises at its third microbatch; every rank must stop with that cause."""
+    import time
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(1)
+        if dist.get_rank() == 1 and len(calls) == 3:
+            raise ValueError("injected failure")
+        return torch.nn.functional.cross_entropy(out, y)
+
+    pm = _small(microbatches=4, loss_fn=loss_fn, example_input=torch.randn(1, 3, 32, 32), timeout_s=30)
+    start = time.monotonic()
+    err = error_of(pm.step, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
+    return {"error": err, "seconds": time.monotonic() - start}
+
+
+def lazy_plan_then_train():
+    """example_input=None: parameters() before the first step plans from the model's input size."""
+    return train_matches_single_device("timm_cls", (2, 1, 1), "1f1b", 1, lazy=True)

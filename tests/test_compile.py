@@ -60,18 +60,23 @@ def test_stage_outputs_are_next_stage_inputs():
         assert all(t.shape == (2, 16, 32) for t in b.inputs)
 
 
-def _vit_b(**kw):
+def _vit_b(name="vit_base_patch16_224"):
     with torch.device("meta"):
-        return timm.create_model("vit_base_patch16_224", **kw)
+        return timm.create_model(name)
 
 
-@pytest.mark.parametrize("pp", [4, 5])
-def test_vit_base_balance_not_worse_than_equal_layers(pp):
-    plan = autosplit.compile(_vit_b(), mesh=(pp, 1, 1), example_input=torch.empty(8, 3, 224, 224, device="meta"))
+@pytest.mark.parametrize("name,pp,strictly", [
+    ("vit_base_patch16_224", 4, False),   # 12 blocks divide by 4 and the stem is 3% of a stage: a tie
+    ("vit_base_patch16_224", 5, True),    # 12 blocks don't divide by 5
+    ("vit_base_patch16_224", 8, True),
+    ("vit_base_patch32_224", 4, True),    # divides, but the patch embedding is a third of a block
+])
+def test_balance_never_worse_than_equal_layers(name, pp, strictly):
+    plan = autosplit.compile(_vit_b(name), mesh=(pp, 1, 1), example_input=torch.empty(8, 3, 224, 224, device="meta"))
     ours, equal = plan.balance()
     assert ours <= equal + 1e-9
-    if 12 % pp or pp == 4:  # the count doesn't divide, or the first/last stage carries embedding/head
-        assert ours < equal
+    if strictly:
+        assert ours < 0.99 * equal, (ours, equal)
 
 
 def test_meta_model_plans_without_allocating():

@@ -1,7 +1,8 @@
 """parallelize: pipeline + data-parallel training equals single-device training (real gloo processes)."""
 import pytest
 
-from tests.dist_checks import train_matches_single_device
+from tests.dist_checks import bad_inputs, failing_rank, lazy_plan_then_train, train_matches_single_device
+from tests.dist_pool import Pool
 
 TOL = 1e-5
 
@@ -24,3 +25,27 @@ def test_two_ranks_equal_single_device(pool2, name, mesh, schedule, chunks):
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_four_ranks_equal_single_device(pool4, name, mesh, schedule, chunks):
     _assert_equal(pool4.run(train_matches_single_device, name, mesh, schedule, chunks))
+
+
+def test_lazy_plan_keeps_parameters(pool2):
+    _assert_equal(pool2.run(lazy_plan_then_train))
+
+
+def test_bad_inputs_fail_clearly_on_every_rank(pool2):
+    for r in pool2.run(bad_inputs):
+        assert "pp(2) * tp(1) * dp(2) != WORLD_SIZE(2)" in r["mesh"]
+        assert "batch of 5 rows is not divisible by num_microbatches(2)" in r["indivisible"]
+        assert "(4, 3, 32, 32)" in r["shape"] and "plan was built for [((2, 3, 32, 32), 'float32')]" in r["shape"]
+        assert "float64" in r["dtype"]
+        assert r["ok_after"] > 0
+
+
+def test_failure_on_one_rank_stops_every_rank():
+    pool = Pool(2)
+    try:
+        results = pool.run(failing_rank, timeout=60)
+    finally:
+        pool.close(force=True)
+    for r in results:
+        assert "rank 1 (pp=1, tp=0, dp=0) failed at 1F2: ValueError: injected failure" in r["error"], r
+        assert r["seconds"] < 10

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
+from autosplit.inputs import default_input_shape
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
@@ -42,7 +43,7 @@ class ParallelModule:
         self.bucket_bytes, self.compile_options = bucket_bytes, compile_options or {}
         self.watchdog = Watchdog(world.store, world.rank, world.coord, world.timeout_s)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
-        self.plan = None
+        self.plan, self.buckets, self.provisional = None, None, False
         if example_input is not None:
             self._build(example_input)
 
@@ -53,30 +54,37 @@ class ParallelModule:
     dp_size = property(lambda self: self.world.mesh.dp)
 
     # ---- planning ------------------------------------------------------------------------------
-    def _build(self, microbatch) -> None:
+    def _build(self, microbatch, bounds=None) -> None:
         example = tuple(microbatch) if isinstance(microbatch, (tuple, list)) else (microbatch,)
         example = tuple(torch.empty_like(x, device="meta") for x in example)
-        self.plan = compile_plan(
-            self.model, mesh=(self.world.mesh.pp, self.world.mesh.tp, self.world.mesh.dp), example_input=example,
-            tp_mode=self.tp_mode, schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
-            num_microbatches=self.num_microbatches, **self.compile_options)
+        mesh = (self.world.mesh.pp, self.world.mesh.tp, self.world.mesh.dp)
+        self.plan = compile_plan(self.model, mesh=mesh, example_input=example, tp_mode=self.tp_mode,
+                                 schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
+                                 num_microbatches=self.num_microbatches, stage_bounds=bounds,
+                                 **self.compile_options)
+        self.provisional = False
         self.modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
         if self.checkpoint not in (None, "stage"):
             raise AutosplitError(f"checkpoint={self.checkpoint!r}: expected None or 'stage'")
         if self.checkpoint == "stage":
             self.modules = [_Checkpointed(m) for m in self.modules]
         stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
-        self.buckets = None
-        if self.dp_size > 1:
+        if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
             self.buckets = GradBuckets({s: list(m.parameters()) for s, m in zip(stages, self.modules)},
                                        self.world.group("dp"), self.dp_size, self.watchdog, self.bucket_bytes)
         self.executor = PipelineExecutor(self.world, self.plan, self.modules, self.loss_fn, self.watchdog,
                                          self.autocast, self.buckets.arm if self.buckets else None)
 
     def _require_plan(self, what: str) -> None:
+        """Plan now if no microbatch was seen yet: from the model's own input size, batch of 1.
+
+        The first step re-plans for its real microbatch keeping the same cut (``stage_bounds``), so
+        the parameters an optimizer was given stay the ones this rank trains.
+        """
         if self.plan is None:
-            raise AutosplitError(f"{what} needs the plan, which is built from the first microbatch: pass "
-                                 f"example_input=<one microbatch> to autosplit.parallelize, or call step() first")
+            shape = default_input_shape(self.model)
+            self._build(torch.empty(1, *shape, device="meta"))
+            self.provisional = True
 
     def parameters(self):
         self._require_plan("parameters()")
@@ -98,21 +106,27 @@ class ParallelModule:
         parts = [t.to(self.world.device).chunk(m) for t in tensors]
         return list(zip(*parts))
 
+    def _plan_for(self, mb: tuple) -> None:
+        if self.plan is None:
+            self._build(mb)
+        elif self.provisional and [tuple(x.shape) for x in mb] != [tuple(s) for s in self.plan.example_shapes]:
+            self._build(mb, bounds=self.plan.bounds)
+        self.provisional = False
+        self._check_shapes(mb)
+
     def _check_shapes(self, mb: tuple) -> None:
-        got = [tuple(x.shape) for x in mb]
-        want = [tuple(s) for s in self.plan.example_shapes]
+        got = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in mb]
+        want = list(zip(map(tuple, self.plan.example_shapes), self.plan.example_dtypes))
         if got != want:
-            raise AutosplitError(f"step inputs give microbatches of shape {got}, but the plan was built for "
-                                 f"{want}; keep the batch size and image size of the first step")
+            raise AutosplitError(f"step inputs give microbatches of (shape, dtype) {got}, but the plan was built "
+                                 f"for {want}; keep the batch size, image size and dtype of the first step")
 
     def step(self, images, labels) -> float:
         """Forward and backward of every microbatch; gradients averaged over dp; returns the mean loss."""
         inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
         xs = self._microbatches(inputs, "step")
         ys = [y[0] for y in self._microbatches((labels,), "step labels")]
-        if self.plan is None:
-            self._build(xs[0])
-        self._check_shapes(xs[0])
+        self._plan_for(xs[0])
         self.watchdog.check()
         scale = self.scaler.scale / self.num_microbatches
         loss_sum, _ = self.executor.run(xs, ys, loss_scale=scale, train=True)
@@ -159,9 +173,7 @@ class ParallelModule:
         """Forward only; the replica's full output on every rank of the replica."""
         inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
         xs = self._microbatches(inputs, "predict")
-        if self.plan is None:
-            self._build(xs[0])
-        self._check_shapes(xs[0])
+        self._plan_for(xs[0])
         _, outs = self.executor.run(xs, None, train=False)
         last = self.world.rank_at(pp=(self.plan.n_stages - 1) % self.world.mesh.pp)
         info = self.plan.stages[-1].outputs[0]
