@@ -154,7 +154,10 @@ def main(argv=None) -> int:
         sys.exit("run me under torchrun, e.g.: torchrun --standalone --nproc-per-node 2 "
                  "examples/train_cifar10.py --mesh 2,1,1 --synthetic")
     world_size = int(os.environ["WORLD_SIZE"])
-    mesh = MeshShape.parse(args.mesh, world_size=world_size)
+    try:
+        mesh = MeshShape.parse(args.mesh, world_size=world_size)
+    except autosplit.AutosplitError as exc:
+        sys.exit(f"error: --mesh {args.mesh}: {exc}")
     if args.batch % mesh.dp or (args.batch // mesh.dp) % args.microbatches:
         sys.exit(f"--batch {args.batch} must split into dp={mesh.dp} replica batches, each divisible by "
                  f"--microbatches {args.microbatches}")

@@ -104,3 +104,85 @@ def failing_rank():
 def lazy_plan_then_train():
     """example_input=None: parameters() before the first step plans from the model's input size."""
     return train_matches_single_device("timm_cls", (2, 1, 1), "1f1b", 1, lazy=True)
+
+
+def _setup(mesh=(2, 1, 2), microbatches=2, batch=8, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = VARIANTS["timm_cls"]()
+    ref = copy.deepcopy(model)
+    dp = mesh[2]
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches,
+                               example_input=torch.randn(batch // dp // microbatches, 3, 32, 32), **kw)
+    xs, ys = _data(3, batch)
+    rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
+    return pm, ref, xs, ys, rows
+
+
+def _state_diff(pm, ref) -> float:
+    state, ref_state = pm.full_state_dict(), ref.state_dict()
+    return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+
+
+def features():
+    """predict, clip_grad_norm_, no_sync accumulation, checkpointing, load_full_state_dict."""
+    out = {}
+    # predict: the replica's logits on every rank of the replica
+    pm, ref, xs, ys, rows = _setup()
+    out["predict"] = (pm.predict(xs[0][rows]) - ref(xs[0][rows])).abs().max().item()
+    # clip_grad_norm_ over the global gradient (pp and dp), then SGD
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    pm.step(xs[0][rows], ys[0][rows])
+    norm = pm.clip_grad_norm_(0.05)
+    opt.step()
+    torch.nn.functional.cross_entropy(ref(xs[0]), ys[0]).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+    ref_opt.step()
+    out["clip_norm"] = abs(norm - ref_norm)
+    out["clip_params"] = _state_diff(pm, ref)
+    # gradient accumulation: two steps, the first without the dp all-reduce
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    with pm.no_sync():
+        pm.step(xs[1][rows], ys[1][rows])
+    pm.step(xs[2][rows], ys[2][rows])
+    opt.step()
+    for i in (1, 2):
+        torch.nn.functional.cross_entropy(ref(xs[i]), ys[i]).backward()
+    ref_opt.step()
+    out["accumulate"] = _state_diff(pm, ref)
+    # load_full_state_dict: every rank ends with the loaded weights
+    torch.manual_seed(123)
+    other = VARIANTS["timm_cls"]().state_dict()
+    pm.load_full_state_dict(other)
+    out["load"] = max((pm.full_state_dict()[k] - other[k]).abs().max().item() for k in other)
+    out["load_error"] = error_of(pm.load_full_state_dict, {"nope": torch.zeros(1)})
+    # activation checkpointing of stages gives the same training
+    out["checkpoint"] = train_with(checkpoint="stage")
+    return out
+
+
+def train_with(**kw) -> float:
+    pm, ref, xs, ys, rows = _setup(**kw)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in zip(xs, ys):
+        pm.step(x[rows], y[rows])
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _state_diff(pm, ref)
+
+
+def mixed_precision():
+    out = {"bf16": train_with(autocast=torch.bfloat16)}
+    # fp16: an overflow anywhere makes every rank skip the step and halve the scale
+    pm, ref, xs, ys, rows = _setup(autocast=torch.float16)
+    before = pm.scaler.scale
+    pm.loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out, y) * float("inf")
+    pm.executor.loss_fn = pm.loss_fn
+    pm.step(xs[0][rows], ys[0][rows])
+    out["skipped"] = pm.scaler.skipped
+    out["grads_none"] = all(p.grad is None for p in pm.parameters())
+    out["scale_halved"] = pm.scaler.scale == before / 2
+    return out

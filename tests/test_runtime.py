@@ -1,7 +1,8 @@
 """parallelize: pipeline + data-parallel training equals single-device training (real gloo processes)."""
 import pytest
 
-from tests.dist_checks import bad_inputs, failing_rank, lazy_plan_then_train, train_matches_single_device
+from tests.dist_checks import (bad_inputs, failing_rank, features, lazy_plan_then_train, mixed_precision,
+                               train_matches_single_device)
 from tests.dist_pool import Pool
 
 TOL = 1e-5
@@ -49,3 +50,18 @@ def test_failure_on_one_rank_stops_every_rank():
     for r in results:
         assert "rank 1 (pp=1, tp=0, dp=0) failed at 1F2: ValueError: injected failure" in r["error"], r
         assert r["seconds"] < 10
+
+
+def test_predict_clip_accumulate_checkpoint_load(pool4):
+    for r in pool4.run(features):
+        assert r["predict"] <= TOL, r
+        assert r["clip_norm"] <= 1e-6 and r["clip_params"] <= TOL, r
+        assert r["accumulate"] <= TOL, r
+        assert r["load"] == 0.0 and "missing keys" in r["load_error"], r
+        assert r["checkpoint"] <= TOL, r
+
+
+def test_mixed_precision(pool4):
+    for r in pool4.run(mixed_precision):
+        assert r["bf16"] < 5e-2, r        # bf16 matmuls: close to fp32 training, not equal
+        assert r["skipped"] and r["grads_none"] and r["scale_halved"], r
