@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autosplit.cost_model import AnnotateCosts, get_profile, graph_time, p2p_time
+from autosplit.cost_model import AnnotateCosts, collective_time, get_profile, graph_time, p2p_time
 from autosplit.errors import AutosplitError
 from autosplit.layers import find_layer_ends, layers_label
 from autosplit.mesh import MeshShape
@@ -23,6 +23,7 @@ from autosplit.passes.cut_points import Cut, find_cuts
 from autosplit.passes.partition import balanced_bounds, equal_layer_bounds, stage_costs
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
 from autosplit.passes.split_stages import SplitStages
+from autosplit.passes.tp_rewrite import shard_tensor_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
 from autosplit.schedule import check_schedule
 from autosplit.trace import trace
@@ -34,9 +35,9 @@ OPTIMIZER_FACTOR = 4   # parameter + gradient + two Adam moments, all in the par
 def _check_args(mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_rank: int) -> None:
     if tp_mode not in ("1d", "2d"):
         raise AutosplitError(f"tp_mode={tp_mode!r}: expected '1d' (Megatron) or '2d' (SUMMA)")
-    if mesh.tp > 1:
-        raise AutosplitError(f"tensor parallelism (tp={mesh.tp}) is not in this release yet; use tp=1 "
-                             f"(pipeline and data parallelism are supported)")
+    if tp_mode == "2d" and mesh.tp > 1:
+        raise AutosplitError(f"tp_mode='2d' (SUMMA) is not in this release yet; use tp_mode='1d' "
+                             f"(Megatron), which supports tp={mesh.tp}")
     if schedule not in SCHEDULES:
         raise AutosplitError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if not isinstance(chunks_per_rank, int) or chunks_per_rank < 1:
@@ -80,6 +81,11 @@ def _segments(nodes: list[fx.Node], cuts: list[Cut]) -> list[list[fx.Node]]:
     return segments
 
 
+def _comm(nodes: Sequence[fx.Node], tp: int, profile) -> float:
+    """Tensor-parallel communication of ``nodes``, forward plus backward."""
+    return sum(sum(collective_time(n, tp, profile)) for n in nodes)
+
+
 def _in_flight(schedule: str, pp: int, chunks: int, microbatches: int) -> list[int]:
     """Microbatches whose activations each stage holds at the schedule's peak (from the simulator)."""
     result = check_schedule(schedule, pp, microbatches, chunks)
@@ -107,6 +113,11 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
 
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
     _shape_prop(gm, inputs)
+    tp_plan = None
+    if mesh.tp > 1:
+        tp_plan = shard_tensor_parallel(gm, mesh.tp)
+        gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
+        _shape_prop(gm, inputs)                           # local shapes of tp rank 0
     annotate = AnnotateCosts()
     annotate(gm)
     nodes = list(gm.graph.nodes)
@@ -116,7 +127,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             f"pp({mesh.pp}) * chunks_per_rank({chunks_per_rank}) = {n_stages} stages, but the graph has only "
             f"{len(cuts)} places to cut (at most {len(cuts) + 1} stages); use fewer pipeline stages")
     segments = _segments(nodes, cuts)
-    seg_time = [sum(graph_time(seg, profile)) for seg in segments]
+    seg_time = [sum(graph_time(seg, profile)) + _comm(seg, mesh.tp, profile) for seg in segments]
     out_time = [2 * p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
     seg_params = [sum(n.meta["cost"].param_bytes for n in seg) for seg in segments]
     seg_saved = [sum(n.meta["cost"].saved_bytes for n in seg) for seg in segments]
@@ -131,7 +142,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     _assign_stages(segments, bounds)
     split = SplitStages(n_stages)
     split(gm)
-    stages = [_stage_info(model, s, mesh.pp, split, segments, bounds, cuts, profile, in_flight[s])
+    stages = [_stage_info(model, s, mesh.pp, mesh.tp, split, segments, bounds, cuts, profile, in_flight[s])
               for s in range(n_stages)]
     return Plan(mesh=mesh, tp_mode=tp_mode, schedule=schedule, chunks_per_rank=chunks_per_rank,
                 num_microbatches=num_microbatches, device=profile.name,
@@ -139,6 +150,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs], stages=stages,
                 equal_layer_times=stage_costs(equal, seg_time, out_time),
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
+                tp_plan=tp_plan,
                 schedule_grid=check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank).format_grid())
 
 
@@ -172,7 +184,8 @@ def _tensor_infos(names: list[str], by_name: dict[str, fx.Node]) -> list[TensorI
     return infos
 
 
-def _stage_info(model, s: int, pp: int, split: SplitStages, segments, bounds, cuts, profile, in_flight) -> StageInfo:
+def _stage_info(model, s: int, pp: int, mesh_tp: int, split: SplitStages, segments, bounds, cuts, profile,
+                in_flight) -> StageInfo:
     all_nodes = [n for seg in segments for n in seg]
     first = 0 if s == 0 else bounds[s - 1] + 1
     nodes = [n for n in all_nodes if n.meta.get("stage") == s]
@@ -180,6 +193,7 @@ def _stage_info(model, s: int, pp: int, split: SplitStages, segments, bounds, cu
     module = split.stages[s]
     fwd, bwd = graph_time(nodes, profile)
     comm = 2 * p2p_time(cuts[bounds[s]].nbytes, profile) if bounds[s] < len(cuts) else 0.0
+    comm += _comm(nodes, mesh_tp, profile)
     params = dict(module.named_parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     saved = sum(n.meta["cost"].saved_bytes for n in nodes)

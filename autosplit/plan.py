@@ -69,6 +69,8 @@ class Plan:
     graph: fx.GraphModule = field(repr=False)  # the whole traced graph, annotated
     modules: list[fx.GraphModule] = field(repr=False)
     schedule_grid: str = field(default="", repr=False)
+    tp_plan: object = field(default=None, repr=False)   # passes.tp_rewrite.TensorParallelPlan when tp > 1
+    _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_stages(self) -> int:
@@ -80,7 +82,16 @@ class Plan:
             raise IndexError(f"pp_rank {pp_rank} is outside 0..{self.mesh.pp - 1} (pp={self.mesh.pp})")
         if not 0 <= tp_rank < self.mesh.tp:
             raise IndexError(f"tp_rank {tp_rank} is outside 0..{self.mesh.tp - 1} (tp={self.mesh.tp})")
-        return [self.modules[c * self.mesh.pp + pp_rank] for c in range(self.chunks_per_rank)]
+        return [self._module(c * self.mesh.pp + pp_rank, tp_rank) for c in range(self.chunks_per_rank)]
+
+    def _module(self, stage: int, tp_rank: int) -> fx.GraphModule:
+        if tp_rank == 0:
+            return self.modules[stage]
+        key = (stage, tp_rank)
+        if key not in self._tp_modules:
+            graph = self.modules[stage].graph
+            self._tp_modules[key] = fx.GraphModule(self.tp_plan.local_root(tp_rank, graph), graph, f"Stage{stage}")
+        return self._tp_modules[key]
 
     def balance(self) -> tuple[float, float]:
         """max/mean predicted stage time: (autosplit's cut, the equal-layer-count cut)."""

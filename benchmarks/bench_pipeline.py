@@ -52,13 +52,16 @@ MICROBATCHES = 8
 LR = 0.01
 VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3, num_classes=10)
 
-PIPELINE = ("ours_1f1b", "torch_1f1b", "ours_interleaved", "torch_interleaved")
+PIPELINE = ("ours_1f1b", "torch_1f1b", "ours_interleaved", "torch_interleaved", "ours_1f1b_equal",
+            "ours_interleaved_equal")
 SINGLE = ("single_full", "single_accum", "single_accum_both")
 LABELS = {
     "ours_1f1b": "autosplit 1f1b",
     "torch_1f1b": "torch Schedule1F1B",
     "ours_interleaved": "autosplit interleaved (2 chunks/rank)",
     "torch_interleaved": "torch ScheduleInterleaved1F1B (2 stages/rank)",
+    "ours_1f1b_equal": "autosplit 1f1b on torch's cut",
+    "ours_interleaved_equal": "autosplit interleaved on torch's cut",
     "single_full": "single rank, full batch of 64",
     "single_accum": "single rank, 8 x 8 gradient accumulation",
     "single_accum_both": "single-rank accumulation on both ranks at once",
@@ -117,10 +120,26 @@ def _pieces(vit, n_pieces: int):
     return [First(groups[0])] + [Middle(g) for g in groups[1:-1]] + [Last(groups[-1])]
 
 
+def equal_layer_bounds(model, example, n_stages: int) -> list[int]:
+    """autosplit's ``stage_bounds`` for the equal-block cut (torch's hand split), from the compiler's own
+    equal-layer-count computation (private helpers: this follows autosplit.compiler.compile)."""
+    from autosplit import compiler
+    from autosplit.layers import find_layer_ends
+    from autosplit.passes.cut_points import find_cuts
+    from autosplit.passes.partition import equal_layer_bounds as equal_bounds
+    gm = compiler.trace(model, 1)
+    compiler._shape_prop(gm, (example,))
+    compiler.AnnotateCosts()(gm)
+    segments = compiler._segments(list(gm.graph.nodes), find_cuts(gm))
+    return list(equal_bounds(find_layer_ends(model, segments), len(segments), n_stages))
+
+
 # ------------------------------------------------------------------------------------- timing
 
 class PhaseTimer:
-    """Exclusive time per category on the main thread (nested timed calls are subtracted)."""
+    """Exclusive time per category on the main thread (time of nested timed calls goes to their own
+    category).  A category function may return None: that call is not timed (its time stays with the
+    caller's category)."""
 
     def __init__(self):
         self.totals: dict[str, float] = {}
@@ -129,6 +148,9 @@ class PhaseTimer:
         self.main = threading.main_thread()
         self.enabled = False
 
+    def inside(self, category: str) -> bool:
+        return any(frame[1] == category for frame in self.stack)
+
     def wrap(self, fn, category):
         timer = self
 
@@ -136,7 +158,9 @@ class PhaseTimer:
             if not timer.enabled or threading.current_thread() is not timer.main:
                 return fn(*args, **kwargs)
             cat = category(*args, **kwargs) if callable(category) else category
-            frame = [0.0]
+            if cat is None:
+                return fn(*args, **kwargs)
+            frame = [0.0, cat]
             timer.stack.append(frame)
             t0 = time.perf_counter()
             try:
@@ -152,31 +176,40 @@ class PhaseTimer:
         return wrapper
 
 
+PHASES = ("forward", "backward", "post", "wait", "loss all-reduce")
+
+
 def _patch(timer: PhaseTimer) -> list:
-    """Install timers on autosplit's and torch's runtime methods; returns what to restore."""
+    """Install timers on autosplit's and torch's runtime methods; returns what to restore.
+
+    forward  -- stage forward (+ loss on the last stage): autosplit PipelineExecutor._forward /
+                _finish_forward; torch _PipelineStageBase.forward_one_chunk / _maybe_compute_loss
+    backward -- PipelineExecutor._backward; _PipelineStageBase.backward_one_chunk
+    post     -- posting isend/irecv (and allocating receive buffers): PipelineExecutor._communicate;
+                torch schedules._batch_p2p
+    wait     -- blocking on transfers: autosplit Watchdog.wait (all of it: the helper-thread hand-off,
+                polling, store checks); torch Work.wait() on the main thread
+    loss all-reduce -- autosplit's ParallelModule._global_mean (torch has no equivalent)
+    """
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as tsched
     import torch.distributed.pipelining.stage as tstage
 
     from autosplit.runtime import executor, faults, parallel_module
 
-    def ours_wait_category(self, work, doing):
-        return "ours: loss all-reduce" if "all-reduce" in doing else (
-            "ours: wait (Watchdog.wait) for send" if "SEND" in doing else "ours: wait (Watchdog.wait) for recv")
-
     targets = [
-        (executor.PipelineExecutor, "_forward", "ours: forward compute"),
-        (executor.PipelineExecutor, "_finish_forward", "ours: forward compute"),
-        (executor.PipelineExecutor, "_backward", "ours: backward compute"),
-        (executor.PipelineExecutor, "_communicate", "ours: post isend/irecv"),
-        (faults.Watchdog, "wait", ours_wait_category),
-        (faults.Watchdog, "check", "ours: store check"),
-        (parallel_module.ParallelModule, "_global_mean", "ours: loss all-reduce"),
-        (tstage._PipelineStageBase, "forward_one_chunk", "torch: forward compute"),
-        (tstage._PipelineStageBase, "backward_one_chunk", "torch: backward compute"),
-        (tsched._PipelineSchedule, "_maybe_compute_loss", "torch: forward compute"),
-        (tsched, "_batch_p2p", "torch: post isend/irecv"),
-        (dist.Work, "wait", "work.wait (main thread)"),
+        (executor.PipelineExecutor, "_forward", "forward"),
+        (executor.PipelineExecutor, "_finish_forward", "forward"),
+        (executor.PipelineExecutor, "_backward", "backward"),
+        (executor.PipelineExecutor, "_communicate", "post"),
+        (faults.Watchdog, "wait", lambda self, work, doing: "loss all-reduce" if "all-reduce" in doing else "wait"),
+        (parallel_module.ParallelModule, "_global_mean", "loss all-reduce"),
+        (tstage._PipelineStageBase, "forward_one_chunk", "forward"),
+        (tstage._PipelineStageBase, "backward_one_chunk", "backward"),
+        (tsched._PipelineSchedule, "_maybe_compute_loss", "forward"),
+        (tsched, "_batch_p2p", "post"),
+        (dist.Work, "wait", lambda *a, **k: None if timer.inside("wait") or timer.inside("loss all-reduce")
+         else "wait"),
     ]
     saved = []
     for owner, name, cat in targets:
@@ -236,11 +269,21 @@ def run_rank(rank: int, args) -> dict:
     opts: dict = {}
 
     # autosplit ------------------------------------------------------------------------------
-    for name, schedule, chunks in (("ours_1f1b", "1f1b", 1), ("ours_interleaved", "interleaved", 2)):
+    for name, schedule, chunks in (("ours_1f1b", "1f1b", 1), ("ours_interleaved", "interleaved", 2),
+                                   ("ours_1f1b_equal", "1f1b", 1), ("ours_interleaved_equal", "interleaved", 2)):
+        if name not in args.configs:
+            continue
+        bounds = None
+        if name.endswith("_equal"):
+            bounds = equal_layer_bounds(base, torch.empty(mb, 3, 32, 32, device="meta"), WORLD * chunks)
         model = copy.deepcopy(base)
         pm = autosplit.parallelize(model, mesh=(WORLD, 1, 1), loss_fn=torch.nn.CrossEntropyLoss(),
                                    num_microbatches=MICROBATCHES, schedule=schedule, chunks_per_rank=chunks,
-                                   example_input=x[:mb])
+                                   example_input=None if bounds else x[:mb])
+        if bounds:
+            # parallelize(..., stage_bounds=...) collides with the stage_bounds ParallelModule passes itself
+            # (TypeError: multiple values), so plan through the private hook that takes the bounds
+            pm._build(x[:mb], bounds=bounds)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
 
         def step(pm=pm, opt=opt):
@@ -249,13 +292,16 @@ def run_rank(rank: int, args) -> dict:
             opt.zero_grad()
             return loss
         steps[name], opts[name] = step, pm
-        out.setdefault("ours_stages", {})[name] = [s.layers for s in pm.plan.stages]
+        out.setdefault("ours_stages", {})[name] = [
+            f"{s.layers} -> {' + '.join('x'.join(map(str, t.shape)) for t in s.outputs)}" for s in pm.plan.stages]
 
     # torch.distributed.pipelining -------------------------------------------------------------
     # examples of the boundary tensors; requires_grad=True tells torch that a gradient flows back through it
     act = torch.zeros(mb, (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1, VIT["embed_dim"], requires_grad=True)
     logits = torch.zeros(mb, VIT["num_classes"], requires_grad=True)
     for name, n_stages in (("torch_1f1b", WORLD), ("torch_interleaved", 2 * WORLD)):
+        if name not in args.configs:
+            continue
         model = copy.deepcopy(base)
         pieces = _pieces(model, n_stages)
         local = list(range(rank, n_stages, WORLD))       # looped placement: rank r holds r, r+W, ...
@@ -323,7 +369,11 @@ def run_rank(rank: int, args) -> dict:
             if i == 0 and name in PIPELINE:
                 out["first_loss"][name] = loss
     # timed steps, interleaved one step at a time, rotating the order each round -----------------
+    if rank == 0:
+        print(f"warm-up done ({', '.join(configs)}); {args.steps} timed rounds", flush=True)
     for r in range(args.steps):
+        if rank == 0 and r % 5 == 4:
+            print(f"  round {r + 1}/{args.steps}", flush=True)
         k = r % len(configs)
         for name in configs[k:] + configs[:k]:
             out["times"].setdefault(name, []).append(timed(name)[0])
@@ -344,13 +394,14 @@ def run_rank(rank: int, args) -> dict:
                     total += time.perf_counter() - t0
                     timer.enabled = False
                 # the optimizer is inside step(): time it separately (same work on a fresh call)
+                out["phase_steps"] = args.phase_steps
                 out["phases"][name] = {"total": total / args.phase_steps,
                                        "parts": {k: v / args.phase_steps for k, v in timer.totals.items()},
                                        "counts": {k: v / args.phase_steps for k, v in timer.counts.items()}}
         finally:
             _unpatch(saved)
         out["optimizer_s"] = {}
-        for name, opt_params in (("ours_1f1b", opts["ours_1f1b"].parameters()),):
+        for name, opt_params in [(n, opts[n].parameters()) for n in ("ours_1f1b",) if n in opts]:
             params = list(opt_params)
             for p in params:
                 p.grad = torch.zeros_like(p)
@@ -362,7 +413,8 @@ def run_rank(rank: int, args) -> dict:
             out["optimizer_s"][name] = (time.perf_counter() - t0) / 5
             for p in params:
                 p.grad = None
-        out["pingpong"] = pingpong(rank, opts["ours_1f1b"].watchdog, act.detach(), args.pingpong)
+        if opts:
+            out["pingpong"] = pingpong(rank, next(iter(opts.values())).watchdog, act.detach(), args.pingpong)
 
     if args.profile and "ours_1f1b" in configs:
         import cProfile
@@ -449,7 +501,7 @@ def _stats(xs: list[float]) -> dict:
 
 def summarize(per_rank: list[dict]) -> dict:
     names = list(per_rank[0]["times"])
-    stats = {}
+    stats, raw = {}, {}
     for name in names:
         # a step's time is the slowest rank's; the single-rank runs only count rank 0
         if name in ("single_full", "single_accum"):
@@ -457,12 +509,13 @@ def summarize(per_rank: list[dict]) -> dict:
         else:
             series = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
         stats[name] = _stats(series)
+        raw[name] = series
     first = {}
     for r in per_rank:
         for k, v in r["first_loss"].items():
             if v is not None:
                 first[k] = v
-    return {"stats": stats, "first_loss": first}
+    return {"stats": stats, "first_loss": first, "series": raw}
 
 
 def render(summary: dict, per_rank: list[dict], command: str, total_s: float, args) -> str:
@@ -483,9 +536,10 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"- Step = forward + backward of all microbatches + `opt.step()` + `opt.zero_grad()`, after a barrier; "
              f"time of the slowest rank. {args.warmup} warm-up steps per configuration, then {args.steps} timed steps "
              f"each, interleaved one step at a time (order rotated every round).",
-             f"- Stage cuts: torch's by hand with equal block counts (embedding on the first stage, norm + head on "
-             f"the last); autosplit's own plan, which here is the same cut: "
-             + "; ".join(f"{k}: " + " / ".join(v) for k, v in per_rank[0].get("ours_stages", {}).items()),
+             f"- Stage cuts: torch's by hand with equal block counts (embedding + blocks 0-5 / blocks 6-11 + norm + "
+             f"head; 3 blocks per stage for interleaved), boundary one 8x65x192 tensor; autosplit's own plan "
+             f"(stage layers -> boundary tensors): "
+             + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v) for k, v in per_rank[0].get("ours_stages", {}).items()),
              "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | first-step loss |",
              "|---|---:|---:|---:|---:|---:|"]
     for name in PIPELINE + SINGLE:
@@ -500,13 +554,20 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
         if ours in st and theirs in st:
             lines.append(f"| {sched}: autosplit / torch (median step) | {st[ours]['median'] / st[theirs]['median']:.3f} "
                          f"| <= 0.90 |")
+    for sched in ("1f1b", "interleaved"):
+        ours, theirs = f"ours_{sched}_equal", f"torch_{sched}"
+        if ours in st and theirs in st:
+            lines.append(f"| {sched}: autosplit on torch's cut / torch (median step) | "
+                         f"{st[ours]['median'] / st[theirs]['median']:.3f} | |")
     for base in ("single_accum", "single_full"):
         if base in st and "ours_1f1b" in st:
             ideal = (m + p - 1) / m * st[base]["median"] / p
             lines.append(f"| 1f1b ideal from {LABELS[base]}: (m+p-1)/m x T/p | {ideal:.3f} s | |")
             lines.append(f"| 1f1b: autosplit / ideal ({base}) | {st['ours_1f1b']['median'] / ideal:.3f} | <= 1.05 |")
-            if "torch_1f1b" in st:
-                lines.append(f"| 1f1b: torch / ideal ({base}) | {st['torch_1f1b']['median'] / ideal:.3f} | |")
+            for other in ("ours_1f1b_equal", "torch_1f1b"):
+                if other in st:
+                    lines.append(f"| 1f1b: {LABELS[other].replace(' 1f1b', '').replace(' Schedule1F1B', '')} / "
+                                 f"ideal ({base}) | {st[other]['median'] / ideal:.3f} | |")
     if "single_accum_both" in st and "single_accum" in st:
         lines.append(f"| two busy cores: single-rank accumulation step, both ranks / one rank | "
                      f"{st['single_accum_both']['median'] / st['single_accum']['median']:.3f} | |")
@@ -526,39 +587,33 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
 
 def phase_table(per_rank: list[dict]) -> list[str]:
     names = [n for n in PIPELINE if n in per_rank[0]["phases"]]
-    n_steps = None
-    cats: list[str] = []
-    for r in per_rank:
-        for n in names:
-            for c in r["phases"][n]["parts"]:
-                if c not in cats:
-                    cats.append(c)
-    cats.sort(key=lambda c: (c.startswith("work.wait"), c))
-    header = "| where (seconds per step, exclusive) | " + " | ".join(
-        f"{LABELS[n].split(' (')[0]} r{r['rank']}" for n in names for r in per_rank) + " |"
-    lines = ["Where the time goes (timers on the runtimes' methods, main thread, exclusive of nested timed "
-             "calls; averaged over the phase steps; `work.wait (main thread)` is torch's own blocking on "
-             "transfers, autosplit waits on a helper thread inside `Watchdog.wait`; *other* = step time minus "
-             "everything timed: optimizer, Python scheduling code, microbatch splitting):", "",
-             header, "|---|" + "---:|" * (len(names) * len(per_rank))]
-    for c in cats + ["other", "step total"]:
-        row = []
-        for n in names:
-            for r in per_rank:
-                ph = r["phases"][n]
-                if c == "step total":
-                    v = ph["total"]
-                elif c == "other":
-                    v = ph["total"] - sum(ph["parts"].values())
-                else:
-                    v = ph["parts"].get(c)
-                cnt = ph["counts"].get(c)
-                row.append("" if v is None else (f"{v:.3f}" + (f" ({cnt:.0f})" if cnt and c.startswith(("ours: wait", "work.wait", "ours: post", "torch: post")) else "")))
-        lines.append(f"| {c} | " + " | ".join(row) + " |")
+    steps = per_rank[0].get("phase_steps", "?")
+    lines = [f"Where the time goes: {steps} more steps of each pipeline with timers on the runtimes' methods "
+             "(main thread; a nested timed call counts in its own column, not its caller's). *post*: posting "
+             "isend/irecv; *wait*: blocking on transfers (autosplit: all of `Watchdog.wait`, torch: "
+             "`Work.wait()`), including waiting for the other rank's compute (the pipeline bubble); *other*: "
+             "step minus the timed columns (optimizer, Python scheduling code). Seconds per step; (n) = calls "
+             "per step.", "",
+             "| pipeline | rank | step | forward | backward | post (n) | wait (n) | loss all-reduce | other |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in names:
+        for r in per_rank:
+            ph = r["phases"][n]
+            parts, counts = ph["parts"], ph["counts"]
+
+            def cell(c, with_count=False):
+                if c not in parts:
+                    return "-"
+                return f"{parts[c]:.3f}" + (f" ({counts[c]:.0f})" if with_count else "")
+            other = ph["total"] - sum(parts.values())
+            lines.append(f"| {LABELS[n]} | {r['rank']} | {ph['total']:.3f} | {cell('forward')} | {cell('backward')} "
+                         f"| {cell('post', True)} | {cell('wait', True)} | {cell('loss all-reduce')} | {other:.3f} |")
     opt = per_rank[0].get("optimizer_s", {}).get("ours_1f1b")
-    lines += ["", "(n) = calls per step." + (f" SGD `step()` + `zero_grad()` over one rank's half of the parameters, "
-                                            f"timed alone: {opt * 1e3:.1f} ms (part of *other*)." if opt else "")]
+    if opt:
+        lines += ["", f"SGD `step()` + `zero_grad()` over one rank's half of the parameters, timed alone: "
+                      f"{opt * 1e3:.1f} ms (part of *other*)."]
     return lines
+
 
 
 def pingpong_table(per_rank: list[dict]) -> list[str]:
@@ -606,7 +661,7 @@ def main(argv=None) -> int:
                    help="comma-separated subset of: " + ", ".join(PIPELINE + SINGLE))
     p.add_argument("--no-phases", dest="phases", action="store_false",
                    help="skip the per-phase timers and the ping-pong micro-benchmark")
-    p.add_argument("--phase-steps", type=int, default=3, help="steps per pipeline run with phase timers")
+    p.add_argument("--phase-steps", type=int, default=4, help="steps per pipeline run with phase timers")
     p.add_argument("--pingpong", type=int, default=200, help="round trips per ping-pong measurement")
     p.add_argument("--profile", action="store_true", help="also cProfile autosplit's 1f1b steps on each rank")
     p.add_argument("--out", default=None, help=f"markdown file to update (default {DEFAULT_OUT} when run with "
@@ -625,6 +680,9 @@ def main(argv=None) -> int:
     command = "python " + " ".join(["benchmarks/bench_pipeline.py"] + list(argv if argv is not None else sys.argv[1:]))
     section = render(summary, per_rank, command.strip(), total, args)
     print(section)
+    print("raw step times (s), slowest rank per step, in the order taken:")
+    for name, series in summary["series"].items():
+        print(f"  {name:18s} " + " ".join(f"{t:.3f}" for t in series))
     for r in per_rank:
         if "cprofile" in r:
             print(f"--- cProfile, rank {r['rank']}, autosplit 1f1b, {args.phase_steps} steps (by tottime) ---")

@@ -44,3 +44,14 @@ def all_gather_time(nbytes: float, n: int, profile) -> float:
 def reduce_scatter_time(nbytes: float, n: int, profile) -> float:
     """Ring reduce-scatter of an ``nbytes`` tensor over ``n`` ranks (each keeps nbytes / n)."""
     return _ring(1, nbytes, n, profile)
+
+
+def collective_time(node, n: int, profile) -> tuple[float, float]:
+    """(forward s, backward s) of a collective graph node (one with ``target.comm_kind``) over n ranks."""
+    from autosplit.passes.shape_prop import tensor_bytes
+    kinds = getattr(node.target, "comm_kind", None)
+    if not kinds:
+        return 0.0, 0.0
+    nbytes = max([tensor_bytes(node.meta.get("val"))] + [tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes])
+    table = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
+    return tuple(table[k](nbytes, n, profile) if k else 0.0 for k in kinds)

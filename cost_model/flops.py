@@ -383,6 +383,9 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> 
         return ZERO                     # placeholders, output, and Python-value arithmetic on shapes
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     ins = node.all_input_nodes
+    if getattr(node.target, "comm_kind", None):   # a collective: its time is communication (comm.py)
+        moved = sum(tensor_bytes(a.meta.get("val")) for a in ins) + tensor_bytes(node.meta["val"])
+        return NodeCost(fwd_bytes=moved, bwd_bytes=moved)
     in_b = sum(tensor_bytes(a.meta.get("val")) for a in ins)
     attr_b = sum(tensor_bytes(a.meta.get("val")) for a in ins if _is_param(a))
     out_b, param_b = tensor_bytes(node.meta["val"]), _module_params(module)

@@ -95,3 +95,27 @@ VARIANTS = {
     "torchvision": torchvision_vit,
     "hand": HandViT,
 }
+
+
+# Tensor-parallel test models: heads and hidden widths divide by 4.
+def tp_timm():
+    return timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                         mlp_ratio=2, num_classes=10, qkv_bias=True)
+
+
+def tp_torchvision():
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4,
+                                                hidden_dim=32, mlp_dim=64, num_classes=10)
+
+
+def tp_hand():
+    return HandViT(depth=2, heads=4)
+
+
+def tp_swiglu():
+    return timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                         mlp_layer=SwiGLU, act_layer=nn.SiLU, mlp_ratio=4, qk_norm=True,
+                                         num_classes=10)
+
+
+VARIANTS.update(tp_timm=tp_timm, tp_torchvision=tp_torchvision, tp_hand=tp_hand, tp_swiglu=tp_swiglu)

@@ -12,6 +12,7 @@ Terms:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.world import World
+from autosplit.tp.collectives import bind_axis_groups, reduce_grad
 
 
 class ParallelModule:
@@ -44,6 +46,7 @@ class ParallelModule:
         self.watchdog = Watchdog(world.store, world.rank, world.coord, world.timeout_s)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.plan, self.buckets, self.provisional = None, None, False
+        self._hooked: set[str] = set()
         if example_input is not None:
             self._build(example_input)
 
@@ -63,7 +66,15 @@ class ParallelModule:
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds,
                                  **self.compile_options)
         self.provisional = False
-        self.modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        self.raw_modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        self.modules = list(self.raw_modules)
+        bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
+        if self.plan.tp_plan is not None:
+            for m in self.raw_modules:
+                for name, p in m.named_parameters():
+                    if name in self.plan.tp_plan.partial_grads and name not in self._hooked:
+                        p.register_hook(functools.partial(reduce_grad, axis="tp"))
+                        self._hooked.add(name)
         if self.checkpoint not in (None, "stage"):
             raise AutosplitError(f"checkpoint={self.checkpoint!r}: expected None or 'stage'")
         if self.checkpoint == "stage":
@@ -153,14 +164,23 @@ class ParallelModule:
             if self.buckets:
                 self.buckets.enabled = previous
 
+    def _sharded(self) -> dict:
+        return self.plan.tp_plan.sharded if self.plan.tp_plan is not None else {}
+
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the global gradient norm over pp, tp and dp (each parameter counted once)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        local = torch.zeros(1, dtype=torch.float64, device=self.world.device)
-        for g in grads:
-            local += g.detach().double().square().sum()
-        work = dist.all_reduce(local, group=self.world.group("pp"), async_op=True)
-        self.watchdog.wait(work, "gradient-norm all-reduce")
+        """Clip by the global gradient norm over pp, tp and dp (each parameter counted once: a
+        tp-sharded parameter by all its shards, a replicated one by tp rank 0 only)."""
+        sharded = self._sharded()
+        grads, local = [], torch.zeros(1, dtype=torch.float64, device=self.world.device)
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            if name in sharded or self.tp_rank == 0:
+                local += p.grad.detach().double().square().sum()
+        for axis in ("pp", "tp"):
+            work = dist.all_reduce(local, group=self.world.group(axis), async_op=True)
+            self.watchdog.wait(work, f"gradient-norm all-reduce over {axis}")
         norm = math.sqrt(local.item())
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
@@ -192,13 +212,36 @@ class ParallelModule:
                 owners.setdefault(name, s % self.world.mesh.pp)
         return owners
 
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        local = {}
+        for m in self.raw_modules:
+            local.update(dict(m.named_parameters()))
+            local.update(dict(m.named_buffers()))
+        return local
+
+    def _gather_shards(self, name: str, tensor: torch.Tensor, full_shape) -> torch.Tensor:
+        info = self._sharded()[name]
+        group = self.world.group("tp")
+        parts = [torch.empty_like(tensor) for _ in range(self.world.mesh.tp)]
+        work = dist.all_gather(parts, tensor.detach().contiguous(), group=group, async_op=True)
+        self.watchdog.wait(work, f"full_state_dict gather of {name}")
+        full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)
+        for part, index in zip(parts, info.indices):
+            full.index_copy_(info.dim, index.to(tensor.device), part)
+        return full
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (full shapes, CPU tensors), identical on every rank."""
         self._require_plan("full_state_dict()")
-        owners = self._owners()
+        owners, local, sharded = self._owners(), self._local_tensors(), self._sharded()
         result = {}
         for name, tensor in self.model.state_dict().items():
-            buf = tensor.detach().to(self.world.device).clone()
+            if name in local and name in sharded:
+                buf = self._gather_shards(name, local[name], tensor.shape)
+            elif name in local:
+                buf = local[name].detach().clone()
+            else:
+                buf = tensor.detach().to(self.world.device).clone()
             if name in owners and self.world.mesh.pp > 1:
                 src = self.world.rank_at(pp=owners[name])
                 work = dist.broadcast(buf, src=src, group=self.world.group("pp"), async_op=True)
@@ -216,8 +259,16 @@ class ParallelModule:
             if tuple(state_dict[name].shape) != tuple(tensor.shape):
                 raise AutosplitError(f"load_full_state_dict: '{name}' has shape {tuple(state_dict[name].shape)}, "
                                      f"the model has {tuple(tensor.shape)}")
-            with torch.no_grad():
+        local, sharded = (self._local_tensors(), self._sharded()) if self.plan is not None else ({}, {})
+        with torch.no_grad():
+            for name, tensor in own.items():
                 tensor.copy_(state_dict[name])
+                if name in local:
+                    value = state_dict[name]
+                    if name in sharded:
+                        info = sharded[name]
+                        value = value.index_select(info.dim, info.indices[self.tp_rank])
+                    local[name].copy_(value)
 
 
 class _Checkpointed(torch.nn.Module):

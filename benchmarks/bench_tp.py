@@ -1,0 +1,501 @@
+"""Benchmark autosplit's 1D tensor parallelism against DTensor's ``parallelize_module``, side by side, on CPU.
+
+Two gloo ranks (one thread each) train timm's VisionTransformer(img_size=32, patch_size=4,
+embed_dim=192, depth=12, num_heads=6, num_classes=10) on a batch of 64, SGD, fp32, cross-entropy:
+
+  dtensor  -- ``init_device_mesh("cpu", (2,))`` and ``parallelize_module`` on every block:
+              ``ColwiseParallel`` for ``attn.qkv`` and ``mlp.fc1``, ``RowwiseParallel`` for ``attn.proj``
+              and ``mlp.fc2`` (Megatron's plan, written the way DTensor's tutorials write it).
+  ours     -- ``autosplit.parallelize(model, mesh=(1, 2, 1), num_microbatches=1, schedule="1f1b")``
+              and ``pm.step(x, y)``.
+  single   -- the whole model in one process on one thread (rank 0; the other rank waits in a barrier).
+
+What a careful DTensor user has to add for timm's attention (done here before parallelizing):
+  * timm's fused ``qkv`` weight is laid out (3, heads, head_dim) along its output rows.  A contiguous
+    column split would give rank 0 all of q and half of k.  The rows (and bias entries) are permuted
+    so that rank r's contiguous block is [q of its heads, k of its heads, v of its heads].
+  * timm's ``Attention.forward`` reshapes with ``self.num_heads`` and ``self.attn_dim`` (global
+    sizes); each block gets the local ones (heads / tp, attn_dim / tp).
+The script checks, before timing, that the DTensor model's loss on the first batch equals the
+single-device model's loss (|diff| <= 1e-5), so a wrong reordering cannot go unnoticed.  Every
+configuration starts from the same weights and trains on the same batch, so the losses of the first
+steps must agree across configurations (step 1 checks the forward, step 2 the gradients and update).
+
+Timing: 3 warm-up steps of each, then the timed steps interleaved in blocks (``--block`` steps of one
+configuration, then of the next; the order rotates each round) so that machine noise hits all of
+them.  Each step starts after a barrier; a step's time is the slowest rank's time for
+forward + backward + ``opt.step()`` + ``opt.zero_grad()``.
+
+autosplit's side is tried once per run; if ``parallelize`` fails (e.g. a release without tensor
+parallelism), the error is recorded and the section reports DTensor's numbers alone.
+``--probe`` only tries a tiny ``parallelize`` with mesh (1, 2, 1) on 2 ranks and exits 0 if it works.
+``--profile`` adds a cProfile of autosplit's steps on each rank (printed, not written).
+
+Run from the repository root:  python benchmarks/bench_tp.py             (writes docs/benchmarks.md)
+                               python benchmarks/bench_tp.py --steps 5   (quicker, print only)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+START = "<!-- bench_tp:start -->"
+END = "<!-- bench_tp:end -->"
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = "docs/benchmarks.md"
+
+WORLD = 2
+TP = 2
+BATCH = 64
+LR = 0.01
+VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=6, num_classes=10)
+CHECK_TOL = 1e-5
+
+CONFIGS = ("ours", "dtensor", "single")
+LABELS = {
+    "ours": "autosplit tp=2 (mesh (1, 2, 1))",
+    "dtensor": "DTensor parallelize_module, tp=2",
+    "single": "single device (1 rank, 1 thread)",
+}
+
+
+def build_model():
+    from timm.models import VisionTransformer
+    return VisionTransformer(**VIT)
+
+
+# ------------------------------------------------------------------------------ DTensor side
+
+def qkv_head_order(heads: int, head_dim: int, tp: int):
+    """Row permutation of a fused (3 * heads * head_dim)-row qkv weight: new row j takes old row idx[j].
+
+    Old rows are indexed (s, h, d) with s in {q, k, v}; new rows are (r, s, h_local, d), so a contiguous
+    split into ``tp`` blocks gives rank r the q, k and v rows of heads r*heads/tp .. (r+1)*heads/tp - 1.
+    """
+    import torch
+    local = heads // tp
+    return torch.arange(3 * heads * head_dim).view(3, tp, local, head_dim).permute(1, 0, 2, 3).reshape(-1)
+
+
+def dtensor_model(base, mesh):
+    """A copy of ``base`` tensor-parallelized with DTensor (qkv reordered, local head counts set)."""
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    model = copy.deepcopy(base)
+    tp = mesh.size()
+    for block in model.blocks:
+        attn = block.attn
+        assert attn.num_heads % tp == 0 and attn.gate is None
+        idx = qkv_head_order(attn.num_heads, attn.head_dim, tp)
+        with torch.no_grad():
+            attn.qkv.weight.copy_(attn.qkv.weight[idx])
+            if attn.qkv.bias is not None:
+                attn.qkv.bias.copy_(attn.qkv.bias[idx])
+        attn.num_heads //= tp                   # Attention.forward reshapes with these: make them local
+        attn.attn_dim //= tp
+        parallelize_module(block, mesh, {
+            "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(),
+        })
+    return model
+
+
+# ------------------------------------------------------------------------------------- worker
+
+def worker(rank: int, port: int, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    try:
+        results.put((rank, (probe_rank if args.probe else run_rank)(rank, args)))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        import traceback
+        results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def _init(rank: int):
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+
+
+def _agree(ok: bool) -> bool:
+    """True when every rank says ok (so no rank goes on alone into collectives the others skip)."""
+    import torch
+    import torch.distributed as dist
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def probe_rank(rank: int, args) -> dict:
+    """Try a tiny autosplit tensor-parallel step; report whether it worked."""
+    import torch
+    import torch.distributed as dist
+    _init(rank)
+    import autosplit
+    from timm.models import VisionTransformer
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=4)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    with torch.no_grad():
+        out = {"rank": rank, "reference": float(torch.nn.functional.cross_entropy(model(x), y))}
+    try:
+        pm = autosplit.parallelize(model, mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
+                                   num_microbatches=1, schedule="1f1b", example_input=x)
+        opt = torch.optim.SGD(pm.parameters(), lr=LR)
+        out["loss"] = pm.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001
+        out["unavailable"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    dist.destroy_process_group()
+    return out
+
+
+def run_rank(rank: int, args) -> dict:
+    import torch
+    import torch.distributed as dist
+    _init(rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    base = build_model()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, 32, 32, generator=gen)
+    y = torch.randint(0, VIT["num_classes"], (BATCH,), generator=gen)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out: dict = {"rank": rank, "losses": {}, "times": {}, "setup_s": {}}
+
+    with torch.no_grad():
+        reference = float(loss_fn(base(x), y))
+    out["reference_loss"] = reference
+
+    steps: dict = {}
+
+    # DTensor ------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    mesh = init_device_mesh("cpu", (TP,))
+    dt_model = dtensor_model(base, mesh)
+    dt_opt = torch.optim.SGD(dt_model.parameters(), lr=LR)
+    out["setup_s"]["dtensor"] = time.perf_counter() - t0
+    with torch.no_grad():
+        dt_loss = float(loss_fn(dt_model(x), y))
+    out["dtensor_check"] = {"dtensor": dt_loss, "single": reference, "abs_diff": abs(dt_loss - reference)}
+    # the plan without the reordering, to show what it gets wrong
+    if args.check_naive:
+        naive = copy.deepcopy(base)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        for block in naive.blocks:
+            block.attn.num_heads //= TP
+            block.attn.attn_dim //= TP
+            parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                             "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+        with torch.no_grad():
+            out["naive_loss"] = float(loss_fn(naive(x), y))
+        del naive
+
+    def dtensor_step():
+        loss = loss_fn(dt_model(x), y)
+        loss.backward()
+        dt_opt.step()
+        dt_opt.zero_grad()
+        return float(loss.detach())
+    steps["dtensor"] = dtensor_step
+
+    # autosplit ----------------------------------------------------------------------------------
+    ours_error = None
+    t0 = time.perf_counter()
+    try:
+        import autosplit
+        pm = autosplit.parallelize(copy.deepcopy(base), mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
+                                   num_microbatches=1, schedule="1f1b", example_input=x)
+        ours_opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on with DTensor alone
+        ours_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if not _agree(ours_error is None):
+        ours_error = ours_error or "autosplit.parallelize failed on another rank"
+    if ours_error is None:
+        out["setup_s"]["ours"] = time.perf_counter() - t0
+        out["ours_local_params"] = sum(p.numel() for p in pm.parameters())
+
+        def ours_step():
+            loss = pm.step(x, y)
+            ours_opt.step()
+            ours_opt.zero_grad()
+            return float(loss)
+        steps["ours"] = ours_step
+    out["ours_error"] = ours_error
+    out["dtensor_local_params"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                      for p in dt_model.parameters())
+
+    # single device ------------------------------------------------------------------------------
+    single = copy.deepcopy(base)
+    out["single_params"] = sum(p.numel() for p in single.parameters())
+    s_opt = torch.optim.SGD(single.parameters(), lr=LR)
+
+    def single_step():
+        if rank != 0:
+            return None
+        loss = loss_fn(single(x), y)
+        loss.backward()
+        s_opt.step()
+        s_opt.zero_grad()
+        return float(loss.detach())
+    steps["single"] = single_step
+
+    configs = [c for c in CONFIGS if c in steps and c in args.configs]
+
+    def timed(name):
+        dist.barrier()
+        t = time.perf_counter()
+        loss = steps[name]()
+        return time.perf_counter() - t, loss
+
+    # warm-up: its steps also give the first losses (same weights, same batch) -------------------
+    for name in configs:
+        for _ in range(args.warmup):
+            _, loss = timed(name)
+            out["losses"].setdefault(name, []).append(loss)
+    # timed steps, interleaved in blocks, the order rotating each round --------------------------
+    rounds = -(-args.steps // args.block)
+    for r in range(rounds):
+        k = r % len(configs)
+        for name in configs[k:] + configs[:k]:
+            for _ in range(min(args.block, args.steps - r * args.block)):
+                out["times"].setdefault(name, []).append(timed(name)[0])
+
+    if args.profile and "ours" in steps:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        for _ in range(3):
+            dist.barrier()
+            prof.enable()
+            steps["ours"]()
+            prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+        out["cprofile"] = buf.getvalue()
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+# ------------------------------------------------------------------------------------- driver
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> list[dict]:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, args, results), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < WORLD:
+            rank, res = results.get(timeout=args.timeout)
+            got[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v["error"] for r, v in got.items() if "error" in v}
+    if errors:
+        raise RuntimeError("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
+    return [got[r] for r in range(WORLD)]
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+    return {"median": statistics.median(xs), "p10": q[0], "p90": q[-1], "n": len(xs)}
+
+
+def summarize(per_rank: list[dict]) -> dict:
+    stats = {}
+    for name in per_rank[0]["times"]:
+        if name == "single":
+            series = per_rank[0]["times"][name]      # rank 1 only waits in the barrier
+        else:
+            series = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
+        stats[name] = _stats(series)
+    losses = {}
+    for name in per_rank[0]["losses"]:
+        # every rank returns the same (global) loss for the parallel runs; single runs on rank 0 only
+        losses[name] = per_rank[0]["losses"][name]
+    return {"stats": stats, "losses": losses}
+
+
+def checks(summary: dict, per_rank: list[dict]) -> list[tuple[str, str, str, bool | None]]:
+    """(what, value, target, passed) rows."""
+    rows = []
+    dc = per_rank[0]["dtensor_check"]
+    diffs = [abs(r["dtensor_check"]["abs_diff"]) for r in per_rank]
+    rows.append(("DTensor (qkv reordered) vs single device, loss on the first batch, max over ranks",
+                 f"{max(diffs):.1e} ({dc['dtensor']:.6f} vs {dc['single']:.6f})", f"<= {CHECK_TOL:g}",
+                 max(diffs) <= CHECK_TOL))
+    if "naive_loss" in per_rank[0]:
+        nd = abs(per_rank[0]["naive_loss"] - dc["single"])
+        rows.append(("DTensor without the reordering (contiguous qkv split), same loss difference",
+                     f"{nd:.1e} ({per_rank[0]['naive_loss']:.6f})", "(shows the plan is wrong)", None))
+    ls = summary["losses"]
+    for name in ("dtensor", "ours"):
+        if name in ls and "single" in ls:
+            for i, (a, b) in enumerate(zip(ls[name], ls["single"])):
+                d = abs(a - b)
+                rows.append((f"{LABELS[name]} vs single device, loss of step {i + 1}", f"{d:.1e}", "<= 1e-4",
+                             d <= 1e-4))
+    return rows
+
+
+def render(summary: dict, per_rank: list[dict], command: str, total_s: float, args) -> str:
+    import timm
+    import torch
+    st, ls = summary["stats"], summary["losses"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    err = per_rank[0]["ours_error"]
+    lines = [START, "## 1D tensor parallelism: autosplit vs DTensor (`benchmarks/bench_tp.py`)", "",
+             f"- Date: {now}",
+             f"- Machine: {os.cpu_count()} CPUs ({_cpu_name()}), Python {platform.python_version()}, "
+             f"torch {torch.__version__}, timm {timm.__version__}",
+             f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here)",
+             f"- Model: timm `VisionTransformer({', '.join(f'{k}={v}' for k, v in VIT.items())})`, fp32, SGD "
+             f"lr={LR}, cross-entropy, batch {BATCH}; {WORLD} gloo ranks, 1 thread each (`OMP_NUM_THREADS=1`, "
+             f"`torch.set_num_threads(1)`).",
+             "- DTensor: `init_device_mesh(\"cpu\", (2,))`, `parallelize_module` on each block with `ColwiseParallel` "
+             "for `attn.qkv`, `mlp.fc1` and `RowwiseParallel` for `attn.proj`, `mlp.fc2`; before that, as a careful "
+             "user must, each fused qkv weight/bias is row-permuted from (3, heads, head_dim) to (rank, 3, local "
+             "heads, head_dim) so the contiguous split gives each rank whole heads, and each block's "
+             "`attn.num_heads` / `attn.attn_dim` are set to the local values (timm's reshape uses them).",
+             "- autosplit: `autosplit.parallelize(model, mesh=(1, 2, 1), num_microbatches=1, schedule=\"1f1b\", "
+             "example_input=x)`, `pm.step(x, y)`, SGD over `pm.parameters()`."
+             + (f" **Not available in this run**: `{err}`." if err else ""),
+             f"- Step = forward + backward + `opt.step()` + `opt.zero_grad()`, after a barrier; time of the slowest "
+             f"rank (single device: rank 0, the other rank waits). {args.warmup} warm-up steps each, then "
+             f"{args.steps} timed steps each, interleaved in blocks of {args.block} (order rotated every round).",
+             "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | loss after step 1 | local params (rank 0) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    params = {"ours": per_rank[0].get("ours_local_params"), "dtensor": per_rank[0].get("dtensor_local_params"),
+              "single": per_rank[0].get("single_params")}
+    for name in CONFIGS:
+        if name in st:
+            s = st[name]
+            loss = f"{ls[name][0]:.6f}" if ls.get(name) else ""
+            pn = f"{params[name] / 1e6:.2f} M" if params.get(name) else ""
+            lines.append(f"| {LABELS[name]} | {s['median']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} | {s['n']} "
+                         f"| {loss} | {pn} |")
+        elif name == "ours":
+            lines.append(f"| {LABELS[name]} | not available | | | | | |")
+    lines += ["", "| comparison | value | target |", "|---|---:|---:|"]
+    if "ours" in st and "dtensor" in st:
+        lines.append(f"| autosplit / DTensor (median step) | {st['ours']['median'] / st['dtensor']['median']:.3f} "
+                     f"| <= 0.80 |")
+    for name in ("ours", "dtensor"):
+        if name in st and "single" in st:
+            lines.append(f"| speed-up over single device: {LABELS[name]} | "
+                         f"{st['single']['median'] / st[name]['median']:.2f} x | (ideal 2 x) |")
+    for what, value, target, ok in checks(summary, per_rank):
+        mark = "" if ok is None else (" (ok)" if ok else " (**FAILED**)")
+        lines.append(f"| {what} | {value}{mark} | {target} |")
+    lines += ["", END]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace our marked section of ``path`` (or append it); every other byte stays as it was.
+    The file is re-read right before writing because other benchmark scripts write their own sections."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END) + r"\n?", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=15, help="timed steps per configuration (default 15)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per configuration (default 3)")
+    p.add_argument("--block", type=int, default=3, help="consecutive timed steps of one configuration (default 3)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    p.add_argument("--no-naive-check", dest="check_naive", action="store_false",
+                   help="skip showing the loss of DTensor's plan without the qkv reordering")
+    p.add_argument("--profile", action="store_true", help="also cProfile 3 autosplit steps on each rank (printed)")
+    p.add_argument("--probe", action="store_true",
+                   help="only try a tiny autosplit parallelize with mesh (1, 2, 1); exit 0 if it works")
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the ranks")
+    p.add_argument("--out", default=None, help=f"markdown file to update (default {DEFAULT_OUT} when run with "
+                                                f"the default --steps/--warmup/--configs, else print only)")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+    if args.probe:
+        per_rank = launch(args)
+        bad = [r.get("unavailable") for r in per_rank if r.get("unavailable")]
+        if bad:
+            print(f"autosplit tp=2: not available: {bad[0]}")
+            return 1
+        print(f"autosplit tp=2: works (loss {per_rank[0]['loss']:.6f}, single device "
+              f"{per_rank[0]['reference']:.6f})")
+        return 0
+
+    t0 = time.perf_counter()
+    per_rank = launch(args)
+    total = time.perf_counter() - t0
+    summary = summarize(per_rank)
+    command = "python benchmarks/bench_tp.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
+                                                 if (argv if argv is not None else sys.argv[1:]) else "")
+    section = render(summary, per_rank, command.strip(), total, args)
+    print(section)
+    for r in per_rank:
+        if r.get("cprofile"):
+            print(f"--- cProfile, autosplit steps, rank {r['rank']} ---\n{r['cprofile']}")
+    defaults = args.steps == 15 and args.warmup == 3 and args.configs == list(CONFIGS)
+    out = args.out or (DEFAULT_OUT if defaults else None)
+    if out:
+        write_section(REPO / out, section)
+        print(f"wrote {out}")
+    failed = [c for c in checks(summary, per_rank) if c[3] is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
