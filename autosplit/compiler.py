@@ -24,6 +24,7 @@ from autosplit.passes.partition import balanced_bounds, equal_layer_bounds, stag
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
 from autosplit.passes.split_stages import SplitStages
 from autosplit.passes.tp_rewrite import shard_tensor_parallel
+from autosplit.passes.tp_sequence import apply_sequence_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
 from autosplit.schedule import check_schedule
 from autosplit.trace import trace
@@ -95,11 +96,13 @@ def _in_flight(schedule: str, pp: int, chunks: int, microbatches: int) -> list[i
 def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str = "1d",
             schedule: str = "1f1b", chunks_per_rank: int = 1, num_microbatches: int | None = None, *,
             device="h100", memory_budget: float | None = None, leaf_modules: Sequence[type] = (),
-            concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None) -> Plan:
+            concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
+            sequence_parallel: bool = False) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     ``device``: a cost-model profile ("h100", "a100", "cpu" measured here, or a DeviceProfile).
     ``memory_budget``: bytes per stage the cut must respect.  ``num_microbatches`` defaults to 2 * pp.
+    ``sequence_parallel``: with tp > 1, also shard the token dim between tensor-parallel regions.
     ``stage_bounds``: reuse another plan's cut (``plan.bounds``) instead of searching, e.g. to re-plan
     the same model for a new batch size while keeping every parameter on the same rank.
     """
@@ -116,6 +119,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     tp_plan = None
     if mesh.tp > 1:
         tp_plan = shard_tensor_parallel(gm, mesh.tp)
+        if sequence_parallel:
+            apply_sequence_parallel(gm, tp_plan)
         gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
         _shape_prop(gm, inputs)                           # local shapes of tp rank 0
     annotate = AnnotateCosts()

@@ -55,6 +55,7 @@ VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3, num_
 PIPELINE = ("ours_1f1b", "torch_1f1b", "ours_interleaved", "torch_interleaved", "ours_1f1b_equal",
             "ours_interleaved_equal")
 SINGLE = ("single_full", "single_accum", "single_accum_both")
+EXTRA = ("ours_1f1b_plainwait",)       # not run by default: --configs ...,ours_1f1b_plainwait
 LABELS = {
     "ours_1f1b": "autosplit 1f1b",
     "torch_1f1b": "torch Schedule1F1B",
@@ -62,6 +63,7 @@ LABELS = {
     "torch_interleaved": "torch ScheduleInterleaved1F1B (2 stages/rank)",
     "ours_1f1b_equal": "autosplit 1f1b on torch's cut",
     "ours_interleaved_equal": "autosplit interleaved on torch's cut",
+    "ours_1f1b_plainwait": "autosplit 1f1b, Watchdog.wait replaced by work.wait()",
     "single_full": "single rank, full batch of 64",
     "single_accum": "single rank, 8 x 8 gradient accumulation",
     "single_accum_both": "single-rank accumulation on both ranks at once",
@@ -295,6 +297,22 @@ def run_rank(rank: int, args) -> dict:
         out.setdefault("ours_stages", {})[name] = [
             f"{s.layers} -> {' + '.join('x'.join(map(str, t.shape)) for t in s.outputs)}" for s in pm.plan.stages]
 
+    if "ours_1f1b_plainwait" in args.configs and "ours_1f1b" in steps:
+        from autosplit.runtime import faults
+
+        def plain_wait(self, work, doing):
+            if work is not None:
+                work.wait()
+
+        def step_plain(inner=steps["ours_1f1b"]):
+            original = faults.Watchdog.wait
+            faults.Watchdog.wait = plain_wait
+            try:
+                return inner()
+            finally:
+                faults.Watchdog.wait = original
+        steps["ours_1f1b_plainwait"] = step_plain
+
     # torch.distributed.pipelining -------------------------------------------------------------
     # examples of the boundary tensors; requires_grad=True tells torch that a gradient flows back through it
     act = torch.zeros(mb, (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1, VIT["embed_dim"], requires_grad=True)
@@ -354,7 +372,7 @@ def run_rank(rank: int, args) -> dict:
     steps["single_accum"] = single_accum
     steps["single_accum_both"] = lambda: single_accum(all_ranks=True)
 
-    configs = [c for c in PIPELINE + SINGLE if c in args.configs]
+    configs = [c for c in PIPELINE + EXTRA + SINGLE if c in args.configs]
 
     def timed(name):
         dist.barrier()
@@ -383,21 +401,19 @@ def run_rank(rank: int, args) -> dict:
         timer = PhaseTimer()
         saved = _patch(timer)
         try:
-            for name in [c for c in PIPELINE if c in configs]:
-                timer.totals, timer.counts = {}, {}
-                total = 0.0
-                for _ in range(args.phase_steps):
+            # one instrumented step of each pipeline per round, like the timed steps
+            out["phase_steps"] = args.phase_steps
+            for _ in range(args.phase_steps):
+                for name in [c for c in PIPELINE if c in configs]:
+                    timer.totals, timer.counts = {}, {}
                     dist.barrier()
                     timer.enabled = True
                     t0 = time.perf_counter()
                     steps[name]()
-                    total += time.perf_counter() - t0
+                    total = time.perf_counter() - t0
                     timer.enabled = False
-                # the optimizer is inside step(): time it separately (same work on a fresh call)
-                out["phase_steps"] = args.phase_steps
-                out["phases"][name] = {"total": total / args.phase_steps,
-                                       "parts": {k: v / args.phase_steps for k, v in timer.totals.items()},
-                                       "counts": {k: v / args.phase_steps for k, v in timer.counts.items()}}
+                    out["phases"].setdefault(name, []).append(
+                        {"total": total, "parts": dict(timer.totals), "counts": dict(timer.counts)})
         finally:
             _unpatch(saved)
         out["optimizer_s"] = {}
@@ -521,7 +537,7 @@ def summarize(per_rank: list[dict]) -> dict:
 def render(summary: dict, per_rank: list[dict], command: str, total_s: float, args) -> str:
     import timm
     import torch
-    st, fl = summary["stats"], summary["first_loss"]
+    st, fl, series = summary["stats"], summary["first_loss"], summary["series"]
     m, p = MICROBATCHES, WORLD
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [START, "## Pipeline runtime: autosplit vs torch.distributed.pipelining (`benchmarks/bench_pipeline.py`)",
@@ -529,7 +545,9 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"- Date: {now}",
              f"- Machine: {os.cpu_count()} CPUs ({_cpu_name()}), Python {platform.python_version()}, "
              f"torch {torch.__version__}, timm {timm.__version__}",
-             f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here)",
+             f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here; 1-minute load average "
+             f"{summary['load'][0]:.2f} just before, {summary['load'][1]:.2f} just after, of which about 2 is this "
+             f"benchmark: more means other processes shared the CPUs, which shows as p90 outliers)",
              f"- Model: timm `VisionTransformer({', '.join(f'{k}={v}' for k, v in VIT.items())})`, fp32, SGD "
              f"lr={LR}; batch {BATCH} in {m} microbatches of {BATCH // m}; {p} gloo ranks, 1 thread each "
              f"(`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`).",
@@ -542,7 +560,7 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v) for k, v in per_rank[0].get("ours_stages", {}).items()),
              "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | first-step loss |",
              "|---|---:|---:|---:|---:|---:|"]
-    for name in PIPELINE + SINGLE:
+    for name in PIPELINE + EXTRA + SINGLE:
         if name in st:
             s = st[name]
             loss = f"{fl[name]:.6f}" if name in fl else ""
@@ -554,6 +572,16 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
         if ours in st and theirs in st:
             lines.append(f"| {sched}: autosplit / torch (median step) | {st[ours]['median'] / st[theirs]['median']:.3f} "
                          f"| <= 0.90 |")
+    for sched in ("1f1b", "interleaved"):
+        for ours in (f"ours_{sched}", f"ours_{sched}_equal"):
+            theirs = f"torch_{sched}"
+            if ours in series and theirs in series:
+                paired = statistics.median(a / b for a, b in zip(series[ours], series[theirs]))
+                lines.append(f"| {sched}: {LABELS[ours].replace('autosplit ' + sched, 'autosplit')} / torch, median "
+                             f"of per-round ratios | {paired:.3f} | <= 0.90 |")
+    if "ours_1f1b_plainwait" in series and "ours_1f1b" in series:
+        paired = statistics.median(a / b for a, b in zip(series["ours_1f1b_plainwait"], series["ours_1f1b"]))
+        lines.append(f"| 1f1b: plain `work.wait()` / `Watchdog.wait`, median of per-round ratios | {paired:.3f} | |")
     for sched in ("1f1b", "interleaved"):
         ours, theirs = f"ours_{sched}_equal", f"torch_{sched}"
         if ours in st and theirs in st:
@@ -588,8 +616,8 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
 def phase_table(per_rank: list[dict]) -> list[str]:
     names = [n for n in PIPELINE if n in per_rank[0]["phases"]]
     steps = per_rank[0].get("phase_steps", "?")
-    lines = [f"Where the time goes: {steps} more steps of each pipeline with timers on the runtimes' methods "
-             "(main thread; a nested timed call counts in its own column, not its caller's). *post*: posting "
+    lines = [f"Where the time goes: {steps} more steps of each pipeline (interleaved like the timed ones) with "
+             "timers on the runtimes' methods; shown: the step with the median time (main thread; a nested timed call counts in its own column, not its caller's). *post*: posting "
              "isend/irecv; *wait*: blocking on transfers (autosplit: all of `Watchdog.wait`, torch: "
              "`Work.wait()`), including waiting for the other rank's compute (the pipeline bubble); *other*: "
              "step minus the timed columns (optimizer, Python scheduling code). Seconds per step; (n) = calls "
@@ -597,8 +625,11 @@ def phase_table(per_rank: list[dict]) -> list[str]:
              "| pipeline | rank | step | forward | backward | post (n) | wait (n) | loss all-reduce | other |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in names:
+        # the step whose slowest-rank time is the median (lower middle) of the phase steps, on both ranks
+        totals = [max(r["phases"][n][k]["total"] for r in per_rank) for k in range(len(per_rank[0]["phases"][n]))]
+        pick = sorted(range(len(totals)), key=totals.__getitem__)[(len(totals) - 1) // 2]
         for r in per_rank:
-            ph = r["phases"][n]
+            ph = r["phases"][n][pick]
             parts, counts = ph["parts"], ph["counts"]
 
             def cell(c, with_count=False):
@@ -658,10 +689,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=15, help="timed steps per configuration (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per configuration (default 3)")
     p.add_argument("--configs", default=",".join(PIPELINE + SINGLE),
-                   help="comma-separated subset of: " + ", ".join(PIPELINE + SINGLE))
+                   help="comma-separated subset of: " + ", ".join(PIPELINE + EXTRA + SINGLE))
     p.add_argument("--no-phases", dest="phases", action="store_false",
                    help="skip the per-phase timers and the ping-pong micro-benchmark")
-    p.add_argument("--phase-steps", type=int, default=4, help="steps per pipeline run with phase timers")
+    p.add_argument("--phase-steps", type=int, default=5, help="steps per pipeline run with phase timers")
     p.add_argument("--pingpong", type=int, default=200, help="round trips per ping-pong measurement")
     p.add_argument("--profile", action="store_true", help="also cProfile autosplit's 1f1b steps on each rank")
     p.add_argument("--out", default=None, help=f"markdown file to update (default {DEFAULT_OUT} when run with "
@@ -669,14 +700,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the ranks")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = set(args.configs) - set(PIPELINE + SINGLE)
+    unknown = set(args.configs) - set(PIPELINE + EXTRA + SINGLE)
     if unknown:
         p.error(f"unknown configurations: {sorted(unknown)}")
 
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     per_rank = launch(args)
     total = time.perf_counter() - t0
     summary = summarize(per_rank)
+    summary["load"] = (load_before, os.getloadavg()[0])
     command = "python " + " ".join(["benchmarks/bench_pipeline.py"] + list(argv if argv is not None else sys.argv[1:]))
     section = render(summary, per_rank, command.strip(), total, args)
     print(section)

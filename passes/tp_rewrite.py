@@ -11,7 +11,7 @@ Terms:
   ShardedParam -- a parameter split across tp ranks: the dim and, per rank, the indices it keeps
                  (fused qkv rows by heads, not contiguous thirds).
   partial grads -- replicated parameters used inside a sharded region (a qk-norm weight): each rank's
-                 gradient covers only its heads, so the runtime all-reduces them over tp per backward.
+                 gradient covers only its heads, so the runtime all-reduces them over tp once per step.
   local root  -- for tp rank t, the modules and parameters the rewritten graph calls, with rank t's
                  shards; ``TensorParallelPlan.local_root(t)`` builds it.
 
@@ -119,6 +119,7 @@ def _reduce_after(graph: fx.Graph, node: fx.Node, bias_target: str | None) -> No
     node.replace_all_uses_with(result, delete_user_cb=lambda u: u is not reduced)
     for n, spec in ((node, Partial()), (reduced, Replicate()), (result, Replicate())):
         n.meta["spec"] = {AXIS: spec}
+        n.meta.setdefault("val", node.meta.get("val"))      # global shapes, until shape propagation reruns
     reduced.meta["module_path"] = result.meta["module_path"] = node.meta.get("module_path", "")
 
 

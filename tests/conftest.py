@@ -15,3 +15,10 @@ def pool4():
     pool = Pool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool8():
+    pool = Pool(8)
+    yield pool
+    pool.close()

@@ -31,7 +31,7 @@ def reference_training(model, xs, ys, lr):
 
 
 def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, microbatches: int = 4,
-                                batch: int = 8, steps: int = 3, lr: float = 0.1, lazy: bool = False):
+                                batch: int = 8, steps: int = 3, lr: float = 0.1, lazy: bool = False, **kw):
     """Losses and full_state_dict after `steps` SGD steps vs single-device training (max abs diffs)."""
     torch.manual_seed(0)
     model = VARIANTS[name]()
@@ -41,7 +41,7 @@ def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, mic
     example = None if lazy else xs[0, : batch // dp // microbatches]
     pm = autosplit.parallelize(model, mesh=mesh, loss_fn=torch.nn.CrossEntropyLoss(),
                                num_microbatches=microbatches, schedule=schedule, chunks_per_rank=chunks,
-                               example_input=example)
+                               example_input=example, **kw)
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     rows = batch // pm.dp_size
     losses = []
@@ -185,4 +185,40 @@ def mixed_precision():
     out["skipped"] = pm.scaler.skipped
     out["grads_none"] = all(p.grad is None for p in pm.parameters())
     out["scale_halved"] = pm.scaler.scale == before / 2
+    return out
+
+
+def count_tp_collectives(name: str, microbatches: int = 2, **kw):
+    """Collectives per transformer block and microbatch, forward and backward, in one training step."""
+    from autosplit.tp.collectives import COUNTS
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    depth = len([m for m in model.modules() if type(m).__name__ in ("Block", "EncoderBlock", "HandBlock")])
+    pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=microbatches,
+                               example_input=torch.randn(2, 3, 32, 32), **kw)
+    x, y = _data(1, 2 * microbatches)
+    COUNTS.clear()
+    pm.step(x[0], y[0])
+    per_block = {f"{k[0]}:{k[1]}": v / (depth * microbatches) for k, v in COUNTS.items()}
+    return {"per_block": per_block, "regions": len(pm.plan.tp_plan.regions), "depth": depth,
+            "microbatches": microbatches}
+
+
+def debug_grads(name):
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    ref = copy.deepcopy(model)
+    xs, ys = _data(1, 4)
+    pm = autosplit.parallelize(model, mesh=(1, 2, 1), num_microbatches=1, example_input=xs[0], sequence_parallel=True)
+    opt = torch.optim.SGD(pm.parameters(), lr=1.0)
+    pm.step(xs[0], ys[0])
+    torch.nn.functional.cross_entropy(ref(xs[0]), ys[0]).backward()
+    opt.step()
+    ropt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    ropt.step()
+    st = pm.full_state_dict()
+    out = {k: (st[k] - v).abs().max().item() for k, v in ref.state_dict().items()}
+    local = dict(pm.named_parameters())
+    b = "blocks.0.attn.proj.bias"
+    out["ratio"] = ((model.state_dict()[b] - local[b].detach()) / (model.state_dict()[b] - ref.state_dict()[b])).tolist()[:4]
     return out

@@ -1,6 +1,6 @@
 """A pool of spawned gloo processes that stays up across checks (spawning torch costs seconds).
 
-``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (fn must be importable: a module-level
+``pool.run(fn, *args, **kwargs)`` runs ``fn(*args, **kwargs)`` on every rank (fn must be importable: a module-level
 function) and returns the per-rank results; an exception on any rank is re-raised in the test with
 that rank's traceback.  A pool whose ranks may be left waiting on each other (fault tests) should be
 closed after use; ``run`` kills the pool when its timeout expires.
@@ -34,9 +34,9 @@ def _worker(rank: int, size: int, port: int, tasks, results) -> None:
         task = tasks.get()
         if task is None:
             break
-        module, name, args = task
+        module, name, args, kwargs = task
         try:
-            value = getattr(importlib.import_module(module), name)(*args)
+            value = getattr(importlib.import_module(module), name)(*args, **kwargs)
             results.put((rank, True, value))
         except BaseException as exc:  # report everything, including RankFailure
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -61,9 +61,9 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run_raw(self, fn, *args, timeout: float = 180) -> dict[int, tuple[bool, object]]:
+    def run_raw(self, fn, *args, timeout: float = 180, **kwargs) -> dict[int, tuple[bool, object]]:
         for q in self.tasks:
-            q.put((fn.__module__, fn.__name__, args))
+            q.put((fn.__module__, fn.__name__, args, kwargs))
         out = {}
         try:
             while len(out) < self.size:
@@ -75,8 +75,8 @@ class Pool:
                                f"{fn.__name__} within {timeout} s") from None
         return out
 
-    def run(self, fn, *args, timeout: float = 180) -> list:
-        out = self.run_raw(fn, *args, timeout=timeout)
+    def run(self, fn, *args, timeout: float = 180, **kwargs) -> list:
+        out = self.run_raw(fn, *args, timeout=timeout, **kwargs)
         errors = {r: v for r, (ok, v) in out.items() if not ok}
         if errors:
             raise RankError(errors)

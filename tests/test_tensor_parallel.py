@@ -1,10 +1,12 @@
-"""1D tensor parallelism (Megatron layout found from the graph) equals single-device training."""
+"""1D tensor parallelism (Megatron layout found from the graph), with and without sequence
+parallelism, equals single-device training; communication per block is Megatron's minimum."""
 import pytest
 
-from tests.dist_checks import train_matches_single_device
+from tests.dist_checks import count_tp_collectives, train_matches_single_device
 
 TOL = 1e-5
 MODELS = ["tp_timm", "tp_torchvision", "tp_hand"]
+SP = [False, True]
 
 
 def _assert_equal(results):
@@ -13,12 +15,42 @@ def _assert_equal(results):
     assert all(r["losses"] == results[0]["losses"] for r in results), "ranks disagree on the loss"
 
 
+@pytest.mark.parametrize("sp", SP)
 @pytest.mark.parametrize("name", MODELS + ["tp_swiglu"])
-def test_tp2(pool2, name):
-    _assert_equal(pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1))
+def test_tp2(pool2, name, sp):
+    _assert_equal(pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, sequence_parallel=sp))
+
+
+@pytest.mark.parametrize("sp", SP)
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mesh", [(1, 4, 1), (2, 2, 1)])
+def test_tp_four_ranks(pool4, name, mesh, sp):
+    _assert_equal(pool4.run(train_matches_single_device, name, mesh, "1f1b", 1, sequence_parallel=sp))
+
+
+@pytest.mark.parametrize("sp", SP)
+@pytest.mark.parametrize("name", MODELS)
+def test_tp_pp_dp_eight_ranks(pool8, name, sp):
+    _assert_equal(pool8.run(train_matches_single_device, name, (2, 2, 2), "1f1b", 1, sequence_parallel=sp))
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("mesh", [(1, 4, 1), (2, 2, 1)])
-def test_tp_four_ranks(pool4, name, mesh):
-    _assert_equal(pool4.run(train_matches_single_device, name, mesh, "1f1b", 1))
+def test_megatron_minimum_communication(pool2, name):
+    """2 all-reduces forward (after attention and MLP) and 2 backward (gradients of their inputs)."""
+    for r in pool2.run(count_tp_collectives, name):
+        assert r["regions"] == 2 * r["depth"], r
+        assert r["per_block"] == {"all_reduce:fwd": 2, "copy:fwd": 2, "copy:bwd": 2, "all_reduce:bwd": 2}, r
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sequence_parallel_communication(pool2, name):
+    """2 all-gathers + 2 reduce-scatters per block each way; one slice before the first block and
+    one gather after the last (spread over the depth here), and nothing else."""
+    for r in pool2.run(count_tp_collectives, name, sequence_parallel=True):
+        depth, per_block = r["depth"], r["per_block"]
+        # layer-norm and bias gradients (each rank saw only its tokens): one all-reduce per step
+        assert per_block.pop("grad_all_reduce:bwd") * depth * r["microbatches"] == 1, r
+        edges = 1 / depth                       # the slice and the final gather, once per model
+        assert per_block == {"all_gather:fwd": 2, "all_gather:bwd": 2, "gather:fwd": edges,
+                             "reduce_scatter:fwd": 2, "reduce_scatter:bwd": 2,
+                             "local_slice:fwd": edges, "local_slice:bwd": edges}, r

@@ -12,7 +12,6 @@ Terms:
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 
@@ -46,7 +45,7 @@ class ParallelModule:
         self.watchdog = Watchdog(world.store, world.rank, world.coord, world.timeout_s)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.plan, self.buckets, self.provisional = None, None, False
-        self._hooked: set[str] = set()
+        self.partial_params: list = []
         if example_input is not None:
             self._build(example_input)
 
@@ -69,19 +68,17 @@ class ParallelModule:
         self.raw_modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
         self.modules = list(self.raw_modules)
         bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
-        if self.plan.tp_plan is not None:
-            for m in self.raw_modules:
-                for name, p in m.named_parameters():
-                    if name in self.plan.tp_plan.partial_grads and name not in self._hooked:
-                        p.register_hook(functools.partial(reduce_grad, axis="tp"))
-                        self._hooked.add(name)
+        partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
+        # in graph order: every rank of a group flattens the same parameters in the same order
+        self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
         if self.checkpoint not in (None, "stage"):
             raise AutosplitError(f"checkpoint={self.checkpoint!r}: expected None or 'stage'")
         if self.checkpoint == "stage":
             self.modules = [_Checkpointed(m) for m in self.modules]
         stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
-            self.buckets = GradBuckets({s: list(m.parameters()) for s, m in zip(stages, self.modules)},
+            self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m)]
+                                        for s, m in zip(stages, self.raw_modules)},
                                        self.world.group("dp"), self.dp_size, self.watchdog, self.bucket_bytes)
         self.executor = PipelineExecutor(self.world, self.plan, self.modules, self.loss_fn, self.watchdog,
                                          self.autocast, self.buckets.arm if self.buckets else None)
@@ -140,11 +137,29 @@ class ParallelModule:
         self._plan_for(xs[0])
         self.watchdog.check()
         scale = self.scaler.scale / self.num_microbatches
+        earlier = [p.grad for p in self.partial_params]       # already reduced by earlier steps
+        for p in self.partial_params:
+            p.grad = None
         loss_sum, _ = self.executor.run(xs, ys, loss_scale=scale, train=True)
         if self.buckets is not None:
             self.buckets.finish()
+        self._reduce_partial_grads(earlier)
         self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
         return self._global_mean(loss_sum)
+
+    def _reduce_partial_grads(self, earlier: list) -> None:
+        """Sum over tp, once per step, the gradients of replicated parameters that each tp rank saw
+        only part of (qk-norm weights, layer norms under sequence parallelism), then add back what
+        earlier steps of a gradient accumulation had already reduced."""
+        if not self.partial_params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial_params]
+        flat = reduce_grad(torch.cat([g.reshape(-1) for g in grads]), "tp")
+        offset = 0
+        for p, before in zip(self.partial_params, earlier):
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone() + (before if before is not None else 0)
+            offset += n
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         total = loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches
@@ -269,6 +284,25 @@ class ParallelModule:
                         info = sharded[name]
                         value = value.index_select(info.dim, info.indices[self.tp_rank])
                     local[name].copy_(value)
+
+
+def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) in the order the graph first uses them: the same on every rank that runs
+    the same graph, whatever order its module registered them in (tp ranks build theirs differently)."""
+    params, seen = dict(module.named_parameters()), set()
+    out = []
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            names = [node.target]
+        elif node.op == "call_module":
+            names = [f"{node.target}.{n}" for n, _ in module.get_submodule(node.target).named_parameters()]
+        else:
+            continue
+        for name in names:
+            if name in params and name not in seen:
+                seen.add(name)
+                out.append((name, params[name]))
+    return out
 
 
 class _Checkpointed(torch.nn.Module):
