@@ -44,6 +44,11 @@ def summary_table(plan: Plan) -> str:
     head = (f"autosplit plan: mesh {plan.mesh}, {plan.n_stages} stages, schedule {plan.schedule}, "
             f"{plan.num_microbatches} microbatches of [{shapes}], device model {plan.device}")
     foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {equal:.3f} equal layer count"]
+    if plan.tp_plan is not None:
+        tp = plan.tp_plan
+        foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "
+                    f"{len(tp.sharded)} parameters split; everything else replicated")
+        foot += [f"  note: {note}" for note in tp.notes]
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
     return "\n".join([head, *lines, *foot])
@@ -59,6 +64,10 @@ def plan_dict(plan: Plan) -> dict:
         "balance": {"autosplit": ours, "equal_layer_count": equal,
                     "equal_layer_stage_times": plan.equal_layer_times},
         "unknown_ops": plan.unknown_ops,
+        "tensor_parallel": None if plan.tp_plan is None else {
+            "tp": plan.tp_plan.tp, "regions": plan.tp_plan.regions, "notes": plan.tp_plan.notes,
+            "sharded": {k: {"dim": v.dim, "full_shape": list(v.full_shape)} for k, v in plan.tp_plan.sharded.items()},
+            "partial_grads": sorted(plan.tp_plan.partial_grads)},
         "stages": [stage_info_dict(s) for s in plan.stages],
         "nodes": [_node_dict(n) for n in plan.graph.graph.nodes],
     }

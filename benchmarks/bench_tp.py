@@ -260,22 +260,30 @@ def run_rank(rank: int, args) -> dict:
 
     def timed(name):
         dist.barrier()
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         loss = steps[name]()
-        return time.perf_counter() - t, loss
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        if record:
+            out["times"].setdefault(name, []).append(wall)
+            out["cpu_times"].setdefault(name, []).append(cpu)
+        return wall, loss
 
     # warm-up: its steps also give the first losses (same weights, same batch) -------------------
+    record = False
+    out["cpu_times"] = {}
     for name in configs:
         for _ in range(args.warmup):
             _, loss = timed(name)
             out["losses"].setdefault(name, []).append(loss)
     # timed steps, interleaved in blocks, the order rotating each round --------------------------
+    record = True
     rounds = -(-args.steps // args.block)
     for r in range(rounds):
         k = r % len(configs)
         for name in configs[k:] + configs[:k]:
             for _ in range(min(args.block, args.steps - r * args.block)):
-                out["times"].setdefault(name, []).append(timed(name)[0])
+                timed(name)
+    record = False
 
     if args.profile and "ours" in steps:
         import cProfile
@@ -343,6 +351,9 @@ def summarize(per_rank: list[dict]) -> dict:
         else:
             series = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
         stats[name] = _stats(series)
+        cpu = (per_rank[0]["cpu_times"][name] if name == "single" else
+               [max(ts) for ts in zip(*(r["cpu_times"][name] for r in per_rank))])
+        stats[name]["cpu_median"] = statistics.median(cpu)
     losses = {}
     for name in per_rank[0]["losses"]:
         # every rank returns the same (global) loss for the parallel runs; single runs on rank 0 only
@@ -397,8 +408,12 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"- Step = forward + backward + `opt.step()` + `opt.zero_grad()`, after a barrier; time of the slowest "
              f"rank (single device: rank 0, the other rank waits). {args.warmup} warm-up steps each, then "
              f"{args.steps} timed steps each, interleaved in blocks of {args.block} (order rotated every round).",
-             "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | loss after step 1 | local params (rank 0) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"- Load average (1 min) at start / end of the run: {args.load[0]:.2f} / {args.load[1]:.2f} "
+             f"(other work on the machine inflates wall times; *CPU s* is the median over steps of the busiest "
+             f"rank's process CPU time in the step, less sensitive to that but blind to waiting).",
+             "", "| configuration | median (s) | p10 (s) | p90 (s) | CPU s (median) | steps | loss after step 1 "
+             "| local params (rank 0) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     params = {"ours": per_rank[0].get("ours_local_params"), "dtensor": per_rank[0].get("dtensor_local_params"),
               "single": per_rank[0].get("single_params")}
     for name in CONFIGS:
@@ -406,10 +421,10 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
             s = st[name]
             loss = f"{ls[name][0]:.6f}" if ls.get(name) else ""
             pn = f"{params[name] / 1e6:.2f} M" if params.get(name) else ""
-            lines.append(f"| {LABELS[name]} | {s['median']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} | {s['n']} "
-                         f"| {loss} | {pn} |")
+            lines.append(f"| {LABELS[name]} | {s['median']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} "
+                         f"| {s['cpu_median']:.3f} | {s['n']} | {loss} | {pn} |")
         elif name == "ours":
-            lines.append(f"| {LABELS[name]} | not available | | | | | |")
+            lines.append(f"| {LABELS[name]} | not available | | | | | | |")
     lines += ["", "| comparison | value | target |", "|---|---:|---:|"]
     if "ours" in st and "dtensor" in st:
         lines.append(f"| autosplit / DTensor (median step) | {st['ours']['median'] / st['dtensor']['median']:.3f} "
@@ -478,8 +493,10 @@ def main(argv=None) -> int:
         return 0
 
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     per_rank = launch(args)
     total = time.perf_counter() - t0
+    args.load = (load0, os.getloadavg()[0])
     summary = summarize(per_rank)
     command = "python benchmarks/bench_tp.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
                                                  if (argv if argv is not None else sys.argv[1:]) else "")

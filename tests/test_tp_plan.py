@@ -1,0 +1,79 @@
+"""Offline tensor-parallel planning: layouts found from the graph, shards, errors and notes."""
+import pytest
+import torch
+from torch import nn
+
+import autosplit
+from autosplit.errors import AutosplitError
+from tests.models import VARIANTS
+
+
+def _plan(name, mesh=(1, 2, 1), **kw):
+    torch.manual_seed(0)
+    return autosplit.compile(VARIANTS[name](), mesh=mesh, example_input=torch.randn(2, 3, 32, 32), **kw)
+
+
+def test_fused_qkv_is_split_by_heads_not_thirds():
+    plan = _plan("tp_timm")                     # width 32, 4 heads of 8: qkv rows are (3, 4, 8)
+    rows = plan.tp_plan.sharded["blocks.0.attn.qkv.weight"].indices
+    expected0 = torch.cat([torch.arange(0, 16), torch.arange(32, 48), torch.arange(64, 80)])
+    assert torch.equal(rows[0], expected0)
+    assert torch.equal(rows[1], expected0 + 16)
+    cols = plan.tp_plan.sharded["blocks.0.attn.proj.weight"]
+    assert cols.dim == 1 and torch.equal(cols.indices[0], torch.arange(16))
+
+
+def test_local_shapes_and_shape_constants():
+    plan = _plan("tp_timm")
+    module = plan.stage_modules(0, 1)[0]
+    params = dict(module.named_parameters())
+    assert params["blocks.0.attn.qkv.weight"].shape == (48, 32)     # 3 * 2 local heads * 8
+    assert params["blocks.0.mlp.fc2.weight"].shape == (32, 32)      # 64 hidden / 2
+    assert params["head.weight"].shape == (10, 32)                  # head stays replicated
+    code = module.code
+    assert "reshape(getitem_5, getitem_6, 3, 2, 8)" in code          # 4 heads -> 2 local heads
+    assert "copy_to_axis" in code and "all_reduce" in code and "'tp'" in code
+
+
+def test_multihead_attention_leaf_sharded_by_heads():
+    plan = _plan("tp_torchvision")
+    names = [r for r in plan.tp_plan.regions if "MultiheadAttention" in r]
+    assert len(names) == 2
+    local = dict(plan.stage_modules(0, 1)[0].named_parameters())
+    assert local["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"].shape == (48, 32)
+
+
+def test_heads_that_do_not_divide_name_the_layer():
+    with pytest.raises(AutosplitError, match=r"layer 'blocks.0.attn.proj'.*size 3.*tp\(2\)"):
+        _plan("timm_avgpool")                   # 3 heads
+
+
+def test_op_without_rule_stays_replicated_and_is_reported():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc2(torch.cumsum(self.fc1(x), dim=-1))  # cumsum mixes features: no safe split
+
+    plan = autosplit.compile(Odd(), mesh=(1, 2, 1), example_input=torch.randn(2, 8))
+    assert plan.tp_plan.regions == []
+    assert any("'fc2'" in n and "cumsum" in n for n in plan.tp_plan.notes), plan.tp_plan.notes
+    assert "stay replicated" in plan.summary() or "stays replicated" in plan.summary()
+
+
+def test_sequence_parallel_shards_tokens_between_regions():
+    plan = _plan("tp_hand", sequence_parallel=True)
+    code = plan.modules[0].code
+    assert code.count("reduce_scatter(") == 4 and code.count("all_gather(") == 4
+    assert "local_slice(" in code and "gather(norm" in code
+
+
+def test_dump_has_per_rank_code(tmp_path):
+    plan = _plan("tp_timm", mesh=(2, 2, 1))
+    plan.dump(tmp_path)
+    for r in range(2):
+        for t in range(2):
+            assert (tmp_path / f"pp{r}_tp{t}").is_dir()
+    assert "'tp'" in (tmp_path / "pp0_tp1" / "stage0.py").read_text()
