@@ -17,7 +17,7 @@ from torch import nn
 
 from autosplit.cost_model import AnnotateCosts, collective_time, get_profile, graph_time, p2p_time
 from autosplit.errors import AutosplitError
-from autosplit.layers import find_layer_ends, layers_label
+from autosplit.layers import find_layer_ends, layer_paths, layers_label
 from autosplit.mesh import MeshShape
 from autosplit.passes.cut_points import Cut, find_cuts
 from autosplit.passes.partition import balanced_bounds, equal_layer_bounds, stage_costs
@@ -114,49 +114,65 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     in_flight = _in_flight(schedule, mesh.pp, chunks_per_rank, num_microbatches)
     profile = get_profile(device)
 
-    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
-    _shape_prop(gm, inputs)
-    tp_plan = None
-    if mesh.tp > 1:
-        tp_plan = shard_tensor_parallel(gm, mesh.tp)
-        if sequence_parallel:
-            apply_sequence_parallel(gm, tp_plan)
-        gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
-        _shape_prop(gm, inputs)                           # local shapes of tp rank 0
+    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaf_modules, concrete_args)
     annotate = AnnotateCosts()
     annotate(gm)
-    nodes = list(gm.graph.nodes)
     cuts = find_cuts(gm)
     if n_stages > len(cuts) + 1:
         raise AutosplitError(
             f"pp({mesh.pp}) * chunks_per_rank({chunks_per_rank}) = {n_stages} stages, but the graph has only "
             f"{len(cuts)} places to cut (at most {len(cuts) + 1} stages); use fewer pipeline stages")
-    segments = _segments(nodes, cuts)
-    seg_time = [sum(graph_time(seg, profile)) + _comm(seg, mesh.tp, profile) for seg in segments]
-    out_time = [2 * p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
-    seg_params = [sum(n.meta["cost"].param_bytes for n in seg) for seg in segments]
-    seg_saved = [sum(n.meta["cost"].saved_bytes for n in seg) for seg in segments]
-
-    def stage_memory(s: int, j: int, k: int) -> float:
-        return OPTIMIZER_FACTOR * sum(seg_params[j:k + 1]) + in_flight[s] * sum(seg_saved[j:k + 1])
-
+    seg = _SegmentCosts(_segments(list(gm.graph.nodes), cuts), cuts, mesh.tp, profile, in_flight)
     bounds = list(stage_bounds) if stage_bounds is not None else \
-        balanced_bounds(seg_time, out_time, n_stages, stage_memory, memory_budget)
-    layer_ends = find_layer_ends(model, segments)
-    equal = equal_layer_bounds(layer_ends, len(segments), n_stages) if len(layer_ends) >= n_stages else bounds
-    _assign_stages(segments, bounds)
+        balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, memory_budget)
+    layer_ends = find_layer_ends(model, seg.segments)
+    equal = equal_layer_bounds(layer_ends, len(seg.segments), n_stages) if len(layer_ends) >= n_stages else bounds
+    _assign_stages(seg.segments, bounds)
     split = SplitStages(n_stages)
     split(gm)
-    stages = [_stage_info(model, s, mesh.pp, mesh.tp, split, segments, bounds, cuts, profile, in_flight[s])
-              for s in range(n_stages)]
     return Plan(mesh=mesh, tp_mode=tp_mode, schedule=schedule, chunks_per_rank=chunks_per_rank,
                 num_microbatches=num_microbatches, device=profile.name,
                 example_shapes=[tuple(x.shape) for x in inputs],
-                example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs], stages=stages,
-                equal_layer_times=stage_costs(equal, seg_time, out_time),
+                example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
+                stages=_stage_infos(model, mesh, split, seg, bounds),
+                equal_layer_times=stage_costs(equal, seg.time, seg.out_time),
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
                 tp_plan=tp_plan,
                 schedule_grid=check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank).format_grid())
+
+
+def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args):
+    """Traced, shape-annotated graph; with tp > 1 rewritten for tensor parallelism (local shapes of
+    tp rank 0) together with the TensorParallelPlan that builds the other ranks' modules."""
+    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
+    _shape_prop(gm, inputs)
+    if tp == 1:
+        return gm, None
+    tp_plan = shard_tensor_parallel(gm, tp)
+    if sequence_parallel:
+        apply_sequence_parallel(gm, tp_plan)
+    gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
+    _shape_prop(gm, inputs)
+    return gm, tp_plan
+
+
+class _SegmentCosts:
+    """Per segment: time (fwd + bwd compute and tp communication), boundary transfer, memory."""
+
+    def __init__(self, segments, cuts, tp: int, profile, in_flight: list[int]):
+        self.segments, self.cuts, self.tp, self.profile, self.in_flight = segments, cuts, tp, profile, in_flight
+        self.time = [sum(graph_time(s, profile)) + _comm(s, tp, profile) for s in segments]
+        self.out_time = [self.boundary_time(k) for k in range(len(segments))]
+        self.params = [sum(n.meta["cost"].param_bytes for n in s) for s in segments]
+        self.saved = [sum(n.meta["cost"].saved_bytes for n in s) for s in segments]
+
+    def boundary_time(self, k: int) -> float:
+        """Sending segment k's outputs forward and their gradients back (0 after the last)."""
+        return 2 * p2p_time(self.cuts[k].nbytes, self.profile) if k < len(self.cuts) else 0.0
+
+    def memory(self, stage: int, first: int, last: int) -> float:
+        return OPTIMIZER_FACTOR * sum(self.params[first:last + 1]) + \
+            self.in_flight[stage] * sum(self.saved[first:last + 1])
 
 
 def _visible(node: fx.Node) -> bool:
@@ -177,40 +193,40 @@ def _assign_stages(segments: list[list[fx.Node]], bounds: list[int]) -> None:
                 n.meta["stage"] = min(u.meta["stage"] for u in n.users)
 
 
-def _tensor_infos(names: list[str], by_name: dict[str, fx.Node]) -> list[TensorInfo]:
+def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     infos = []
-    for name in names:
-        val = by_name[name].meta.get("val") if name in by_name else None
+    for node in nodes:
+        val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            infos.append(TensorInfo(name, tuple(val.shape), str(val.dtype).removeprefix("torch."),
+            infos.append(TensorInfo(node.name, tuple(val.shape), str(val.dtype).removeprefix("torch."),
                                     tensor_bytes(val)))
         else:
-            infos.append(TensorInfo(name, (), type(val).__name__, 0))
+            infos.append(TensorInfo(node.name, (), type(val).__name__, 0))
     return infos
 
 
-def _stage_info(model, s: int, pp: int, mesh_tp: int, split: SplitStages, segments, bounds, cuts, profile,
-                in_flight) -> StageInfo:
-    all_nodes = [n for seg in segments for n in seg]
-    first = 0 if s == 0 else bounds[s - 1] + 1
-    nodes = [n for n in all_nodes if n.meta.get("stage") == s]
-    shown = [n for n in all_nodes if _visible(n)]      # labels skip Identity, Dropout(p=0), views
-    module = split.stages[s]
-    fwd, bwd = graph_time(nodes, profile)
-    comm = 2 * p2p_time(cuts[bounds[s]].nbytes, profile) if bounds[s] < len(cuts) else 0.0
-    comm += _comm(nodes, mesh_tp, profile)
-    params = dict(module.named_parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    saved = sum(n.meta["cost"].saved_bytes for n in nodes)
+def _stage_infos(model, mesh: MeshShape, split: SplitStages, seg: _SegmentCosts, bounds) -> list[StageInfo]:
+    all_nodes = [n for s in seg.segments for n in s]
     by_name = {n.name: n for n in all_nodes}
-    out_names = split.outputs[s]
-    if out_names == ["output"]:
-        result = all_nodes[-1].args[0]
-        if isinstance(result, fx.Node):
-            by_name["output"] = result
-    return StageInfo(
-        index=s, pp_rank=s % pp, chunk=s // pp, layers=layers_label(model, [n for n in shown if n.meta["stage"] == s], shown),
-        nodes=[n.name for n in nodes], params=list(params), n_params=sum(p.numel() for p in params.values()),
-        param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd, comm_time=comm, activation_bytes=saved,
-        in_flight=in_flight, memory_bytes=OPTIMIZER_FACTOR * param_bytes + in_flight * saved,
-        inputs=_tensor_infos(split.inputs[s], by_name), outputs=_tensor_infos(out_names, by_name))
+    result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
+    by_name["output"] = result if isinstance(result, fx.Node) else all_nodes[-1]
+    shown = [n for n in all_nodes if _visible(n)]     # labels skip Identity, Dropout(p=0), views
+    layers = layer_paths(model)
+    infos = []
+    for s, module in enumerate(split.stages):
+        nodes = [n for n in all_nodes if n.meta.get("stage") == s]
+        fwd, bwd = graph_time(nodes, seg.profile)
+        params = dict(module.named_parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        saved = sum(n.meta["cost"].saved_bytes for n in nodes)
+        infos.append(StageInfo(
+            index=s, pp_rank=s % mesh.pp, chunk=s // mesh.pp,
+            layers=layers_label(layers, [n for n in shown if n.meta["stage"] == s], shown),
+            nodes=[n.name for n in nodes], params=list(params), n_params=sum(p.numel() for p in params.values()),
+            param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd,
+            comm_time=seg.boundary_time(bounds[s]) + _comm(nodes, mesh.tp, seg.profile),
+            activation_bytes=saved, in_flight=seg.in_flight[s],
+            memory_bytes=OPTIMIZER_FACTOR * param_bytes + seg.in_flight[s] * saved,
+            inputs=_tensor_infos([by_name[n] for n in split.inputs[s]]),
+            outputs=_tensor_infos([by_name[n] for n in split.outputs[s]])))
+    return infos

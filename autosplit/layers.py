@@ -19,7 +19,8 @@ from torch import nn
 _SKIP = ("placeholder", "output")
 
 
-def _layer_paths(model: nn.Module) -> list[str]:
+def layer_paths(model: nn.Module) -> list[str]:
+    """Paths of the model's layers: children of its largest container of same-typed modules."""
     best: list[str] = []
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Sequential, nn.ModuleList)):
@@ -33,7 +34,7 @@ def _layer_paths(model: nn.Module) -> list[str]:
 def find_layer_ends(model: nn.Module, segments: Sequence[Sequence[fx.Node]]) -> list[int]:
     """For each layer, the index of the segment holding its last node (sorted, distinct)."""
     ends = []
-    for layer in _layer_paths(model):
+    for layer in layer_paths(model):
         found = [k for k, seg in enumerate(segments)
                  if any(_within(n.meta.get("module_path", ""), layer) for n in seg)]
         if found:
@@ -56,9 +57,8 @@ def _key(path: str, layers: Sequence[str]) -> tuple[str, str]:
     return top, top + "." + rest.split(".")[0] if rest else top
 
 
-def layers_label(model: nn.Module, stage_nodes: Sequence[fx.Node], all_nodes: Sequence[fx.Node]) -> str:
-    """A short readable description of the modules a stage covers."""
-    layers = _layer_paths(model)
+def layers_label(layers: Sequence[str], stage_nodes: Sequence[fx.Node], all_nodes: Sequence[fx.Node]) -> str:
+    """A short readable description of the modules a stage covers (``layers`` from layer_paths)."""
     count_all: dict[str, int] = {}
     for n in all_nodes:
         if n.op not in _SKIP:

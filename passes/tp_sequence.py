@@ -10,8 +10,8 @@ Terms (see tp_rewrite.py for spec, region, partial grads):
                  region, reached by walking back from its input; ``local_slice`` goes there.
 Rewrite: each region's ``all_reduce`` becomes ``reduce_scatter`` along tokens, each ``copy_to_axis``
 of a sharded tensor becomes ``all_gather``, and any other consumer of a sharded tensor (the head's
-pooling) gets a ``gather`` first (whose backward only slices: the head's gradient is whole).  Parameters of sharded-domain ops see only their rank's tokens,
-so they join the partial-grad list.  Token counts that do not divide by tp are padded (collectives.py).
+pooling) gets a ``gather`` first (whose backward only slices: the head's gradient is whole).
+Parameters of sharded-domain ops see only their rank's tokens, so they join the partial-grad list.  Token counts that do not divide by tp are padded (collectives.py).
 """
 from __future__ import annotations
 
