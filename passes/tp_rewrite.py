@@ -134,28 +134,26 @@ def _is_local_shape_read(a: fx.Node, region_nodes: set) -> bool:
 
 
 def _rewrite_sizes(graph: fx.Graph, region: Region, tp: int) -> None:
+    """Divide by tp every size argument that addresses the split dim (reshape/view/expand/split)."""
     members = set(region.nodes) | set(region.entries)
     for n in region.nodes:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if name not in _VIEW_SIZE_ARGS and name != "split":
-            continue
-        d = region.shard_dim(n) if name != "split" else None
-        if name == "split":
-            size = n.args[1]
-            if isinstance(size, int) and region.shard_dim(n.args[0]) == _split_dim(n):
-                n.args = (n.args[0], size // tp, *n.args[2:])
-            continue
-        if d is None:
-            continue
-        packed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))
-        sizes = list(n.args[1] if packed else n.args[1:])
-        s = sizes[d]
-        if isinstance(s, int) and s != -1:
-            sizes[d] = s // tp
-        elif isinstance(s, fx.Node) and not _is_local_shape_read(s, members):
-            with graph.inserting_before(n):
-                sizes[d] = graph.call_function(operator.floordiv, (s, tp))
-        n.args = (n.args[0], tuple(sizes)) if packed else (n.args[0], *sizes)
+        if name == "split" and isinstance(n.args[1], int) and region.shard_dim(n.args[0]) == _split_dim(n):
+            n.args = (n.args[0], n.args[1] // tp, *n.args[2:])
+        elif name in _VIEW_SIZE_ARGS and region.shard_dim(n) is not None:
+            _rewrite_view(graph, n, region.shard_dim(n), members, tp)
+
+
+def _rewrite_view(graph: fx.Graph, n: fx.Node, d: int, members: set, tp: int) -> None:
+    packed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))
+    sizes = list(n.args[1] if packed else n.args[1:])
+    s = sizes[d]
+    if isinstance(s, int) and s != -1:
+        sizes[d] = s // tp
+    elif isinstance(s, fx.Node) and not _is_local_shape_read(s, members):
+        with graph.inserting_before(n):
+            sizes[d] = graph.call_function(operator.floordiv, (s, tp))
+    n.args = (n.args[0], tuple(sizes)) if packed else (n.args[0], *sizes)
 
 
 def _split_dim(n: fx.Node) -> int:
