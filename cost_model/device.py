@@ -80,8 +80,11 @@ NAMES = tuple(_BUILTIN) + ("cpu",)
 
 @functools.lru_cache(maxsize=1)
 def _cpu_profile() -> DeviceProfile:
+    """This machine, measured in about half a second.  The two-process link measurement is left out:
+    a library call must not spawn processes (that re-runs an unguarded user script); call
+    ``calibrate(link=True)`` for it and pass the profile."""
     from autosplit.cost_model.calibrate import calibrate  # calibrate imports this module
-    return calibrate()
+    return calibrate(seconds=0.5, link=False)
 
 
 def get_profile(name_or_profile) -> DeviceProfile:

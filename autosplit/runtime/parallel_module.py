@@ -25,6 +25,7 @@ from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
 from autosplit.runtime.loss_scaler import LossScaler
+from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.world import World
 from autosplit.tp.collectives import bind_axis_groups, reduce_grad
 
@@ -46,6 +47,7 @@ class ParallelModule:
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.plan, self.buckets, self.provisional = None, None, False
         self.partial_params: list = []
+        self.profile = None
         if example_input is not None:
             self._build(example_input)
 
@@ -60,10 +62,15 @@ class ParallelModule:
         example = tuple(microbatch) if isinstance(microbatch, (tuple, list)) else (microbatch,)
         example = tuple(torch.empty_like(x, device="meta") for x in example)
         mesh = (self.world.mesh.pp, self.world.mesh.tp, self.world.mesh.dp)
+        options = dict(self.compile_options)
+        bounds = bounds if bounds is not None else options.pop("stage_bounds", None)
+        options.pop("stage_bounds", None)
+        if "device" not in options:             # measured (CPU) once, then reused for re-planning
+            self.profile = self.profile or agreed_profile(self.world)
+            options["device"] = self.profile
         self.plan = compile_plan(self.model, mesh=mesh, example_input=example, tp_mode=self.tp_mode,
                                  schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
-                                 num_microbatches=self.num_microbatches, stage_bounds=bounds,
-                                 **self.compile_options)
+                                 num_microbatches=self.num_microbatches, stage_bounds=bounds, **options)
         self.provisional = False
         self.raw_modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
         self.modules = list(self.raw_modules)
