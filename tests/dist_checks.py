@@ -101,9 +101,9 @@ def failing_rank():
     return {"error": err, "seconds": time.monotonic() - start}
 
 
-def lazy_plan_then_train():
+def lazy_plan_then_train(name="timm_cls", mesh=(2, 1, 1)):
     """example_input=None: parameters() before the first step plans from the model's input size."""
-    return train_matches_single_device("timm_cls", (2, 1, 1), "1f1b", 1, lazy=True)
+    return train_matches_single_device(name, mesh, "1f1b", 1, lazy=True)
 
 
 def _setup(mesh=(2, 1, 2), microbatches=2, batch=8, seed=0, **kw):
@@ -203,22 +203,3 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
     return {"per_block": per_block, "regions": len(pm.plan.tp_plan.regions), "depth": depth,
             "microbatches": microbatches}
 
-
-def debug_grads(name):
-    torch.manual_seed(0)
-    model = VARIANTS[name]()
-    ref = copy.deepcopy(model)
-    xs, ys = _data(1, 4)
-    pm = autosplit.parallelize(model, mesh=(1, 2, 1), num_microbatches=1, example_input=xs[0], sequence_parallel=True)
-    opt = torch.optim.SGD(pm.parameters(), lr=1.0)
-    pm.step(xs[0], ys[0])
-    torch.nn.functional.cross_entropy(ref(xs[0]), ys[0]).backward()
-    opt.step()
-    ropt = torch.optim.SGD(ref.parameters(), lr=1.0)
-    ropt.step()
-    st = pm.full_state_dict()
-    out = {k: (st[k] - v).abs().max().item() for k, v in ref.state_dict().items()}
-    local = dict(pm.named_parameters())
-    b = "blocks.0.attn.proj.bias"
-    out["ratio"] = ((model.state_dict()[b] - local[b].detach()) / (model.state_dict()[b] - ref.state_dict()[b])).tolist()[:4]
-    return out

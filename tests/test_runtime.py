@@ -28,8 +28,9 @@ def test_four_ranks_equal_single_device(pool4, name, mesh, schedule, chunks):
     _assert_equal(pool4.run(train_matches_single_device, name, mesh, schedule, chunks))
 
 
-def test_lazy_plan_keeps_parameters(pool2):
-    _assert_equal(pool2.run(lazy_plan_then_train))
+@pytest.mark.parametrize("name,mesh", [("timm_cls", (2, 1, 1)), ("tp_timm", (1, 2, 1))])
+def test_lazy_plan_keeps_parameters(pool2, name, mesh):
+    _assert_equal(pool2.run(lazy_plan_then_train, name, mesh))
 
 
 def test_bad_inputs_fail_clearly_on_every_rank(pool2):

@@ -72,7 +72,11 @@ class ParallelModule:
                                  schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds, **options)
         self.provisional = False
-        self.raw_modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        if bounds is not None:          # a re-plan keeps the parameter objects the optimizer was given
+            for old, new in zip(self.raw_modules, modules):
+                _adopt_parameters(old, new)
+        self.raw_modules = modules
         self.modules = list(self.raw_modules)
         bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
@@ -102,13 +106,14 @@ class ParallelModule:
             self.provisional = True
 
     def parameters(self):
-        self._require_plan("parameters()")
-        for m in self.modules:
-            yield from m.parameters()
+        """This rank's parameters (its stages' shards), for the optimizer."""
+        for _, p in self.named_parameters():
+            yield p
 
     def named_parameters(self):
+        """This rank's parameters under the original model's names."""
         self._require_plan("named_parameters()")
-        for m in self.modules:
+        for m in self.raw_modules:
             yield from m.named_parameters()
 
     # ---- training ------------------------------------------------------------------------------
@@ -293,6 +298,13 @@ class ParallelModule:
                     local[name].copy_(value)
 
 
+def _adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Put ``old``'s Parameter objects into ``new`` under the same names (shapes are the same)."""
+    for name, param in old.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(new.get_submodule(owner) if owner else new, leaf, param)
+
+
 def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) in the order the graph first uses them: the same on every rank that runs
     the same graph, whatever order its module registered them in (tp ranks build theirs differently)."""
@@ -324,6 +336,4 @@ class _Checkpointed(torch.nn.Module):
             return self.stage(*inputs)
         return torch.utils.checkpoint.checkpoint(self.stage, *inputs, use_reentrant=False)
 
-    def named_parameters(self, *args, **kwargs):   # keep the original names (no "stage." prefix)
-        return self.stage.named_parameters(*args, **kwargs)
 
