@@ -33,13 +33,13 @@ import copy
 import datetime
 import os
 import platform
-import re
-import socket
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
+
+from common import cpu_name, launch, profile_steps, step_stats, write_section
 
 START = "<!-- bench_pipeline:start -->"
 END = "<!-- bench_pipeline:end -->"
@@ -433,18 +433,7 @@ def run_rank(rank: int, args) -> dict:
             out["pingpong"] = pingpong(rank, next(iter(opts.values())).watchdog, act.detach(), args.pingpong)
 
     if args.profile and "ours_1f1b" in configs:
-        import cProfile
-        import io
-        import pstats
-        prof = cProfile.Profile()
-        for _ in range(args.phase_steps):
-            dist.barrier()
-            prof.enable()
-            steps["ours_1f1b"]()
-            prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
-        out["cprofile"] = buf.getvalue()
+        out["cprofile"] = profile_steps(steps["ours_1f1b"], args.phase_steps, ("tottime", 18))
 
     dist.barrier()
     dist.destroy_process_group()
@@ -479,42 +468,6 @@ def pingpong(rank: int, watchdog, tensor, n: int) -> dict:
 
 # ------------------------------------------------------------------------------------- driver
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args) -> list[dict]:
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < WORLD:
-            rank, res = results.get(timeout=args.timeout)
-            got[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v["error"] for r, v in got.items() if "error" in v}
-    if errors:
-        raise RuntimeError("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
-    return [got[r] for r in range(WORLD)]
-
-
-def _stats(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
-    return {"median": statistics.median(xs), "p10": q[0], "p90": q[-1], "n": len(xs)}
-
-
 def summarize(per_rank: list[dict]) -> dict:
     names = list(per_rank[0]["times"])
     stats, raw = {}, {}
@@ -524,7 +477,7 @@ def summarize(per_rank: list[dict]) -> dict:
             series = per_rank[0]["times"][name]
         else:
             series = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
-        stats[name] = _stats(series)
+        stats[name] = step_stats(series)
         raw[name] = series
     first = {}
     for r in per_rank:
@@ -543,7 +496,7 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
     lines = [START, "## Pipeline runtime: autosplit vs torch.distributed.pipelining (`benchmarks/bench_pipeline.py`)",
              "",
              f"- Date: {now}",
-             f"- Machine: {os.cpu_count()} CPUs ({_cpu_name()}), Python {platform.python_version()}, "
+             f"- Machine: {os.cpu_count()} CPUs ({cpu_name()}), Python {platform.python_version()}, "
              f"torch {torch.__version__}, timm {timm.__version__}",
              f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here; 1-minute load average "
              f"{summary['load'][0]:.2f} just before, {summary['load'][1]:.2f} just after, of which about 2 is this "
@@ -556,22 +509,24 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"each, interleaved one step at a time (order rotated every round).",
              f"- Stage cuts: torch's by hand with equal block counts (embedding + blocks 0-5 / blocks 6-11 + norm + "
              f"head; 3 blocks per stage for interleaved), boundary one 8x65x192 tensor; autosplit's own plan "
-             f"(stage layers -> boundary tensors): "
-             + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v) for k, v in per_rank[0].get("ours_stages", {}).items()),
+             f"with its default cost model, `device=\"h100\"` (stage layers -> boundary tensors): "
+             + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v)
+                         for k, v in per_rank[0].get("ours_stages", {}).items()),
              "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | first-step loss |",
              "|---|---:|---:|---:|---:|---:|"]
     for name in PIPELINE + EXTRA + SINGLE:
         if name in st:
             s = st[name]
             loss = f"{fl[name]:.6f}" if name in fl else ""
-            lines.append(f"| {LABELS[name]} | {s['median']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} | {s['n']} | {loss} |")
+            lines.append(f"| {LABELS[name]} | {s['median']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} | {s['n']} "
+                         f"| {loss} |")
     lines.append(f"| (reference: whole model, full batch, no update) | | | | | {fl['reference']:.6f} |")
     lines += ["", "| comparison | value | target |", "|---|---:|---:|"]
     for sched in ("1f1b", "interleaved"):
         ours, theirs = f"ours_{sched}", f"torch_{sched}"
         if ours in st and theirs in st:
-            lines.append(f"| {sched}: autosplit / torch (median step) | {st[ours]['median'] / st[theirs]['median']:.3f} "
-                         f"| <= 0.90 |")
+            ratio = st[ours]["median"] / st[theirs]["median"]
+            lines.append(f"| {sched}: autosplit / torch (median step) | {ratio:.3f} | <= 0.90 |")
     for sched in ("1f1b", "interleaved"):
         for ours in (f"ours_{sched}", f"ours_{sched}_equal"):
             theirs = f"torch_{sched}"
@@ -617,7 +572,8 @@ def phase_table(per_rank: list[dict]) -> list[str]:
     names = [n for n in PIPELINE if n in per_rank[0]["phases"]]
     steps = per_rank[0].get("phase_steps", "?")
     lines = [f"Where the time goes: {steps} more steps of each pipeline (interleaved like the timed ones) with "
-             "timers on the runtimes' methods; shown: the step with the median time (main thread; a nested timed call counts in its own column, not its caller's). *post*: posting "
+             "timers on the runtimes' methods; shown: the step with the median time (main thread; a nested "
+             "timed call counts in its own column, not its caller's). *post*: posting "
              "isend/irecv; *wait*: blocking on transfers (autosplit: all of `Watchdog.wait`, torch: "
              "`Work.wait()`), including waiting for the other rank's compute (the pipeline bubble); *other*: "
              "step minus the timed columns (optimizer, Python scheduling code). Seconds per step; (n) = calls "
@@ -660,30 +616,6 @@ def pingpong_table(per_rank: list[dict]) -> list[str]:
     return lines
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace our marked section of ``path`` (or append it); every other byte stays as it was.
-    The file is re-read right before writing because other benchmark scripts write their own sections."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END) + r"\n?", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=15, help="timed steps per configuration (default 15)")
@@ -706,7 +638,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
-    per_rank = launch(args)
+    per_rank = launch(worker, WORLD, args, args.timeout)
     total = time.perf_counter() - t0
     summary = summarize(per_rank)
     summary["load"] = (load_before, os.getloadavg()[0])
@@ -723,7 +655,7 @@ def main(argv=None) -> int:
     defaults = (args.steps, args.warmup, args.configs) == (15, 3, list(PIPELINE + SINGLE))
     path = Path(args.out) if args.out else (REPO / DEFAULT_OUT if defaults else None)
     if path is not None:
-        write_section(path, section)
+        write_section(path, section, START, END)
         print(f"wrote the bench_pipeline section of {path} ({total:.0f} s in all)")
     return 0
 

@@ -21,11 +21,12 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import cpu_name, write_section
 
 START = "<!-- bench_plan:start -->"
 END = "<!-- bench_plan:end -->"
@@ -194,17 +195,6 @@ def run_planning(names, profile: bool) -> list[dict]:
 
 # ---------------------------------------------------------------------------------- c. markdown
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -215,7 +205,7 @@ def render(balance: dict, planning: list[dict], command: str, total_s: float) ->
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [START, "## Planner: stage balance and planning cost (`benchmarks/bench_plan.py`)", "",
            f"- Date: {now}",
-           f"- Machine: {os.cpu_count()} CPUs ({_cpu_name()}), Python {platform.python_version()}, "
+           f"- Machine: {os.cpu_count()} CPUs ({cpu_name()}), Python {platform.python_version()}, "
            f"torch {torch.__version__}, timm {timm.__version__}",
            f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here)",
            "- All times below are the cost model's predictions for an H100 (`device=\"h100\"`), per "
@@ -271,18 +261,6 @@ def render(balance: dict, planning: list[dict], command: str, total_s: float) ->
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace our marked section of ``path`` (or append it), leaving every other byte as it was."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END) + r"\n?", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 # ------------------------------------------------------------------------------------------ main
 
 def main(argv=None) -> int:
@@ -310,7 +288,7 @@ def main(argv=None) -> int:
     section = render(balance, planning, command, total)
     path = Path(args.out) if args.out else (None if args.quick else REPO / DEFAULT_OUT)
     if path is not None:
-        write_section(path, section)
+        write_section(path, section, START, END)
         print(f"wrote the bench_plan section of {path} ({total:.0f} s in all)")
     else:
         print(section)

@@ -41,12 +41,12 @@ import copy
 import datetime
 import os
 import platform
-import re
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import cpu_name, launch, profile_steps, step_stats, write_section
 
 START = "<!-- bench_tp:start -->"
 END = "<!-- bench_tp:end -->"
@@ -207,13 +207,16 @@ def run_rank(rank: int, args) -> dict:
             out["naive_loss"] = float(loss_fn(naive(x), y))
         del naive
 
-    def dtensor_step():
-        loss = loss_fn(dt_model(x), y)
-        loss.backward()
-        dt_opt.step()
-        dt_opt.zero_grad()
-        return float(loss.detach())
-    steps["dtensor"] = dtensor_step
+    def plain_step(model, opt):
+        """A step of ``model`` the plain way: loss, backward, ``opt.step()``, ``opt.zero_grad()``."""
+        def step():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return float(loss.detach())
+        return step
+    steps["dtensor"] = plain_step(dt_model, dt_opt)
 
     # autosplit ----------------------------------------------------------------------------------
     ours_error = None
@@ -246,15 +249,7 @@ def run_rank(rank: int, args) -> dict:
     out["single_params"] = sum(p.numel() for p in single.parameters())
     s_opt = torch.optim.SGD(single.parameters(), lr=LR)
 
-    def single_step():
-        if rank != 0:
-            return None
-        loss = loss_fn(single(x), y)
-        loss.backward()
-        s_opt.step()
-        s_opt.zero_grad()
-        return float(loss.detach())
-    steps["single"] = single_step
+    steps["single"] = plain_step(single, s_opt) if rank == 0 else (lambda: None)   # rank 1 only waits
 
     configs = [c for c in CONFIGS if c in steps and c in args.configs]
 
@@ -285,63 +280,60 @@ def run_rank(rank: int, args) -> dict:
                 timed(name)
     record = False
 
+    if args.phase_steps and "ours" in steps:
+        out["phases"] = collective_phases(steps["ours"], args.phase_steps)
+        out["allreduce_ms"] = allreduce_cost(torch.zeros(BATCH, (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1,
+                                                         VIT["embed_dim"]), args.pingpong)
+
     if args.profile and "ours" in steps:
-        import cProfile
-        import io
-        import pstats
-        prof = cProfile.Profile()
-        for _ in range(3):
-            dist.barrier()
-            prof.enable()
-            steps["ours"]()
-            prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
-        out["cprofile"] = buf.getvalue()
+        out["cprofile"] = profile_steps(steps["ours"], 3, ("tottime", 25), ("cumulative", 25))
 
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-# ------------------------------------------------------------------------------------- driver
+def collective_phases(step, n: int) -> dict:
+    """Time spent in autosplit's tensor-parallel collectives (wrapped by name) over ``n`` steps."""
+    import torch.distributed as dist
+    from autosplit.tp import collectives
+    totals = {"all_reduce": [0.0, 0], "all_gather": [0.0, 0]}
+    saved = {}
+    for name in totals:
+        fn = saved[name] = getattr(collectives, f"_{name}")
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args) -> list[dict]:
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = {}
+        def wrapper(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_name][0] += time.perf_counter() - t
+                totals[_name][1] += 1
+        setattr(collectives, f"_{name}", wrapper)
+    step_s = 0.0
     try:
-        while len(got) < WORLD:
-            rank, res = results.get(timeout=args.timeout)
-            got[rank] = res
+        for _ in range(n):
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            step_s += time.perf_counter() - t
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v["error"] for r, v in got.items() if "error" in v}
-    if errors:
-        raise RuntimeError("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
-    return [got[r] for r in range(WORLD)]
+        for name, fn in saved.items():
+            setattr(collectives, f"_{name}", fn)
+    return {"step_s": step_s / n, **{k: (v[0] / n, v[1] / n) for k, v in totals.items()}}
 
 
-def _stats(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
-    return {"median": statistics.median(xs), "p10": q[0], "p90": q[-1], "n": len(xs)}
+def allreduce_cost(x, n: int) -> float:
+    """Milliseconds per plain gloo all-reduce of ``x`` (clone + all_reduce + work.wait()), both ranks."""
+    import torch.distributed as dist
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x.clone(), async_op=True).wait()
+    return (time.perf_counter() - t) / n * 1e3
 
+
+# ------------------------------------------------------------------------------------- driver
 
 def summarize(per_rank: list[dict]) -> dict:
     stats = {}
@@ -350,7 +342,7 @@ def summarize(per_rank: list[dict]) -> dict:
             series = per_rank[0]["times"][name]      # rank 1 only waits in the barrier
         else:
             series = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
-        stats[name] = _stats(series)
+        stats[name] = step_stats(series)
         cpu = (per_rank[0]["cpu_times"][name] if name == "single" else
                [max(ts) for ts in zip(*(r["cpu_times"][name] for r in per_rank))])
         stats[name]["cpu_median"] = statistics.median(cpu)
@@ -391,7 +383,7 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
     err = per_rank[0]["ours_error"]
     lines = [START, "## 1D tensor parallelism: autosplit vs DTensor (`benchmarks/bench_tp.py`)", "",
              f"- Date: {now}",
-             f"- Machine: {os.cpu_count()} CPUs ({_cpu_name()}), Python {platform.python_version()}, "
+             f"- Machine: {os.cpu_count()} CPUs ({cpu_name()}), Python {platform.python_version()}, "
              f"torch {torch.__version__}, timm {timm.__version__}",
              f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here)",
              f"- Model: timm `VisionTransformer({', '.join(f'{k}={v}' for k, v in VIT.items())})`, fp32, SGD "
@@ -438,42 +430,45 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
     for what, value, target, ok in checks(summary, per_rank):
         mark = "" if ok is None else (" (ok)" if ok else " (**FAILED**)")
         lines.append(f"| {what} | {value}{mark} | {target} |")
+    ph = [r.get("phases") for r in per_rank]
+    if all(ph):
+        ar = max(r["allreduce_ms"] for r in per_rank)
+        n_ar = ph[0]["all_reduce"][1]
+        lines += ["", f"Where autosplit's step goes ({args.phase_steps} more steps with timers on its tensor-parallel "
+                      f"collectives; seconds per step, rank 0 / rank 1):", "",
+                  "| part | rank 0 | rank 1 |", "|---|---:|---:|",
+                  "| step | " + " | ".join(f"{p['step_s']:.3f}" for p in ph) + " |",
+                  "| TP all-reduces (clone + all_reduce + wait), calls | "
+                  + " | ".join(f"{p['all_reduce'][0]:.3f} ({p['all_reduce'][1]:.0f})" for p in ph) + " |",
+                  "| TP all-gathers, calls | "
+                  + " | ".join(f"{p['all_gather'][0]:.3f} ({p['all_gather'][1]:.0f})" for p in ph) + " |",
+                  "| everything else (compute, optimizer, Python) | "
+                  + " | ".join(f"{p['step_s'] - p['all_reduce'][0] - p['all_gather'][0]:.3f}" for p in ph) + " |",
+                  "", f"A plain gloo all-reduce of one {BATCH}x{(VIT['img_size'] // VIT['patch_size']) ** 2 + 1}x"
+                      f"{VIT['embed_dim']} fp32 activation ({BATCH * ((VIT['img_size'] // VIT['patch_size']) ** 2 + 1) * VIT['embed_dim'] * 4 / 2**20:.1f} MiB), "
+                      f"alone: {ar:.2f} ms. Megatron's minimum is 4 per block (2 forward, 2 backward), the same for "
+                      f"DTensor's plan."]
+        if "single" in st:
+            floor = st["single"]["median"] / TP + n_ar * ar / 1e3
+            lines.append(f"Without overlapping communication and compute, a step cannot beat single-device time / {TP} "
+                         f"+ {n_ar:.0f} x {ar:.2f} ms = {floor:.3f} s (replicated layers not even counted)"
+                         + (f"; the target 0.8 x DTensor is {0.8 * st['dtensor']['median']:.3f} s." if "dtensor" in st
+                            else "."))
     lines += ["", END]
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace our marked section of ``path`` (or append it); every other byte stays as it was.
-    The file is re-read right before writing because other benchmark scripts write their own sections."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END) + r"\n?", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=15, help="timed steps per configuration (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per configuration (default 3)")
-    p.add_argument("--block", type=int, default=3, help="consecutive timed steps of one configuration (default 3)")
+    p.add_argument("--block", type=int, default=1, help="consecutive timed steps of one configuration (default 1)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
     p.add_argument("--no-naive-check", dest="check_naive", action="store_false",
                    help="skip showing the loss of DTensor's plan without the qkv reordering")
+    p.add_argument("--phase-steps", type=int, default=3,
+                   help="extra autosplit steps with timers on its collectives (0: skip; default 3)")
+    p.add_argument("--pingpong", type=int, default=50, help="plain all-reduces timed for the reference cost")
     p.add_argument("--profile", action="store_true", help="also cProfile 3 autosplit steps on each rank (printed)")
     p.add_argument("--probe", action="store_true",
                    help="only try a tiny autosplit parallelize with mesh (1, 2, 1); exit 0 if it works")
@@ -485,7 +480,7 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
 
     if args.probe:
-        per_rank = launch(args)
+        per_rank = launch(worker, WORLD, args, args.timeout)
         bad = [r.get("unavailable") for r in per_rank if r.get("unavailable")]
         if bad:
             print(f"autosplit tp=2: not available: {bad[0]}")
@@ -496,7 +491,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    per_rank = launch(args)
+    per_rank = launch(worker, WORLD, args, args.timeout)
     total = time.perf_counter() - t0
     args.load = (load0, os.getloadavg()[0])
     summary = summarize(per_rank)
@@ -510,7 +505,7 @@ def main(argv=None) -> int:
     defaults = args.steps == 15 and args.warmup == 3 and args.configs == list(CONFIGS)
     out = args.out or (DEFAULT_OUT if defaults else None)
     if out:
-        write_section(REPO / out, section)
+        write_section(REPO / out, section, START, END)
         print(f"wrote {out}")
     failed = [c for c in checks(summary, per_rank) if c[3] is False]
     return 1 if failed else 0
