@@ -281,11 +281,7 @@ def run_rank(rank: int, args) -> dict:
         model = copy.deepcopy(base)
         pm = autosplit.parallelize(model, mesh=(WORLD, 1, 1), loss_fn=torch.nn.CrossEntropyLoss(),
                                    num_microbatches=MICROBATCHES, schedule=schedule, chunks_per_rank=chunks,
-                                   example_input=None if bounds else x[:mb])
-        if bounds:
-            # parallelize(..., stage_bounds=...) collides with the stage_bounds ParallelModule passes itself
-            # (TypeError: multiple values), so plan through the private hook that takes the bounds
-            pm._build(x[:mb], bounds=bounds)
+                                   example_input=x[:mb], stage_bounds=bounds)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
 
         def step(pm=pm, opt=opt):
@@ -509,7 +505,8 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"each, interleaved one step at a time (order rotated every round).",
              f"- Stage cuts: torch's by hand with equal block counts (embedding + blocks 0-5 / blocks 6-11 + norm + "
              f"head; 3 blocks per stage for interleaved), boundary one 8x65x192 tensor; autosplit's own plan "
-             f"with its default cost model, `device=\"h100\"` (stage layers -> boundary tensors): "
+             f"with `parallelize`'s default cost model (on CPU: this machine, calibrated by rank 0) "
+             f"(stage layers -> boundary tensors): "
              + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v)
                          for k, v in per_rank[0].get("ours_stages", {}).items()),
              "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | first-step loss |",

@@ -47,6 +47,7 @@ class ParallelModule:
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.plan, self.buckets, self.provisional = None, None, False
         self.partial_params: list = []
+        self.raw_modules: list = []
         self.profile = None
         if example_input is not None:
             self._build(example_input)
@@ -73,7 +74,7 @@ class ParallelModule:
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds, **options)
         self.provisional = False
         modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
-        if bounds is not None:          # a re-plan keeps the parameter objects the optimizer was given
+        if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
             for old, new in zip(self.raw_modules, modules):
                 _adopt_parameters(old, new)
         self.raw_modules = modules
