@@ -35,9 +35,22 @@ class Cut:
     nbytes: int                 # bytes of those values for one microbatch
 
 
-def _owner(node: fx.Node) -> str | None:
-    """The parameter-holding thing a node touches: a module it calls or an attribute it reads."""
-    return str(node.target) if node.op in ("call_module", "get_attr") else None
+def _owners(nodes: list[fx.Node]) -> list[str | None]:
+    """The parameter-holding thing each node touches: the module it calls, or for a parameter read
+    the module that holds it when that module is also called (a row-parallel layer's bias is read
+    after the all-reduce), else the attribute itself."""
+    modules = {str(n.target) for n in nodes if n.op == "call_module"}
+
+    def owner(n: fx.Node) -> str | None:
+        if n.op == "call_module":
+            return str(n.target)
+        if n.op != "get_attr":
+            return None
+        parts = str(n.target).split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        return next((p for p in prefixes if p in modules), str(n.target))
+
+    return [owner(n) for n in nodes]
 
 
 def crossing_sets(nodes: list[fx.Node]) -> list[list[fx.Node]]:
@@ -55,13 +68,16 @@ def crossing_sets(nodes: list[fx.Node]) -> list[list[fx.Node]]:
 
 
 def _split_owners(nodes: list[fx.Node]) -> list[bool]:
-    """split[i]: some module or parameter is used both at/before i and after i."""
+    """split[i]: some module or parameter is used both at/before i and after i.  A parameter read
+    is placed with its users (split_stages copies it there), so its users' positions count."""
+    index = {n: i for i, n in enumerate(nodes)}
     first, last = {}, {}
-    for i, n in enumerate(nodes):
-        owner = _owner(n)
-        if owner is not None:
-            first.setdefault(owner, i)
-            last[owner] = i
+    for n, owner in zip(nodes, _owners(nodes)):
+        if owner is None:
+            continue
+        used_at = [index[u] for u in n.users] if n.op == "get_attr" and n.users else [index[n]]
+        first[owner] = min(first.get(owner, len(nodes)), *used_at)
+        last[owner] = max(last.get(owner, -1), *used_at)
     split = [False] * len(nodes)
     for owner, lo in first.items():
         for i in range(lo, last[owner]):

@@ -203,3 +203,4 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
     return {"per_block": per_block, "regions": len(pm.plan.tp_plan.regions), "depth": depth,
             "microbatches": microbatches}
 
+

@@ -77,3 +77,15 @@ def test_dump_has_per_rank_code(tmp_path):
         for t in range(2):
             assert (tmp_path / f"pp{r}_tp{t}").is_dir()
     assert "'tp'" in (tmp_path / "pp0_tp1" / "stage0.py").read_text()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("name", ["tp_timm", "tp_torchvision", "tp_hand"])
+def test_no_parameter_in_two_stages(name, sp):
+    """A row-parallel layer's bias is read after its all-reduce: no cut may fall between the two."""
+    for pp in (2, 3, 4, 5):
+        for device in ("h100", "a100"):
+            plan = _plan(name, mesh=(pp, 2, 1), sequence_parallel=sp, device=device)
+            for t in range(2):
+                names = [set(dict(m.named_parameters())) for r in range(pp) for m in plan.stage_modules(r, t)]
+                assert sum(map(len, names)) == len(set().union(*names)), (pp, device, t)
