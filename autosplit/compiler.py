@@ -87,9 +87,8 @@ def _comm(nodes: Sequence[fx.Node], tp: int, profile) -> float:
     return sum(sum(collective_time(n, tp, profile)) for n in nodes)
 
 
-def _in_flight(schedule: str, pp: int, chunks: int, microbatches: int) -> list[int]:
+def _in_flight(result, pp: int, chunks: int) -> list[int]:
     """Microbatches whose activations each stage holds at the schedule's peak (from the simulator)."""
-    result = check_schedule(schedule, pp, microbatches, chunks)
     return [max(1, -(-result.peak_activations[s % pp] // chunks)) for s in range(pp * chunks)]
 
 
@@ -111,7 +110,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     inputs = _as_inputs(model, example_input)
     num_microbatches = num_microbatches or 2 * mesh.pp
     n_stages = mesh.pp * chunks_per_rank
-    in_flight = _in_flight(schedule, mesh.pp, chunks_per_rank, num_microbatches)
+    simulated = check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank)  # proves it deadlock-free
+    in_flight = _in_flight(simulated, mesh.pp, chunks_per_rank)
     profile = get_profile(device)
 
     gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaf_modules, concrete_args)
@@ -125,7 +125,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     seg = _SegmentCosts(_segments(list(gm.graph.nodes), cuts), cuts, mesh.tp, profile, in_flight)
     bounds = list(stage_bounds) if stage_bounds is not None else \
         balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, memory_budget)
-    layer_ends = find_layer_ends(model, seg.segments)
+    layers = layer_paths(model)
+    layer_ends = find_layer_ends(layers, seg.segments)
     equal = equal_layer_bounds(layer_ends, len(seg.segments), n_stages) if len(layer_ends) >= n_stages else bounds
     _assign_stages(seg.segments, bounds)
     split = SplitStages(n_stages)
@@ -134,11 +135,11 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 num_microbatches=num_microbatches, device=profile.name,
                 example_shapes=[tuple(x.shape) for x in inputs],
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
-                stages=_stage_infos(model, mesh, split, seg, bounds),
-                equal_layer_times=stage_costs(equal, seg.time, seg.out_time),
+                stages=_stage_infos(layers, mesh, split, seg, bounds),
+                equal_layer_times=stage_costs(equal, seg.time, seg.out_time), equal_layer_bounds=list(equal),
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
                 tp_plan=tp_plan,
-                schedule_grid=check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank).format_grid())
+                schedule_grid=simulated.format_grid())
 
 
 def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args):
@@ -205,13 +206,12 @@ def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     return infos
 
 
-def _stage_infos(model, mesh: MeshShape, split: SplitStages, seg: _SegmentCosts, bounds) -> list[StageInfo]:
+def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: _SegmentCosts, bounds) -> list[StageInfo]:
     all_nodes = [n for s in seg.segments for n in s]
     by_name = {n.name: n for n in all_nodes}
     result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
     by_name["output"] = result if isinstance(result, fx.Node) else all_nodes[-1]
     shown = [n for n in all_nodes if _visible(n)]     # labels skip Identity, Dropout(p=0), views
-    layers = layer_paths(model)
     infos = []
     for s, module in enumerate(split.stages):
         nodes = [n for n in all_nodes if n.meta.get("stage") == s]

@@ -31,10 +31,10 @@ def layer_paths(model: nn.Module) -> list[str]:
     return best
 
 
-def find_layer_ends(model: nn.Module, segments: Sequence[Sequence[fx.Node]]) -> list[int]:
-    """For each layer, the index of the segment holding its last node (sorted, distinct)."""
+def find_layer_ends(layers: Sequence[str], segments: Sequence[Sequence[fx.Node]]) -> list[int]:
+    """For each layer (from layer_paths), the index of the segment holding its last node (sorted, distinct)."""
     ends = []
-    for layer in layer_paths(model):
+    for layer in layers:
         found = [k for k, seg in enumerate(segments)
                  if any(_within(n.meta.get("module_path", ""), layer) for n in seg)]
         if found:

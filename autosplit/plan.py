@@ -64,6 +64,7 @@ class Plan:
     example_dtypes: list[str]
     stages: list[StageInfo]
     equal_layer_times: list[float]            # stage costs of the equal-layer-count cut, for comparison
+    equal_layer_bounds: list[int]             # that cut, as stage_bounds (to run it for comparison)
     unknown_ops: list[str]
     bounds: list[int]                         # last segment of each stage (see passes/partition.py)
     graph: fx.GraphModule = field(repr=False)  # the whole traced graph, annotated

@@ -123,17 +123,11 @@ def _pieces(vit, n_pieces: int):
 
 
 def equal_layer_bounds(model, example, n_stages: int) -> list[int]:
-    """autosplit's ``stage_bounds`` for the equal-block cut (torch's hand split), from the compiler's own
-    equal-layer-count computation (private helpers: this follows autosplit.compiler.compile)."""
-    from autosplit import compiler
-    from autosplit.layers import find_layer_ends
-    from autosplit.passes.cut_points import find_cuts
-    from autosplit.passes.partition import equal_layer_bounds as equal_bounds
-    gm = compiler.trace(model, 1)
-    compiler._shape_prop(gm, (example,))
-    compiler.AnnotateCosts()(gm)
-    segments = compiler._segments(list(gm.graph.nodes), find_cuts(gm))
-    return list(equal_bounds(find_layer_ends(model, segments), len(segments), n_stages))
+    """autosplit's ``stage_bounds`` for the equal-block cut (torch's hand split), as the plan reports it."""
+    import autosplit
+    return autosplit.compile(model, mesh=(WORLD, 1, 1), example_input=example,
+                             schedule="interleaved" if n_stages > WORLD else "1f1b",
+                             chunks_per_rank=n_stages // WORLD, num_microbatches=MICROBATCHES).equal_layer_bounds
 
 
 # ------------------------------------------------------------------------------------- timing

@@ -58,12 +58,21 @@ class Region:
         return None
 
 
-def _name(node: fx.Node, gm: fx.GraphModule) -> str:
+def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    """What a node runs, for the rule tables: module class, method name or function name."""
     if node.op == "call_module":
         return type(gm.get_submodule(node.target)).__name__
     if node.op == "call_method":
         return str(node.target)
     return getattr(node.target, "__name__", str(node.target)).strip("_")
+
+
+def params_used(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Names of the parameters ``node`` reads: get_attr inputs, or the called module's own."""
+    names = [a.target for a in node.all_input_nodes if a.op == "get_attr"]
+    if node.op == "call_module":
+        names += [f"{node.target}.{p}" for p, _ in gm.get_submodule(node.target).named_parameters()]
+    return names
 
 
 def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -141,7 +150,7 @@ class _Analysis:
         return self.r.layouts.get(a) if isinstance(a, fx.Node) else None
 
     def rule(self, n: fx.Node):
-        name = _name(n, self.gm)
+        name = op_name(n, self.gm)
         x = self.lay(n.args[0]) if n.args else None
         if x is None and name not in _BINARY | {"matmul", "bmm", "scaled_dot_product_attention"}:
             raise _Unsupported(f"'{n.name}' ({name}) reads a tensor from outside the region")

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autosplit.passes.tp_layout import index_set
-from autosplit.passes.tp_regions import Region, find_regions
+from autosplit.passes.tp_regions import Region, find_regions, params_used
 from autosplit.tp import collectives as C
 from autosplit.tp.layers import LocalMultiheadAttention, column_linear, row_linear
 
@@ -181,19 +181,10 @@ def _shard_region(gm: fx.GraphModule, region: Region, plan: TensorParallelPlan) 
     for n in region.nodes:
         d = region.shard_dim(n)
         n.meta["spec"] = {AXIS: Shard(d) if d is not None else Replicate()}
-        plan.partial_grads.update(_replicated_params(gm, n))
+        plan.partial_grads.update(params_used(gm, n))   # whole params seen through a shard: partial
     _rewrite_sizes(graph, region, tp)
     _reduce_after(graph, region.exit, f"{region.exit.target}.bias" if linear.bias is not None else None)
     plan.regions.append(f"{region.name} <- {', '.join(e.meta.get('module_path', e.name) for e in region.entries)}")
-
-
-def _replicated_params(gm: fx.GraphModule, n: fx.Node) -> list[str]:
-    """Parameters a region op uses whole (e.g. a qk-norm weight): each rank sees only its heads, so
-    their gradients are partial sums over tp and must be all-reduced."""
-    names = [a.target for a in n.all_input_nodes if a.op == "get_attr"]
-    if n.op == "call_module":
-        names += [f"{n.target}.{p}" for p, _ in gm.get_submodule(n.target).named_parameters()]
-    return names
 
 
 def _mha_ok(node: fx.Node, mha: nn.MultiheadAttention) -> str | None:

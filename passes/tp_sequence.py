@@ -22,16 +22,13 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autosplit.errors import AutosplitError
+from autosplit.passes.tp_regions import op_name, params_used
 from autosplit.tp import collectives as C
 
 AXIS, TOKENS = "tp", 1
 _LOCAL_MODULES = (nn.LayerNorm, nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU)
 _LOCAL_FUNCS = {"layer_norm", "dropout", "gelu", "silu", "relu", "contiguous", "clone", "to", "float"}
 _BINARY = {"add", "mul", "sub", "truediv", "div", "iadd"}
-
-
-def _name(n: fx.Node) -> str:
-    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "").strip("_")
 
 
 def _is_3d(n) -> bool:
@@ -45,7 +42,7 @@ def _token_local(n: fx.Node, gm: fx.GraphModule, sharded: set) -> bool:
     if n.op == "call_module":
         m = gm.get_submodule(n.target)
         return isinstance(m, _LOCAL_MODULES) and (not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) == 1)
-    name = _name(n)
+    name = op_name(n, gm)
     if name == "layer_norm":
         return len(n.args[1]) == 1
     if name in _LOCAL_FUNCS:
@@ -104,7 +101,7 @@ def apply_sequence_parallel(gm: fx.GraphModule, plan) -> None:
         elif _token_local(n, gm, sharded):
             sharded.add(n)
             n.meta["spec"] = {AXIS: Shard(TOKENS)}
-            plan.partial_grads.update(_params(gm, n))
+            plan.partial_grads.update(params_used(gm, n))
         else:
             _gather_inputs(graph, n, sharded, tp, full)
 
@@ -135,13 +132,6 @@ def _gathered_copy(a: fx.Node, tp: int, full: int, done: set) -> fx.Node | None:
         a.append(copy)
         done.add(copy)
     return copy
-
-
-def _params(gm: fx.GraphModule, n: fx.Node) -> list[str]:
-    names = [a.target for a in n.all_input_nodes if a.op == "get_attr"]
-    if n.op == "call_module":
-        names += [f"{n.target}.{p}" for p, _ in gm.get_submodule(n.target).named_parameters()]
-    return names
 
 
 def _gather_inputs(graph: fx.Graph, n: fx.Node, sharded: set, tp: int, full: int) -> None:
