@@ -499,7 +499,7 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"each, interleaved one step at a time (order rotated every round).",
              f"- Stage cuts: torch's by hand with equal block counts (embedding + blocks 0-5 / blocks 6-11 + norm + "
              f"head; 3 blocks per stage for interleaved), boundary one 8x65x192 tensor; autosplit's own plan "
-             f"with `parallelize`'s default cost model (on CPU: this machine, calibrated by rank 0) "
+             "with `parallelize`'s default cost model (on CPU: this machine, calibrated by rank 0) "
              f"(stage layers -> boundary tensors): "
              + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v)
                          for k, v in per_rank[0].get("ours_stages", {}).items()),

@@ -13,12 +13,10 @@ Terms:
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from autosplit.errors import AutosplitError
