@@ -497,10 +497,10 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              f"- Step = forward + backward of all microbatches + `opt.step()` + `opt.zero_grad()`, after a barrier; "
              f"time of the slowest rank. {args.warmup} warm-up steps per configuration, then {args.steps} timed steps "
              f"each, interleaved one step at a time (order rotated every round).",
-             f"- Stage cuts: torch's by hand with equal block counts (embedding + blocks 0-5 / blocks 6-11 + norm + "
-             f"head; 3 blocks per stage for interleaved), boundary one 8x65x192 tensor; autosplit's own plan "
+             "- Stage cuts: torch's by hand with equal block counts (embedding + blocks 0-5 / blocks 6-11 + norm + "
+             "head; 3 blocks per stage for interleaved), boundary one 8x65x192 tensor; autosplit's own plan "
              "with `parallelize`'s default cost model (on CPU: this machine, calibrated by rank 0) "
-             f"(stage layers -> boundary tensors): "
+             "(stage layers -> boundary tensors): "
              + "; ".join(f"{k}: " + " / ".join(f"`{x}`" for x in v)
                          for k, v in per_rank[0].get("ours_stages", {}).items()),
              "", "| configuration | median (s) | p10 (s) | p90 (s) | steps | first-step loss |",
