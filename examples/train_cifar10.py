@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
     p.add_argument("--checkpoint", action="store_true", help="recompute each stage's forward in backward")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with tp > 1, also shard tokens between tensor-parallel regions")
     p.add_argument("--save", default=None, help="write the full state dict here (rank 0) at the end")
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--width", type=int, default=192, help="embedding dim")
@@ -178,7 +180,8 @@ def main(argv=None) -> int:
                                num_microbatches=args.microbatches, schedule=args.schedule,
                                chunks_per_rank=args.chunks_per_rank, example_input=example,
                                autocast=torch.bfloat16 if args.bf16 else None,
-                               checkpoint="stage" if args.checkpoint else None)
+                               checkpoint="stage" if args.checkpoint else None,
+                               sequence_parallel=args.sequence_parallel)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"world: {world_size} ranks, backend {pm.world.backend}, device {pm.world.device.type}; "
         f"mesh pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}; schedule {args.schedule}, "
