@@ -129,6 +129,7 @@ def features():
     # predict: the replica's logits on every rank of the replica
     pm, ref, xs, ys, rows = _setup()
     out["predict"] = (pm.predict(xs[0][rows]) - ref(xs[0][rows])).abs().max().item()
+    out["modes"] = [all(not m.training for m in pm.eval().raw_modules), all(m.training for m in pm.train().raw_modules)]
     # clip_grad_norm_ over the global gradient (pp and dp), then SGD
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     pm.step(xs[0][rows], ys[0][rows])

@@ -117,6 +117,17 @@ class ParallelModule:
         for m in self.raw_modules:
             yield from m.named_parameters()
 
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Training mode (dropout on) for this rank's stage modules, like ``nn.Module.train``; the
+        user's model object may no longer hold this rank's modules (tensor-parallel shards)."""
+        self._require_plan("train()")
+        for m in self.raw_modules:
+            m.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModule":
+        return self.train(False)
+
     # ---- training ------------------------------------------------------------------------------
     def _microbatches(self, tensors: tuple, what: str) -> list[tuple]:
         batch = tensors[0].shape[0]
