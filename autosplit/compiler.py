@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 from torch import nn
 
 from autosplit.cost_model import AnnotateCosts, collective_time, get_profile, graph_time, p2p_time
@@ -148,6 +149,8 @@ def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concre
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
     _shape_prop(gm, inputs)
     if tp == 1:
+        for n in gm.graph.nodes:
+            n.meta["spec"] = {"tp": Replicate()}     # one placement per sharding axis (dp splits rows only)
         return gm, None
     tp_plan = shard_tensor_parallel(gm, tp)
     if sequence_parallel:

@@ -205,3 +205,23 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
             "microbatches": microbatches}
 
 
+
+
+def bucket_overlap():
+    """Small buckets: most are all-reduced while the last backward still runs, not at the end."""
+    pm, ref, xs, ys, rows = _setup(mesh=(1, 1, 2), bucket_mb=0.01)
+    pm.step(xs[0][rows], ys[0][rows])
+    return {"buckets": len(pm.buckets.buckets), "early": pm.buckets.launched_early}
+
+
+def hanging_rank():
+    """Rank 1 stalls in its loss for longer than the timeout: rank 0 gives up naming itself and the wait."""
+    import time
+    def loss_fn(out, y):
+        if dist.get_rank() == 1:
+            time.sleep(6)
+        return torch.nn.functional.cross_entropy(out, y)
+    pm = _small(microbatches=2, loss_fn=loss_fn, example_input=torch.randn(1, 3, 32, 32), timeout_s=2)
+    start = time.monotonic()
+    err = error_of(pm.step, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
+    return {"error": err, "seconds": time.monotonic() - start}

@@ -151,3 +151,21 @@ def test_untraceable_module_names_module_and_line():
         autosplit.compile(Net(), mesh=(1, 1, 1), example_input=torch.randn(2, 4))
     plan = autosplit.compile(Net(), mesh=(1, 1, 1), example_input=torch.randn(2, 4), leaf_modules=[DataDependent])
     assert plan.n_stages == 1
+
+
+def test_memory_budget_moves_the_cut_or_refuses_clearly():
+    example = torch.empty(8, 3, 224, 224, device="meta")
+    free = autosplit.compile(_vit_b(), mesh=(4, 1, 1), example_input=example)
+    peak = max(s.memory_bytes for s in free.stages)
+    low = min(s.memory_bytes for s in free.stages)
+    budget = (peak + low) / 2 + 0.3 * (peak - low)          # below the free plan's first stage
+    tight = autosplit.compile(_vit_b(), mesh=(4, 1, 1), example_input=example, memory_budget=budget)
+    assert max(s.memory_bytes for s in tight.stages) <= budget < peak
+    assert tight.bounds != free.bounds
+    with pytest.raises(AutosplitError, match=r"no cut into 4 stages fits the memory budget of 0\.10 GiB"):
+        autosplit.compile(_vit_b(), mesh=(4, 1, 1), example_input=example, memory_budget=0.1 * 2**30)
+
+
+def test_every_node_carries_a_spec():
+    plan = autosplit.compile(timm_cls(), mesh=(2, 1, 1), example_input=torch.randn(2, 3, 32, 32))
+    assert all("tp" in n.meta["spec"] for n in plan.graph.graph.nodes)

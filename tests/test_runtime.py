@@ -1,8 +1,8 @@
 """parallelize: pipeline + data-parallel training equals single-device training (real gloo processes)."""
 import pytest
 
-from tests.dist_checks import (bad_inputs, failing_rank, features, lazy_plan_then_train, mixed_precision,
-                               train_matches_single_device)
+from tests.dist_checks import (bad_inputs, bucket_overlap, failing_rank, features, hanging_rank,
+                               lazy_plan_then_train, mixed_precision, train_matches_single_device)
 from tests.dist_pool import Pool
 
 TOL = 1e-5
@@ -66,3 +66,20 @@ def test_mixed_precision(pool4):
     for r in pool4.run(mixed_precision):
         assert r["bf16"] < 5e-2, r        # bf16 matmuls: close to fp32 training, not equal
         assert r["skipped"] and r["grads_none"] and r["scale_halved"], r
+
+
+def test_dp_buckets_overlap_the_last_backward(pool2):
+    for r in pool2.run(bucket_overlap):
+        assert r["buckets"] > 4 and r["early"] >= r["buckets"] - 1, r
+
+
+def test_a_stalled_rank_times_out_everywhere():
+    pool = Pool(2)
+    try:
+        results = pool.run(hanging_rank, timeout=60)
+    finally:
+        pool.close(force=True)
+    assert "rank 0 (pp=0, tp=0, dp=0) failed at 0RECV_B0" in results[0]["error"], results[0]
+    assert "TimeoutError: no progress for 2 s" in results[0]["error"]
+    assert results[0]["seconds"] < 5
+    assert "failed at 0RECV_B0" in results[1]["error"], results[1]      # rank 1 learns why, when it wakes

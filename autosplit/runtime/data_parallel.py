@@ -33,6 +33,7 @@ class GradBuckets:
                  bucket_bytes: int = 25 * 2**20):
         self.group, self.dp, self.watchdog = group, dp, watchdog
         self.enabled = True
+        self.launched_early = 0
         self.armed: set[int] = set()
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[int, _Bucket]] = {}
@@ -76,6 +77,7 @@ class GradBuckets:
         """Launch what is left, wait for every bucket, write the averages back into .grad."""
         if not self.enabled:
             return
+        self.launched_early = sum(b.work is not None for b in self.buckets)   # overlapped with backward
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
