@@ -22,7 +22,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
 
     ``mesh``: (pp, tp, dp); dp=-1 takes what the world size leaves.  ``loss_fn(logits, labels)``
     defaults to cross-entropy.  ``autocast``: torch.bfloat16 or torch.float16 (with a loss scaler).
-    ``checkpoint="stage"`` recomputes each stage's forward in its backward.  ``compile_options`` go
+    ``checkpoint="stage"`` recomputes each stage's forward in its backward, ``"block"`` each layer's.  ``compile_options`` go
     to ``autosplit.compile`` (e.g. ``memory_budget=...``, ``sequence_parallel=True``); the cost model's
     ``device`` defaults to the GPU's built-in profile, or on CPU to this machine measured by rank 0.
     Every rank must build ``model`` identically (same seed) before calling this.

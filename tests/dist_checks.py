@@ -159,6 +159,7 @@ def features():
     out["load_error"] = error_of(pm.load_full_state_dict, {"nope": torch.zeros(1)})
     # activation checkpointing of stages gives the same training
     out["checkpoint"] = train_with(checkpoint="stage")
+    out["checkpoint_blocks"] = train_with(checkpoint="block")
     return out
 
 

@@ -169,3 +169,16 @@ def test_memory_budget_moves_the_cut_or_refuses_clearly():
 def test_every_node_carries_a_spec():
     plan = autosplit.compile(timm_cls(), mesh=(2, 1, 1), example_input=torch.randn(2, 3, 32, 32))
     assert all("tp" in n.meta["spec"] for n in plan.graph.graph.nodes)
+
+
+def test_block_checkpointing_wraps_each_layer():
+    from autosplit.runtime.checkpointing import Checkpointed, checkpointed
+    model = timm_cls(depth=4)
+    plan = autosplit.compile(model, mesh=(2, 1, 1), example_input=torch.randn(2, 3, 32, 32))
+    stage = plan.modules[1]
+    wrapped = checkpointed(stage, model, "block")
+    n_blocks = len({n.meta["module_path"].split(".")[1] for n in stage.graph.nodes
+                    if n.meta.get("module_path", "").startswith("blocks.")})
+    assert sum(isinstance(m, Checkpointed) for m in wrapped.children()) == n_blocks
+    inputs = [torch.randn(t.shape) for t in plan.stages[1].inputs]
+    torch.testing.assert_close(wrapped(*inputs)[0], stage(*inputs)[0])

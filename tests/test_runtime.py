@@ -59,7 +59,7 @@ def test_predict_clip_accumulate_checkpoint_load(pool4):
         assert r["clip_norm"] <= 1e-6 and r["clip_params"] <= TOL, r
         assert r["accumulate"] <= TOL, r
         assert r["load"] == 0.0 and "missing keys" in r["load_error"], r
-        assert r["checkpoint"] <= TOL, r
+        assert r["checkpoint"] <= TOL and r["checkpoint_blocks"] <= TOL, r
 
 
 def test_mixed_precision(pool4):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
@@ -37,6 +38,8 @@ class ParallelModule:
                  bucket_bytes: int = 25 * 2**20, compile_options: dict | None = None):
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise AutosplitError(f"num_microbatches={num_microbatches!r} must be a positive integer")
+        if checkpoint not in (None, "stage", "block"):
+            raise AutosplitError(f"checkpoint={checkpoint!r}: expected None, 'stage' or 'block'")
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
         self.model, self.world, self.loss_fn = model, world, loss_fn
@@ -78,15 +81,11 @@ class ParallelModule:
             for old, new in zip(self.raw_modules, modules):
                 _adopt_parameters(old, new)
         self.raw_modules = modules
-        self.modules = list(self.raw_modules)
         bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
-        if self.checkpoint not in (None, "stage"):
-            raise AutosplitError(f"checkpoint={self.checkpoint!r}: expected None or 'stage'")
-        if self.checkpoint == "stage":
-            self.modules = [_Checkpointed(m) for m in self.modules]
+        self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
         stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
             self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m)]
@@ -334,18 +333,3 @@ def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn
                 seen.add(name)
                 out.append((name, params[name]))
     return out
-
-
-class _Checkpointed(torch.nn.Module):
-    """Recompute a stage's forward during its backward instead of keeping its activations."""
-
-    def __init__(self, stage: torch.nn.Module):
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, *inputs):
-        if not torch.is_grad_enabled():
-            return self.stage(*inputs)
-        return torch.utils.checkpoint.checkpoint(self.stage, *inputs, use_reentrant=False)
-
-

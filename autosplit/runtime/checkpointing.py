@@ -1,0 +1,67 @@
+"""Activation checkpointing: keep fewer activations, recompute them during backward.
+
+Terms:
+  stage granularity -- the whole stage's forward is recomputed in its backward: only the stage's
+                       inputs stay alive between a microbatch's forward and backward.
+  block granularity -- each layer (transformer block, found by autosplit.layers.layer_paths) inside the
+                       stage is recomputed on its own; the tensors between blocks stay alive.
+The stage GraphModule is split with torch.fx's ``split_module`` into contiguous runs of nodes, one
+run per layer, and the layer runs are wrapped in ``torch.utils.checkpoint``.  Parameters are the
+same objects as in the stage module, so optimizers and gradient buckets see no difference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from autosplit.layers import layer_paths
+
+
+class Checkpointed(torch.nn.Module):
+    """Recompute ``module``'s forward during backward instead of keeping its activations."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs):
+        if not torch.is_grad_enabled():
+            return self.module(*inputs)
+        return torch.utils.checkpoint.checkpoint(self.module, *inputs, use_reentrant=False)
+
+
+def _layer_of(path: str, layers: list[str]) -> str | None:
+    return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
+
+
+def checkpoint_blocks(stage: fx.GraphModule, model: torch.nn.Module) -> fx.GraphModule:
+    """``stage`` with each of the model's layers it contains recomputed in backward."""
+    layers = layer_paths(model)
+    runs: dict[fx.Node, int] = {}
+    is_layer: dict[int, bool] = {}
+    run, current = 0, object()
+    for node in stage.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        layer = _layer_of(node.meta.get("module_path", ""), layers) if node.op != "get_attr" else current
+        if layer != current:
+            run, current = run + 1, layer
+            is_layer[run] = layer is not None
+        runs[node] = run
+    split = split_module(stage, stage, lambda n: runs[n], keep_original_order=True)
+    for name, child in list(split.named_children()):
+        if name.startswith("submod_") and is_layer.get(int(name.removeprefix("submod_")), False):
+            setattr(split, name, Checkpointed(child))
+    return split
+
+
+def checkpointed(stage: fx.GraphModule, model: torch.nn.Module, granularity: str | None) -> torch.nn.Module:
+    """The module to run for ``granularity`` None, "stage" or "block"."""
+    if granularity is None:
+        return stage
+    if granularity == "stage":
+        return Checkpointed(stage)
+    if granularity == "block":
+        return checkpoint_blocks(stage, model)
+    raise ValueError(f"checkpoint={granularity!r}: expected None, 'stage' or 'block'")
