@@ -14,6 +14,7 @@ A group of one rank communicates nothing: 0 s.
 from __future__ import annotations
 
 from autosplit.cost_model.device import get_profile
+from autosplit.passes.shape_prop import tensor_bytes
 
 
 def p2p_time(nbytes: float, profile) -> float:
@@ -48,10 +49,13 @@ def reduce_scatter_time(nbytes: float, n: int, profile) -> float:
 
 def collective_time(node, n: int, profile) -> tuple[float, float]:
     """(forward s, backward s) of a collective graph node (one with ``target.comm_kind``) over n ranks."""
-    from autosplit.passes.shape_prop import tensor_bytes
     kinds = getattr(node.target, "comm_kind", None)
     if not kinds:
         return 0.0, 0.0
-    nbytes = max([tensor_bytes(node.meta.get("val"))] + [tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes])
-    table = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
-    return tuple(table[k](nbytes, n, profile) if k else 0.0 for k in kinds)
+    values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+    nbytes = max(tensor_bytes(v) for v in values)          # the unsharded side of the collective
+    return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)
+
+
+_COLLECTIVE_TIME = {"all_reduce": all_reduce_time, "all_gather": all_gather_time,
+                    "reduce_scatter": reduce_scatter_time}

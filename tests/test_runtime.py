@@ -42,13 +42,17 @@ def test_bad_inputs_fail_clearly_on_every_rank(pool2):
         assert r["ok_after"] > 0
 
 
-def test_failure_on_one_rank_stops_every_rank():
+def _on_fresh_pool(fn) -> list:
+    """Run fn on a world of 2 that is thrown away after: a failed step leaves its ranks unusable."""
     pool = Pool(2)
     try:
-        results = pool.run(failing_rank, timeout=60)
+        return pool.run(fn, timeout=60)
     finally:
         pool.close(force=True)
-    for r in results:
+
+
+def test_failure_on_one_rank_stops_every_rank():
+    for r in _on_fresh_pool(failing_rank):
         assert "rank 1 (pp=1, tp=0, dp=0) failed at 1F2: ValueError: injected failure" in r["error"], r
         assert r["seconds"] < 10
 
@@ -74,11 +78,7 @@ def test_dp_buckets_overlap_the_last_backward(pool2):
 
 
 def test_a_stalled_rank_times_out_everywhere():
-    pool = Pool(2)
-    try:
-        results = pool.run(hanging_rank, timeout=60)
-    finally:
-        pool.close(force=True)
+    results = _on_fresh_pool(hanging_rank)
     assert "rank 0 (pp=0, tp=0, dp=0) failed at 0RECV_B0" in results[0]["error"], results[0]
     assert "TimeoutError: no progress for 2 s" in results[0]["error"]
     assert results[0]["seconds"] < 5

@@ -167,7 +167,8 @@ class ParallelModule:
         if self.buckets is not None:
             self.buckets.finish()
         self._reduce_partial_grads(earlier)
-        self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
+        if self.scaler.enabled:
+            self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
         return self._global_mean(loss_sum)
 
     def _reduce_partial_grads(self, earlier: list) -> None:
