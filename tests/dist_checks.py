@@ -226,3 +226,23 @@ def hanging_rank():
     start = time.monotonic()
     err = error_of(pm.step, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     return {"error": err, "seconds": time.monotonic() - start}
+
+
+def replay_early_post_order(timeout_s: float = 3.0):
+    """The executor's old posting order (receives posted early as groups of their own), run once on
+    plain gloo, which forgives it, then on the strict transport, which must hang like NCCL and end
+    every rank with the timeout message."""
+    import time
+    from autosplit.runtime.p2p import GlooTransport, StrictTransport
+    from autosplit.schedule import build_schedule
+    from tests.schedule_orders import early_post_order
+    pm = _small(mesh=(2, 1, 1), microbatches=2, example_input=torch.randn(1, 3, 32, 32), timeout_s=timeout_s)
+    pm.executor.train_items = early_post_order(build_schedule("1f1b", 2, 2))[pm.pp_rank]
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    pm.executor.transport = GlooTransport(pm.world.group("pp"))
+    out = {"gloo": error_of(pm.step, x, y)}
+    pm.executor.transport = StrictTransport(pm.world.group("pp"))
+    start = time.monotonic()
+    out["strict"] = error_of(pm.step, x, y)
+    out["seconds"] = time.monotonic() - start
+    return out

@@ -4,6 +4,10 @@
 function) and returns the per-rank results; an exception on any rank is re-raised in the test with
 that rank's traceback.  A pool whose ranks may be left waiting on each other (fault tests) should be
 closed after use; ``run`` kills the pool when its timeout expires.
+
+Point-to-point runs with the strict transport (``AUTOSPLIT_STRICT_P2P=1``: NCCL's ordering on gloo)
+unless the environment running the tests sets ``AUTOSPLIT_STRICT_P2P=0``, so every pipeline test
+would hang, and time out, on an order that would hang on NCCL.
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STRICT = os.environ.get("AUTOSPLIT_STRICT_P2P", "1")
+
+
 def _worker(rank: int, size: int, port: int, tasks, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", AUTOSPLIT_TIMEOUT="60")
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", AUTOSPLIT_TIMEOUT="60",
+                      AUTOSPLIT_STRICT_P2P=STRICT)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)

@@ -2,7 +2,8 @@
 import pytest
 
 from tests.dist_checks import (bad_inputs, bucket_overlap, failing_rank, features, hanging_rank,
-                               lazy_plan_then_train, mixed_precision, train_matches_single_device)
+                               lazy_plan_then_train, mixed_precision, replay_early_post_order,
+                               train_matches_single_device)
 from tests.dist_pool import Pool
 
 TOL = 1e-5
@@ -83,3 +84,12 @@ def test_a_stalled_rank_times_out_everywhere():
     assert "TimeoutError: no progress for 2 s" in results[0]["error"]
     assert results[0]["seconds"] < 5
     assert "failed at 0RECV_B0" in results[1]["error"], results[1]      # rank 1 learns why, when it wakes
+
+
+def test_strict_transport_hangs_where_nccl_would():
+    """Gloo forgives the old early-post order; the strict transport (NCCL's ordering) must not."""
+    for rank, r in enumerate(_on_fresh_pool(replay_early_post_order)):
+        assert r["gloo"] is None, r
+        assert "RankFailure" in r["strict"] and "RECV_" in r["strict"], r
+        assert "TimeoutError: no progress for 3 s" in r["strict"], r
+        assert r["seconds"] < 3 + 5, r

@@ -1,7 +1,8 @@
 """Tests for autosplit.schedule: generators, the lowering pass and the simulator.
 
 Terms: pp pipeline ranks, v chunks per rank, m microbatches, S = pp*v stages; a "sweep" runs every
-accepted (pp, m, v) in the ranges below through build -> lower -> simulate.
+accepted (pp, m, v) in the ranges below through build -> lower -> simulate, under NCCL's rules
+(one queue of point-to-point groups per rank, rendezvous sends).
 """
 from collections import Counter
 from fractions import Fraction
@@ -9,8 +10,10 @@ from fractions import Fraction
 import pytest
 
 from autosplit.schedule import (
-    Action, ActionKind, ScheduleDeadlock, build_schedule, check_schedule, lower, simulate,
+    Action, ActionKind, Group, ScheduleDeadlock, build_schedule, check_schedule, flatten, forward_schedule,
+    lower, parse_item, simulate,
 )
+from tests.schedule_orders import early_post_order, slot_fused_order
 
 PPS = range(1, 9)
 MS = range(1, 33)
@@ -80,12 +83,78 @@ def test_format_grid_literal():
     assert check_schedule("1f1b", 2, 2).format_grid() == expected
 
 
-def test_lower_inserts_comm_actions():
+def test_lower_inserts_comm_groups():
     lists = lower(build_schedule("1f1b", 2, 2))
+    # rank 0's send of F1 and receive of B0 form one group, as in torch's fused 1F1B step
     assert [str(a) for a in lists[0]] == [
-        "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+        "0F0", "[0SEND_F0]", "0F1", "[0SEND_F1 0RECV_B0]", "0B0", "[0RECV_B1]", "0B1"]
+    # rank 1 receives F1 at the step rank 0 sends it (after 1F0), so it overlaps 1B0
     assert [str(a) for a in lists[1]] == [
-        "1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]
+        "[1RECV_F0]", "1F0", "[1RECV_F1]", "1B0", "[1SEND_B0]", "1F1", "1B1", "[1SEND_B1]"]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_lower_places_each_transfer_once_around_its_computes(name):
+    for pp, m, v in [(2, 4, 1 if name != "interleaved" else 2), (4, 8, 1 if name != "interleaved" else 3)]:
+        sched = build_schedule(name, pp, m, v)
+        lists = lower(sched)
+        for r, items in lists.items():
+            assert [a for a in items if isinstance(a, Action)] == sched.actions[r]
+            assert all(isinstance(x, Action) or isinstance(y, Action) for x, y in zip(items, items[1:]))
+            flat = flatten(items)
+            for k, a in enumerate(flat):
+                if a.kind.is_send:         # after the compute producing it
+                    producer = Action(a.stage, ActionKind.F if a.kind is ActionKind.SEND_F else ActionKind.B,
+                                      a.microbatch)
+                    assert flat.index(producer) < k
+                if a.kind.is_recv:         # before the compute consuming it
+                    consumer = Action(a.stage, ActionKind.F if a.kind is ActionKind.RECV_F else ActionKind.B,
+                                      a.microbatch)
+                    assert flat.index(consumer) > k
+        sends = Counter(a.matching() for items in lists.values() for a in flatten(items) if a.kind.is_send)
+        recvs = Counter(a for items in lists.values() for a in flatten(items) if a.kind.is_recv)
+        assert sends == recvs and set(sends.values()) == {1}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_early_post_order_deadlocks_under_nccl_rules(name):
+    """The executor's posting order before groups hangs NCCL in the first step; the simulator says where."""
+    v = 2 if name == "interleaved" else 1
+    for pp in (2, 4):
+        with pytest.raises(ScheduleDeadlock, match="rendezvous"):
+            simulate(early_post_order(build_schedule(name, pp, 2 * pp, v)))
+    with pytest.raises(ScheduleDeadlock) as info:
+        simulate(early_post_order(build_schedule("1f1b", 2, 2)))
+    assert "rank 0 waits at 0RECV_B0, which needs 1SEND_B0 that rank 1 has queued behind [1RECV_F1]" in str(info.value)
+    assert "rank 1 waits at 1RECV_F1, which needs 0SEND_F1 that rank 0 has queued behind [0RECV_B0]" in str(info.value)
+
+
+def test_slot_fusion_alone_is_not_enough_for_looped_schedules():
+    """torch's 1F1B fusion (each slot's sends with the next compute's receives) is fine for 1F1B but
+    deadlocks looped schedules, where ranks 0 and pp-1 send to each other in both directions."""
+    for pp in range(2, 9):
+        for m in (pp, 2 * pp, 3 * pp + 1):
+            simulate(slot_fused_order(build_schedule("1f1b", pp, m)))
+    with pytest.raises(ScheduleDeadlock, match="queued behind"):
+        simulate(slot_fused_order(build_schedule("interleaved", 2, 4, 2)))
+
+
+def test_forward_only_schedules_finish():
+    for pp in range(1, 9):
+        for m in (1, pp, 2 * pp + 1):
+            for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("gpipe", 3)]:
+                if v > 1 and m < pp:
+                    continue
+                result = simulate(forward_schedule(name, pp, m, v))
+                assert sum(result.busy) == pp * v * m
+
+
+@pytest.mark.parametrize("text", ["[0SEND_F1 0RECV_B0]", "[3RECV_F2]", "1F0"])
+def test_item_round_trip(text):
+    item = parse_item(text)
+    assert str(item) == text and parse_item(str(item)) == item
+    with pytest.raises(ValueError, match="groups hold SEND_"):
+        Group.parse("[0F1 0RECV_B0]")
 
 
 def test_lower_skips_local_handoffs():
@@ -118,15 +187,16 @@ def test_deadlock_names_ranks_and_actions():
     with pytest.raises(ScheduleDeadlock) as info:
         simulate(lists)
     msg = str(info.value)
-    assert "rank 0 waits at 0RECV_B0, which needs 1SEND_B0 that rank 1 has not reached (it is at 1RECV_F0)" in msg
-    assert "rank 1 waits at 1RECV_F0, which needs 0SEND_F0 that rank 0 has not reached (it is at 0RECV_B0)" in msg
+    assert "rank 0 waits at 0RECV_B0, which needs 1SEND_B0 that rank 1 has not reached (it is at 1F0)" in msg
+    assert "rank 1 waits at 1RECV_F0, which needs 0SEND_F0 that rank 0 has queued behind [0RECV_B0]" in msg
 
 
 def test_deadlock_from_bad_order():
     sched = build_schedule("1f1b", 2, 2)
     sched.actions[1] = [Action.parse(x) for x in ("1F0", "1F1", "1B1", "1B0")]
     sched.actions[0] = [Action.parse(x) for x in ("0F0", "0B0", "0F1", "0B1")]
-    with pytest.raises(ScheduleDeadlock, match=r"rank 0 waits at 0RECV_B0.*\n.*rank 1 waits at 1RECV_F1"):
+    with pytest.raises(ScheduleDeadlock, match=r"rank 0 waits at 0B0, which needs 1B0 that rank 1 has not "
+                                               r"reached \(it is at 1F1\)\n.*rank 1 waits at 1F1"):
         simulate(sched)
 
 

@@ -1,31 +1,29 @@
-"""Interpret one pipeline rank's action list: forward, backward, sends and receives per microbatch.
+"""Interpret one pipeline rank's lowered schedule: computes, and communication groups, in order.
 
 Terms:
-  action list -- this rank's lowered schedule (autosplit.schedule): F / B of (stage, microbatch) and
-                 SEND_F / RECV_F / SEND_B / RECV_B.  The executor does what the list says, in order.
-  inbox       -- tensors a stage will consume: activations (from RECV_F, or handed over locally when
-                 stage s+1 lives on this rank) and output gradients (from RECV_B, or local).
-  early post  -- before running a compute action, the receives listed after it (up to the next compute)
-                 are posted, so the transfer overlaps the compute.
-  loss scale  -- each microbatch's loss is multiplied by 1/m (and by the fp16 scaler's factor), so
-                 the gradients are those of the replica batch's mean loss.
+  lowered list -- this rank's schedule (autosplit.schedule.lower): F / B of (stage, microbatch) and
+                  Groups of SEND_F / RECV_F / SEND_B / RECV_B.  The executor does what the list says,
+                  in order: it posts each group when it reaches it (without waiting), and waits for a
+                  receive only inside the compute that consumes it.  Where a group sits, and so what
+                  overlaps what, is the lowering's decision, made so that NCCL cannot deadlock.
+  inbox        -- tensors a stage will consume: activations (from RECV_F, or handed over locally when
+                  stage s+1 lives on this rank) and output gradients (from RECV_B, or local); a
+                  received entry is (posted group, buffers) until it is waited on.
+  outbox       -- tensors a stage produced for the next SEND of them.
+  loss scale   -- each microbatch's loss is multiplied by 1/m (and by the fp16 scaler's factor), so
+                  the gradients are those of the replica batch's mean loss.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from autosplit.runtime.p2p import Transfer, post, tag
-from autosplit.schedule import Action, ActionKind, build_schedule, lower
+from autosplit.runtime.p2p import Posted, make_transport, tag
+from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
 
 F, B = ActionKind.F, ActionKind.B
-
-
-def forward_only(lists: dict[int, list[Action]]) -> dict[int, list[Action]]:
-    """The forward half of a lowered schedule (for predict)."""
-    keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
-    return {r: [a for a in acts if a.kind in keep] for r, acts in lists.items()}
 
 
 class PipelineExecutor:
@@ -35,14 +33,18 @@ class PipelineExecutor:
         pp, r = plan.mesh.pp, world.coord.pp
         self.pp, self.n_stages, self.m = pp, plan.n_stages, plan.num_microbatches
         self.modules = {c * pp + r: mod for c, mod in enumerate(modules)}
-        lists = lower(build_schedule(plan.schedule, pp, self.m, plan.chunks_per_rank))
-        self.train_actions = lists[r]
-        self.predict_actions = forward_only(lower(build_schedule("gpipe", pp, self.m, plan.chunks_per_rank)))[r]
-        self.last_b = {s: max(a.microbatch for a in self.train_actions if a.kind is B and a.stage == s)
-                       for s in self.modules}
+        self.train_items = lower(build_schedule(plan.schedule, pp, self.m, plan.chunks_per_rank))[r]
+        self.predict_items = lower(forward_schedule("gpipe", pp, self.m, plan.chunks_per_rank))[r]
+        self.last_b = {s: max(a.microbatch for a in self.train_items if a.is_compute and a.kind is B
+                              and a.stage == s) for s in self.modules}
         self.autocast_dtype = autocast_dtype
         self.on_last_backward = on_last_backward or (lambda stage: None)
-        self.nccl = world.backend == "nccl"
+        self.transport = make_transport(world.backend, world.group("pp")) if pp > 1 else None
+        if self.transport is not None and world.backend == "nccl":
+            # NCCL's first operation on a communicator must involve all of its ranks (see
+            # batch_isend_irecv's documentation): one all-reduce over pp creates it before any pair talks.
+            warm = torch.zeros(1, device=world.device)
+            watchdog.wait(dist.all_reduce(warm, group=world.group("pp"), async_op=True), "pp group start")
 
     # ---- one step ------------------------------------------------------------------------------
     def run(self, xs: list[tuple], ys: list | None, loss_scale: float = 1.0, train: bool = True):
@@ -52,47 +54,30 @@ class PipelineExecutor:
         self.inbox_b: dict = {}
         self.saved: dict = {}
         self.outbox: dict = {}
-        self.sends: list[Transfer] = []
+        self.posted: list[Posted] = []
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, torch.Tensor] = {}
-        actions = self.train_actions if train else self.predict_actions
-        i = 0
-        while i < len(actions):
-            a = actions[i]
-            if a.kind.is_compute:
-                self._post_receives(actions, i + 1)
-                self._guarded(a, self._forward if a.kind is F else self._backward)
-                i += 1
+        for item in self.train_items if train else self.predict_items:
+            if isinstance(item, Group):
+                self._guarded(item, self._post)
             else:
-                j = i
-                while j < len(actions) and not actions[j].kind.is_compute:
-                    j += 1
-                self._guarded(a, lambda _: self._communicate(actions[i:j]))
-                i = j
-        for t in self.sends:
-            t.wait(self.watchdog)
+                self._guarded(item, self._forward if item.kind is F else self._backward)
+        for posted in self.posted:     # sends not yet known done; their buffers live until then
+            self._guarded(posted.what, lambda _: posted.wait(self.watchdog))
         total = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
         return total.detach(), [self.outputs[k] for k in sorted(self.outputs)]
 
-    def _guarded(self, action: Action, fn) -> None:
+    def _guarded(self, item, fn) -> None:
         try:
-            fn(action)
+            fn(item)
         except Exception as exc:
-            raise self.watchdog.fail(str(action), exc) from exc
+            raise self.watchdog.fail(str(item), exc) from exc
 
     # ---- communication -------------------------------------------------------------------------
-    def _post_receives(self, actions: list[Action], start: int) -> None:
-        end = start
-        while end < len(actions) and not actions[end].kind.is_compute:
-            end += 1
-        self._communicate([a for a in actions[start:end] if a.kind.is_recv])
-
-    def _communicate(self, actions: list[Action]) -> None:
-        ops, pending = [], []
-        for a in actions:
-            box = self.inbox_f if a.kind is ActionKind.RECV_F else self.inbox_b
-            if a.kind.is_recv and (a.stage, a.microbatch) in box:
-                continue                                          # posted early
+    def _post(self, group: Group) -> None:
+        """Post every transfer of ``group`` as one group of the transport (see the module docstring)."""
+        ops, received = [], []
+        for a in group.actions:
             peer = self.world.rank_at(pp=a.peer_stage % self.pp)
             direction = 0 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) else 1
             receiver = a.peer_stage if a.kind.is_send else a.stage
@@ -100,18 +85,15 @@ class PipelineExecutor:
                 tensors = [t.contiguous() for t in self.outbox.pop((a.stage, a.microbatch, direction))]
             else:
                 tensors = self._buffers(a)
-            base = len(ops)
+                received.append((a, tensors))
             for k, t in enumerate(tensors):
                 ops.append(("send" if a.kind.is_send else "recv", t, peer,
                             tag(direction, receiver, a.microbatch, k, self.m)))
-            pending.append((a, tensors, base, len(ops)))
-        works = post(ops, self.nccl)
-        for a, tensors, lo, hi in pending:
-            transfer = Transfer(tensors, works[lo:hi] if works else [], str(a))
-            if a.kind.is_send:
-                self.sends.append(transfer)
-            else:
-                (self.inbox_f if a.kind is ActionKind.RECV_F else self.inbox_b)[(a.stage, a.microbatch)] = transfer
+        posted = self.transport.post(ops, str(group))
+        self.posted.append(posted)
+        for a, tensors in received:
+            box = self.inbox_f if a.kind is ActionKind.RECV_F else self.inbox_b
+            box[(a.stage, a.microbatch)] = (posted, tensors, f"{a} of {group}" if len(group.actions) > 1 else str(a))
 
     def _buffers(self, a: Action) -> list[torch.Tensor]:
         infos = self.plan.stages[a.stage].inputs if a.kind is ActionKind.RECV_F else self.plan.stages[a.stage].outputs
@@ -119,7 +101,11 @@ class PipelineExecutor:
 
     def _take(self, box: dict, key) -> list[torch.Tensor]:
         item = box.pop(key)
-        return item.wait(self.watchdog) if isinstance(item, Transfer) else item
+        if isinstance(item, tuple):               # received: wait for its group first
+            posted, tensors, what = item
+            posted.wait(self.watchdog, what)
+            return tensors
+        return item                               # handed over on this rank
 
     # ---- compute -------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:

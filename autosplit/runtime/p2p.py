@@ -1,22 +1,36 @@
-"""Point-to-point transfers of stage boundaries between pipeline ranks.
+"""Point-to-point transfers of stage boundaries between pipeline ranks, one group at a time.
 
 Terms:
-  boundary -- the tensors stage s sends to stage s+1 (activations, forward) or receives back from it
-              (their gradients, backward), with shapes and dtypes known from the plan: no per-step
-              shape handshake.
-  tag      -- identifies one tensor of one boundary of one microbatch, so gloo can match transfers that
-              are in flight at the same time; NCCL ignores tags and matches in posting order, which the
-              schedule keeps consistent between the two ends.
-  Transfer -- the Work handles of one boundary's tensors; ``wait`` goes through the Watchdog.
+  boundary  -- the tensors stage s sends to stage s+1 (activations, forward) or receives back from it
+               (their gradients, backward), with shapes and dtypes known from the plan: no per-step
+               shape handshake.
+  op        -- one ("send" | "recv", tensor, peer global rank, tag).
+  group     -- the ops of one ``schedule.Group``, posted together; ``Posted.wait`` returns when every
+               op of the group is done (the schedule's lowering decides what goes together and why).
+  tag       -- identifies one tensor of one boundary of one microbatch, so gloo can match transfers
+               that are in flight at the same time; NCCL ignores tags and matches in posting order,
+               which the lowering keeps consistent between the two ends.
+  transport -- how a group reaches the wire (``make_transport`` picks one):
+    nccl    -- one ``batch_isend_irecv`` over the pp process group; NCCL coalesces it into one work,
+               which is the one thing waited on.
+    gloo    -- each op posted at once with ``isend`` / ``irecv``; gloo matches by tag in any order.
+    strict  -- gloo with NCCL's ordering (``AUTOSPLIT_STRICT_P2P=1``): one thread runs this rank's
+               groups one after another in posting order, each to completion before the next starts,
+               and gloo's sends are rendezvous (a send completes only once its receive is posted), so
+               an order that would hang on NCCL hangs here too, and times out with the usual message.
+All traffic goes over the pp process group, never WORLD, so it cannot be confused with other axes'.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
 import torch
 import torch.distributed as dist
 
+from autosplit.runtime.serial_thread import SerialThread
+
 MAX_TENSORS = 64   # tensors per boundary; tags reserve this many slots
+STRICT_ENV = "AUTOSPLIT_STRICT_P2P"
 
 
 def tag(direction: int, receiver_stage: int, microbatch: int, index: int, n_microbatches: int) -> int:
@@ -24,25 +38,68 @@ def tag(direction: int, receiver_stage: int, microbatch: int, index: int, n_micr
     return ((direction * 4096 + receiver_stage) * n_microbatches + microbatch) * MAX_TENSORS + index
 
 
-@dataclass
-class Transfer:
-    tensors: list[torch.Tensor]
-    works: list
-    what: str
+class Posted:
+    """One posted group: the handles to wait on, and the tensors that must live until then."""
 
-    def wait(self, watchdog) -> list[torch.Tensor]:
-        for w in self.works:
-            watchdog.wait(w, self.what)
-        return self.tensors
+    def __init__(self, handles: list, tensors: list[torch.Tensor], what: str):
+        self.handles, self.tensors, self.what, self.done = handles, tensors, what, False
+
+    def wait(self, watchdog, doing: str | None = None) -> None:
+        if self.done:
+            return
+        for handle in self.handles:
+            watchdog.wait(handle, doing or self.what)
+        self.done = True
+        self.tensors = []               # sent buffers may be freed now
 
 
-def post(ops: list[tuple[str, torch.Tensor, int, int]], nccl: bool) -> list:
-    """Post ('send'|'recv', tensor, peer, tag) operations; NCCL ones as one batch so paired sends and
-    receives between two ranks cannot block each other."""
-    if not ops:
-        return []
-    if nccl:
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tg)
+class NcclTransport:
+    """One ``batch_isend_irecv`` per group: NCCL runs it as one fused group on its p2p stream."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def post(self, ops: list[tuple], what: str) -> Posted:
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group=self.group, tag=tg)
                for kind, t, peer, tg in ops]
-        return dist.batch_isend_irecv(p2p)
-    return [(dist.isend if kind == "send" else dist.irecv)(t, peer, tag=tg) for kind, t, peer, tg in ops]
+        return Posted(dist.batch_isend_irecv(p2p), [t for _, t, _, _ in ops], what)
+
+
+class GlooTransport:
+    """Every op posted at once; gloo pairs them by (peer, tag) whatever the order."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def post(self, ops: list[tuple], what: str) -> Posted:
+        works = [(dist.isend if kind == "send" else dist.irecv)(t, peer, group=self.group, tag=tg)
+                 for kind, t, peer, tg in ops]
+        return Posted(works, [t for _, t, _, _ in ops], what)
+
+
+class StrictTransport(GlooTransport):
+    """NCCL's ordering on gloo: groups run one at a time, in posting order, on one thread."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self._runner = SerialThread("autosplit-strict-p2p")
+
+    def post(self, ops: list[tuple], what: str) -> Posted:
+        return Posted([self._runner.submit(self._run, ops)], [t for _, t, _, _ in ops], what)
+
+    def _run(self, ops: list[tuple]) -> None:
+        # Post the whole group, then wait for every op: the ops of one group are in flight together,
+        # the next group starts only after this one is done (like a fused NCCL group on its stream).
+        for work in super().post(ops, "").handles:
+            work.wait()
+
+
+def strict_requested() -> bool:
+    return os.environ.get(STRICT_ENV, "0") not in ("", "0", "false", "False")
+
+
+def make_transport(backend: str, group):
+    """The transport for ``backend`` over ``group`` (the pp axis); see the module docstring."""
+    if backend == "nccl":
+        return NcclTransport(group)
+    return StrictTransport(group) if strict_requested() else GlooTransport(group)

@@ -4,16 +4,17 @@ Terms: ``pp`` pipeline ranks, ``v`` chunks per rank, ``m`` microbatches; global 
 is chunk ``c`` of rank ``r`` (looped placement).  See each module's docstring for the rest.
 
     sched = build_schedule("interleaved", pp=4, num_microbatches=8, chunks_per_rank=2)
-    lists = lower(sched)                  # rank -> [Action] with SEND_*/RECV_* inserted
-    result = simulate(sched)              # raises ScheduleDeadlock if it cannot finish
+    lists = lower(sched)                  # rank -> [Action | Group]: computes, and groups of SEND_*/RECV_*
+    result = simulate(sched)              # NCCL's rules; raises ScheduleDeadlock if it cannot finish
     print(result.format_grid(), result.idle_fraction)
 """
-from .actions import Action, ActionKind
-from .generate import SCHEDULES, Schedule, build_schedule
-from .lower import lower
-from .simulate import ScheduleDeadlock, SimResult, check_schedule, simulate
+from .actions import Action, ActionKind, Group, Item, parse_item
+from .generate import SCHEDULES, Schedule, build_schedule, forward_schedule
+from .lower import flatten, lower
+from .simulate import SimResult, check_schedule, simulate
+from .timing import ScheduleDeadlock
 
 __all__ = [
-    "Action", "ActionKind", "SCHEDULES", "Schedule", "build_schedule", "lower",
-    "ScheduleDeadlock", "SimResult", "check_schedule", "simulate",
+    "Action", "ActionKind", "Group", "Item", "parse_item", "SCHEDULES", "Schedule", "build_schedule",
+    "forward_schedule", "lower", "flatten", "ScheduleDeadlock", "SimResult", "check_schedule", "simulate",
 ]

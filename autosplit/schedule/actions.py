@@ -14,13 +14,19 @@ Terms:
 For a communication action, ``stage`` is always the *local* stage (the one sending or receiving);
 ``peer_stage`` is the stage at the other end.
 
-The compact text form is ``f"{stage}{kind}{microbatch}"``: ``2F0``, ``1B3``, ``3SEND_F1``.
+  Group      -- communication actions one rank posts together, as one NCCL group (``batch_isend_irecv``):
+                they are in flight at the same time, and the group is done when every one of them has
+                met its peer.  Lowered lists hold computes and groups (see lower.py).
+
+The compact text form is ``f"{stage}{kind}{microbatch}"``: ``2F0``, ``1B3``, ``3SEND_F1``; a group is
+its actions in brackets, ``[0SEND_F1 0RECV_B0]``.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Union
 
 
 class ActionKind(Enum):
@@ -94,3 +100,38 @@ class Action:
             )
         stage, kind, microbatch = found.groups()
         return cls(int(stage), ActionKind[kind], int(microbatch))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Communication actions posted together (one ``batch_isend_irecv``); never empty."""
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "[" + " ".join(map(str, self.actions)) + "]"
+
+    def __repr__(self) -> str:
+        return f"Group({self})"
+
+    is_compute = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Group":
+        """Inverse of ``str``: ``Group.parse("[0SEND_F1 0RECV_B0]")``."""
+        inner = text.strip()
+        if not (inner.startswith("[") and inner.endswith("]")) or not inner[1:-1].split():
+            raise ValueError(f"cannot parse group {text!r}; expected '[<action> <action> ...]', "
+                             f"e.g. '[0SEND_F1 0RECV_B0]'")
+        actions = tuple(Action.parse(a) for a in inner[1:-1].split())
+        for a in actions:
+            if a.is_compute:
+                raise ValueError(f"group {text!r} holds the compute action {a}; groups hold SEND_*/RECV_* only")
+        return cls(actions)
+
+
+Item = Union[Action, Group]   # one entry of a lowered list: a compute action or a communication group
+
+
+def parse_item(text: str) -> Item:
+    """``Action.parse`` or ``Group.parse``, by the text's first character."""
+    return Group.parse(text) if text.strip().startswith("[") else Action.parse(text)

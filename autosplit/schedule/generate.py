@@ -55,11 +55,6 @@ class Schedule:
     def stage(self, rank: int, chunk: int) -> int:
         return chunk * self.pp + rank
 
-    def lowered(self) -> dict[int, list[Action]]:
-        """Per rank, the action list with SEND/RECV actions inserted (see ``lower.lower``)."""
-        from .lower import lower
-        return lower(self)
-
     def __str__(self) -> str:
         rows = [f"{self.name} pp={self.pp} m={self.num_microbatches} v={self.chunks_per_rank}"]
         rows += [f"  rank {r}: {' '.join(map(str, acts))}" for r, acts in sorted(self.actions.items())]
@@ -72,6 +67,13 @@ def build_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: i
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
     actions = {r: make(r, pp, num_microbatches, chunks_per_rank) for r in range(pp)}
     return Schedule(name, pp, num_microbatches, chunks_per_rank, actions)
+
+
+def forward_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1) -> Schedule:
+    """Schedule ``name`` with its backwards left out: the forward-only lists ``predict`` runs."""
+    full = build_schedule(name, pp, num_microbatches, chunks_per_rank)
+    forwards = {r: [a for a in acts if a.kind is F] for r, acts in full.actions.items()}
+    return Schedule(f"{name} (forward only)", pp, num_microbatches, chunks_per_rank, forwards)
 
 
 def validate(name: str, pp: int, m: int, v: int) -> None:

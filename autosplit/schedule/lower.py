@@ -1,55 +1,98 @@
-"""The lowering pass: add point-to-point communication actions to compute-only schedules.
+"""The lowering pass: add point-to-point communication, fused into groups, to compute-only schedules.
 
 Terms:
   compute-only list -- a rank's ordered F/B actions, as ``generate.build_schedule`` makes them.
-  lowered list      -- the same list with SEND_F/RECV_F/SEND_B/RECV_B actions inserted.
+  lowered list      -- the same computes with communication groups (``actions.Group``) between them.
   edge              -- activation flow stage ``s`` -> ``s+1`` (forward) or gradient flow
                        ``s+1`` -> ``s`` (backward), for one microbatch.
   local hand-off    -- an edge whose two stages live on the same rank (only when pp == 1); the value
                        stays in memory, so no communication action is emitted for it.
+  slot              -- the gap between two consecutive computes of one rank.
+
+Why groups, and where.  NCCL runs one rank's point-to-point groups in the order they were posted, one
+after the other, and a send completes only when its receive is running on the peer (and vice
+versa).  A rank that posts a receive ahead of a send its peer is waiting for hangs both ranks (the
+executor's old early posting did this in the first 1F1B step on 2 ranks: rank 0 queued RECV_B0 ahead
+of SEND_F1 while rank 1 waited for F1 before it could send B0).  Fusing each slot's sends with the
+next compute's receives, as torch.distributed.pipelining's 1F1B does (``fwd_sends + bwd_recvs``), is
+enough for 1F1B but not for looped schedules, where rank 0 and rank pp-1 send to each other in both
+directions.  So the pass places transfers by *time*: with every compute taking one step
+(timing.py), a transfer produced at step t goes into the producer's slot after that compute *and*
+into the consumer's slot at step t (after its last compute that runs at or before t), and each slot's
+transfers form one Group.  Every rank's groups are then in increasing step order, and both halves of
+every transfer sit at the same step, so on every rank all groups of steps before t are done before
+any of step t is needed: no ordering cycle can form, whatever the real compute times are.  For 1F1B
+this gives exactly torch's fused pairs.  ``simulate`` re-checks every schedule under NCCL's rules.
 
 Pass contract.
   requires: every list is compute-only (F and B); each action's stage is in ``[0, S)`` and lives on
             the rank whose list holds it (``stage % pp == rank``); each microbatch is in ``[0, m)``;
-            every (stage, microbatch) has exactly one F and exactly one B, and the F comes first.
+            every (stage, microbatch) has exactly one F and, unless the schedule is forward-only (no
+            B at all), exactly one B, and the F comes first.
   ensures:  the compute actions keep their order; for every cross-rank edge there is exactly one
-            send on the producer's rank, right after the producing compute (SEND_F after F of
-            ``s < S-1``, SEND_B after B of ``s > 0``) and exactly one receive on the consumer's rank,
-            right before the consuming compute (RECV_F before F of ``s > 0``, RECV_B before B of
-            ``s < S-1``); local hand-offs get no communication actions.
+            send on the producer's rank, in the slot right after the producing compute, and exactly
+            one receive on the consumer's rank, in its slot at the producing compute's step, which
+            comes before the consuming compute; each slot holds at most one Group (ordered by step,
+            sends first); local hand-offs get no communication actions.
 """
 from __future__ import annotations
 
-from collections import Counter
+from bisect import bisect_right
+from collections import Counter, defaultdict
 
 from autosplit.errors import AutosplitError
 
-from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F
+from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Group, Item
 from .generate import Schedule
+from .timing import compute_steps
 
 
-def lower(schedule: Schedule) -> dict[int, list[Action]]:
-    """Per rank, ``schedule.actions`` with SEND/RECV actions inserted (see the module contract)."""
+def lower(schedule: Schedule) -> dict[int, list[Item]]:
+    """Per rank, ``schedule.actions`` with communication groups inserted (see the module contract)."""
     check_requires(schedule)
-    return {r: _lower_rank(r, acts, schedule.pp, schedule.num_stages)
-            for r, acts in sorted(schedule.actions.items())}
-
-
-def _lower_rank(rank: int, actions: list[Action], pp: int, num_stages: int) -> list[Action]:
-    def remote(stage: int) -> bool:
-        return stage % pp != rank
-
-    out: list[Action] = []
-    for a in actions:
-        s, i = a.stage, a.microbatch
-        if a.kind is F:
-            before = [Action(s, RECV_F, i)] if s > 0 and remote(s - 1) else []
-            after = [Action(s, SEND_F, i)] if s < num_stages - 1 and remote(s + 1) else []
-        else:
-            before = [Action(s, RECV_B, i)] if s < num_stages - 1 and remote(s + 1) else []
-            after = [Action(s, SEND_B, i)] if s > 0 and remote(s - 1) else []
-        out += before + [a] + after
+    pp, S = schedule.pp, schedule.num_stages
+    steps = compute_steps(schedule.actions, S)
+    # slots[r][k]: (step, order, action) in the slot before compute k of rank r (k == len: after the last)
+    slots = {r: defaultdict(list) for r in schedule.actions}
+    position = {a: k for acts in schedule.actions.values() for k, a in enumerate(acts)}
+    rank_steps = {r: [steps[a] for a in acts] for r, acts in schedule.actions.items()}
+    for producer in position:
+        for send_kind, recv_kind, consumer_stage in _edges(producer, S):
+            if consumer_stage % pp == producer.stage % pp:
+                continue                                          # local hand-off
+            t, i = steps[producer], producer.microbatch
+            src, dst = producer.stage % pp, consumer_stage % pp
+            slots[src][position[producer] + 1].append((t, 0, Action(producer.stage, send_kind, i)))
+            # the consumer's slot after its last compute at or before step t
+            slots[dst][bisect_right(rank_steps[dst], t)].append((t, 1, Action(consumer_stage, recv_kind, i)))
+    out = {}
+    for r, acts in sorted(schedule.actions.items()):
+        items: list[Item] = []
+        for k in range(len(acts) + 1):
+            if slots[r][k]:
+                items.append(Group(tuple(a for _, _, a in sorted(slots[r][k], key=_order))))
+            if k < len(acts):
+                items.append(acts[k])
+        out[r] = items
     return out
+
+
+def _order(entry) -> tuple:
+    t, send_last, a = entry
+    return t, send_last, a.stage, a.microbatch
+
+
+def _edges(producer: Action, num_stages: int) -> list[tuple]:
+    """(send kind, receive kind, consumer stage) of what ``producer`` hands on."""
+    s = producer.stage
+    if producer.kind is F:
+        return [(SEND_F, RECV_F, s + 1)] if s < num_stages - 1 else []
+    return [(SEND_B, RECV_B, s - 1)] if s > 0 else []
+
+
+def flatten(items: list[Item]) -> list[Action]:
+    """A lowered list with its groups opened up, in order (for dumps and tests)."""
+    return [a for item in items for a in (item.actions if isinstance(item, Group) else (item,))]
 
 
 def check_requires(schedule: Schedule) -> None:
@@ -73,9 +116,10 @@ def check_requires(schedule: Schedule) -> None:
             if a.kind is B and seen[(a.stage, F, a.microbatch)] == 0:
                 raise AutosplitError(f"{where}: B before the F of stage {a.stage} microbatch {a.microbatch}")
             seen[(a.stage, a.kind, a.microbatch)] += 1
+    kinds = (F, B) if any(kind is B for _, kind, _ in seen) else (F,)    # no B at all: forward-only
     for s in range(S):
         for i in range(m):
-            for kind in (F, B):
+            for kind in kinds:
                 if seen[(s, kind, i)] != 1:
                     raise AutosplitError(
                         f"schedule has {seen[(s, kind, i)]} copies of {Action(s, kind, i)}; needs exactly 1")

@@ -1,19 +1,27 @@
-"""A discrete-time simulator for lowered schedules: proves a schedule is deadlock-free and counts idle.
+"""A discrete-time simulator of lowered schedules under NCCL's rules: proves a schedule finishes, counts idle.
 
 Terms:
   step      -- one unit of time.  Each compute action (F or B of one chunk) takes exactly one step
-               on its rank; communication actions take zero time.
-  rank      -- a pipeline rank; it runs its list strictly in order.  Stage ``s`` lives on ``s % pp``.
-  ready     -- a SEND is always ready (sends never block).  A RECV is ready once the matching SEND
-               (same microbatch, from the peer stage) ran in an *earlier* step.  A compute is ready
-               once its data dependencies ran in an earlier step: F(s, i) needs F(s-1, i); B(s, i)
-               needs F(s, i) and, unless s is the last stage, B(s+1, i).  So an F at step t on stage
-               s lets stage s+1 run F at step t+1, whether on another rank (via SEND_F/RECV_F) or on
-               the same rank (local hand-off).
-  in one step, each rank runs every ready communication action at the head of its list, at most
-               one ready compute, then the ready communication actions after it, and stops at the
-               next compute or at the first action that is not ready.
-  deadlock  -- a step in which no rank can run anything while some lists are unfinished.
+               on its rank; communication takes zero time.
+  host      -- a rank's program counter; it runs the rank's lowered list strictly in order: it *posts*
+               each group (without waiting for it) and runs each compute once the compute is ready.
+  queue     -- per rank, the posted groups not yet done, in posting order.  As on NCCL, where one
+               rank's point-to-point groups run one after another on one stream, only the head of the
+               queue is in progress; the groups behind it wait.
+  matched   -- a send and its receive (same microbatch, the peer stage) are matched when each is in
+               the head group of its rank's queue at the same time: sends are rendezvous, they do not
+               complete on their own.  A send can only match once the compute that produces it ran.
+  done      -- a group is done (and leaves the queue) when every one of its actions is matched.
+  ready     -- a compute is ready once its data dependencies ran in an *earlier* step (F(s, i) needs
+               F(s-1, i); B(s, i) needs F(s, i) and, unless s is the last stage, B(s+1, i)) and the
+               group holding the receive that feeds it is done.  So an F at step t on stage s lets
+               stage s+1 run F at step t+1, whether on another rank or on the same rank.
+  in one step, first every queue makes what progress it can (matching repeats until nothing changes),
+               then each host posts the groups at its position, runs at most one ready compute, and
+               posts the groups after it, stopping at the next compute.  A bare SEND_*/RECV_* action
+               in a list is a group of one (the executor's posting order before fusion can be replayed).
+  deadlock  -- a step in which no action matches, no group finishes and no host moves while some list
+               or queue is unfinished.
   busy / idle -- steps in which a rank did / did not run a compute.  ``idle_fraction`` is the total
                idle rank-steps over ``steps * pp``.
   in flight -- on one rank, the (stage, microbatch) pairs whose F ran and whose B has not: the
@@ -25,17 +33,15 @@ microbatch 0, ``1B3`` = stage 1 backward of microbatch 3) or ``.`` when idle.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from autosplit.errors import AutosplitError
 
-from .actions import Action, B, F
+from .actions import RECV_B, RECV_F, Action, B, F, Group, Item
 from .generate import Schedule, build_schedule
 from .lower import lower
-
-
-class ScheduleDeadlock(RuntimeError):
-    """No rank can make progress; the message names each stuck rank and what it waits on."""
+from .timing import ScheduleDeadlock, dependencies
 
 
 @dataclass
@@ -75,7 +81,7 @@ def check_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: i
     return simulate(build_schedule(name, pp, num_microbatches, chunks_per_rank))
 
 
-def simulate(schedule_or_lowered: Schedule | dict[int, list[Action]],
+def simulate(schedule_or_lowered: Schedule | dict[int, list[Item]],
              num_stages: int | None = None) -> SimResult:
     """Run every rank's lowered list together, one step at a time (see the module docstring).
 
@@ -87,54 +93,108 @@ def simulate(schedule_or_lowered: Schedule | dict[int, list[Action]],
     else:
         lists = schedule_or_lowered
         if num_stages is None:
-            num_stages = 1 + max((a.stage for acts in lists.values() for a in acts), default=0)
+            num_stages = 1 + max((a.stage for acts in lists.values() for a in _actions(acts)), default=0)
     return _Sim(lists, num_stages).run()
 
 
+def _actions(items: list[Item]) -> list[Action]:
+    return [a for item in items for a in (item.actions if isinstance(item, Group) else (item,))]
+
+
+class _Posted:
+    """A group in a rank's queue: its actions not yet matched."""
+
+    def __init__(self, group: Group):
+        self.group, self.waiting = group, set(group.actions)
+
+
 class _Sim:
-    def __init__(self, lists: dict[int, list[Action]], num_stages: int):
+    def __init__(self, lists: dict[int, list[Item]], num_stages: int):
         self.pp = len(lists)
         if sorted(lists) != list(range(self.pp)):
             raise AutosplitError(f"lists are keyed by ranks {sorted(lists)}; expected 0..{self.pp - 1}")
-        for rank, acts in lists.items():
-            for a in acts:
+        for rank, items in lists.items():
+            for a in _actions(items):
                 if a.stage % self.pp != rank:
                     raise AutosplitError(f"{a} is in rank {rank}'s list but stage {a.stage} lives on "
                                          f"rank {a.stage} % {self.pp} = {a.stage % self.pp}")
-        self.lists, self.num_stages = lists, num_stages
+        # a bare communication action is a group of one
+        self.lists = {r: [Group((it,)) if isinstance(it, Action) and not it.is_compute else it for it in items]
+                      for r, items in lists.items()}
+        self.num_stages = num_stages
+        self.recvs = [{a for a in _actions(items) if a.kind.is_recv} for _, items in sorted(lists.items())]
         self.pos = [0] * self.pp
-        self.done: dict[Action, int] = {}  # action -> step it ran in
+        self.queue: list[deque[_Posted]] = [deque() for _ in range(self.pp)]
+        self.ran: dict[Action, int] = {}        # compute -> step it ran in
+        self.received: dict[Action, int] = {}   # receive -> step its group finished
         self.inflight = [0] * self.pp
         self.peak = [0] * self.pp
         self.busy = [0] * self.pp
 
+    def _finished(self) -> bool:
+        return all(self.pos[r] == len(self.lists[r]) and not self.queue[r] for r in range(self.pp))
+
     def run(self) -> SimResult:
         grid: list[list[str | None]] = []
         t = 0
-        while any(self.pos[r] < len(self.lists[r]) for r in range(self.pp)):
+        while not self._finished():
             row: list[str | None] = [None] * self.pp
-            progressed = [self._advance(r, t, row) for r in range(self.pp)]
-            if not any(progressed):
+            communicated = self._communicate(t)
+            moved = [self._advance(r, t, row) for r in range(self.pp)]
+            if not communicated and not any(moved):
                 raise ScheduleDeadlock(self._explain(t))
             grid.append(row)
             t += 1
-        while grid and not any(grid[-1]):  # a trailing step of communication only
+        while grid and not any(grid[-1]):  # trailing steps of communication only
             grid.pop()
         return SimResult(len(grid), self.busy, grid, self.peak)
 
+    # ---- the queues ----------------------------------------------------------------------------
+    def _can_match(self, a: Action, t: int) -> bool:
+        """A send is only matchable once the compute producing its tensor has run."""
+        if not a.kind.is_send:
+            return True
+        producer = Action(a.stage, F if a.kind.name == "SEND_F" else B, a.microbatch)
+        return self.ran.get(producer, t) < t
+
+    def _communicate(self, t: int) -> bool:
+        progressed, changed = False, True
+        while changed:
+            changed = False
+            for r in range(self.pp):
+                if not self.queue[r]:
+                    continue
+                head = self.queue[r][0]
+                for a in sorted(head.waiting, key=str):
+                    peer = self.queue[a.peer_stage % self.pp]
+                    other = a.matching()
+                    if peer and other in peer[0].waiting and self._can_match(a, t) and self._can_match(other, t):
+                        head.waiting.discard(a)
+                        peer[0].waiting.discard(other)
+                        changed = True
+                if not head.waiting:
+                    self.queue[r].popleft()
+                    for a in head.group.actions:
+                        if a.kind.is_recv:
+                            self.received[a] = t
+                    changed = True
+            progressed |= changed
+        return progressed
+
+    # ---- the hosts -----------------------------------------------------------------------------
     def _advance(self, r: int, t: int, row: list[str | None]) -> bool:
-        """Run what rank r can run in step t; True if it ran anything."""
-        acts, start, computed = self.lists[r], self.pos[r], False
-        while self.pos[r] < len(acts):
-            a = acts[self.pos[r]]
-            if a.is_compute and (computed or self._missing(a, t)):
-                break
-            if a.kind.is_recv and not self._ran_before(a.matching(), t):
-                break
-            if a.is_compute:
-                computed, row[r] = True, str(a)
-                self._account(r, a)
-            self.done[a] = t
+        """Post and run what rank r's host can in step t; True if it moved."""
+        items, start, computed = self.lists[r], self.pos[r], False
+        while self.pos[r] < len(items):
+            item = items[self.pos[r]]
+            if isinstance(item, Group):
+                self.queue[r].append(_Posted(item))
+            else:
+                if computed or self._missing(item, t):
+                    break
+                computed, row[r] = True, str(item)
+                self.ran[item] = t
+                self._account(r, item)
             self.pos[r] += 1
         return self.pos[r] > start
 
@@ -143,33 +203,42 @@ class _Sim:
         self.inflight[r] += 1 if a.kind is F else -1
         self.peak[r] = max(self.peak[r], self.inflight[r])
 
-    def _ran_before(self, a: Action, t: int) -> bool:
-        return self.done.get(a, t) < t
-
-    def _deps(self, a: Action) -> list[Action]:
-        s, i = a.stage, a.microbatch
-        if a.kind is F:
-            return [Action(s - 1, F, i)] if s > 0 else []
-        deps = [Action(s, F, i)]
-        return deps + [Action(s + 1, B, i)] if s < self.num_stages - 1 else deps
+    def _feed(self, a: Action) -> Action:
+        """The receive that would bring ``a`` its input (activation for F, gradient for B)."""
+        return Action(a.stage, RECV_F if a.kind is F else RECV_B, a.microbatch)
 
     def _missing(self, a: Action, t: int) -> list[Action]:
-        return [d for d in self._deps(a) if not self._ran_before(d, t)]
+        missing = [d for d in dependencies(a, self.num_stages) if self.ran.get(d, t) >= t]
+        feed = self._feed(a)
+        if feed in self.recvs[a.stage % self.pp] and feed not in self.received:
+            missing.append(feed)
+        return missing
 
+    # ---- explaining a deadlock -----------------------------------------------------------------
     def _explain(self, t: int) -> str:
         lines = []
         for r in range(self.pp):
-            if self.pos[r] == len(self.lists[r]):
-                continue
-            a = self.lists[r][self.pos[r]]
-            needs = [a.matching()] if a.kind.is_recv else self._missing(a, t)
-            why = "; ".join(self._where(n) for n in needs)
-            lines.append(f"rank {r} waits at {a}, which needs {why}")
-        return f"schedule deadlocks at step {t}:\n  " + "\n  ".join(lines)
+            if self.queue[r]:
+                head = self.queue[r][0]
+                a = min(head.waiting, key=str)
+                where = f"{a}" if len(head.group.actions) == 1 else f"{a} of {head.group}"
+                lines.append(f"rank {r} waits at {where}, which needs {self._where(a.matching())}")
+            elif self.pos[r] < len(self.lists[r]):
+                a = self.lists[r][self.pos[r]]
+                why = "; ".join(self._where(n) for n in self._missing(a, t))
+                lines.append(f"rank {r} waits at {a}, which needs {why}")
+        return f"schedule deadlocks at step {t} (NCCL rules: one queue of groups per rank, rendezvous " \
+               f"sends):\n  " + "\n  ".join(lines)
 
     def _where(self, need: Action) -> str:
         p = need.stage % self.pp
-        acts = self.lists[p]
-        if need not in acts[self.pos[p]:]:
+        queued = [q.group for q in self.queue[p] if need in q.waiting]
+        if queued:
+            return f"{need} that rank {p} has queued behind {self.queue[p][0].group}"
+        items = self.lists[p][self.pos[p]:]
+        if need not in _actions(items):
+            if need.is_compute and need in self.ran:
+                return f"{need}, which ran"
             return f"{need} that rank {p}'s list does not hold (after its current position)"
-        return f"{need} that rank {p} has not reached (it is at {acts[self.pos[p]]})"
+        at = items[0] if items else "its end"
+        return f"{need} that rank {p} has not reached (it is at {at})"

@@ -1,0 +1,67 @@
+"""Unit-time timing of a compute-only schedule: the step at which each compute would run.
+
+Terms:
+  step  -- one unit of time; every compute (F or B of one chunk on one microbatch) takes one step.
+  ready -- a compute runs at the first step after its data dependencies ran (F(s, i) needs F(s-1, i);
+           B(s, i) needs F(s, i) and, unless s is the last stage, B(s+1, i)), on whichever rank they
+           ran, and after the computes before it in its rank's list.  Communication is free here.
+
+The lowering pass uses these steps to place each transfer (see lower.py); the simulator then checks
+the lowered lists under NCCL's rules, where communication is no longer free of ordering.
+"""
+from __future__ import annotations
+
+from .actions import Action, B, F
+
+
+class ScheduleDeadlock(RuntimeError):
+    """No rank can make progress; the message names each stuck rank and what it waits on."""
+
+
+def dependencies(a: Action, num_stages: int) -> list[Action]:
+    """The computes whose results ``a`` consumes."""
+    s, i = a.stage, a.microbatch
+    if a.kind is F:
+        return [Action(s - 1, F, i)] if s > 0 else []
+    deps = [Action(s, F, i)]
+    return deps + [Action(s + 1, B, i)] if s < num_stages - 1 else deps
+
+
+def compute_steps(lists: dict[int, list[Action]], num_stages: int) -> dict[Action, int]:
+    """The step each compute of ``lists`` (rank -> compute-only list) runs at; raises
+    ScheduleDeadlock naming every stuck rank when the lists' order makes some compute wait forever."""
+    pos = {r: 0 for r in lists}
+    steps: dict[Action, int] = {}
+    t = 0
+    while any(pos[r] < len(acts) for r, acts in lists.items()):
+        ran = []
+        for r, acts in lists.items():
+            if pos[r] < len(acts) and all(steps.get(d, t) < t for d in dependencies(acts[pos[r]], num_stages)):
+                ran.append(acts[pos[r]])
+                pos[r] += 1
+        if not ran:
+            raise ScheduleDeadlock(_explain(lists, pos, steps, num_stages))
+        for a in ran:
+            steps[a] = t
+        t += 1
+    return steps
+
+
+def _explain(lists, pos, steps, num_stages) -> str:
+    pp = len(lists)
+    lines = []
+    for r, acts in sorted(lists.items()):
+        if pos[r] == len(acts):
+            continue
+        a = acts[pos[r]]
+        needs = []
+        for d in dependencies(a, num_stages):
+            if d in steps:
+                continue
+            p = d.stage % pp
+            at = lists[p][pos[p]] if pos[p] < len(lists[p]) else "its end"
+            held = d in lists[p][pos[p]:]
+            needs.append(f"{d} that rank {p} has not reached (it is at {at})" if held else
+                         f"{d} that rank {p}'s list does not hold (after its current position)")
+        lines.append(f"rank {r} waits at {a}, which needs {'; '.join(needs)}")
+    return "compute order deadlocks:\n  " + "\n  ".join(lines)
