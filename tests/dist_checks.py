@@ -246,3 +246,27 @@ def replay_early_post_order(timeout_s: float = 3.0):
     out["strict"] = error_of(pm.step, x, y)
     out["seconds"] = time.monotonic() - start
     return out
+
+
+def dying_rank(victim: int, stamp_path: str):
+    """Rank ``victim`` exits abruptly inside its third loss; the others must name it (or, when it hosted
+    the store, say that the store's host died).  The victim writes when it died to ``stamp_path``."""
+    import os
+    import time
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(1)
+        if dist.get_rank() == victim and len(calls) == 1 and victim == 1:
+            with open(stamp_path, "w") as f:
+                f.write(str(time.time()))
+            os._exit(1)
+        return torch.nn.functional.cross_entropy(out, y)
+
+    pm = _small(microbatches=2, loss_fn=loss_fn, example_input=torch.randn(1, 3, 32, 32), timeout_s=30)
+    if dist.get_rank() == victim and victim != 1:        # not the last stage: die before sending
+        with open(stamp_path, "w") as f:
+            f.write(str(time.time()))
+        os._exit(1)
+    err = error_of(pm.step, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
+    return {"error": err, "ended": time.time()}

@@ -69,12 +69,14 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run_raw(self, fn, *args, timeout: float = 180, **kwargs) -> dict[int, tuple[bool, object]]:
+    def run_raw(self, fn, *args, timeout: float = 180, expect: int | None = None,
+                **kwargs) -> dict[int, tuple[bool, object]]:
+        """Per rank (ok, value); ``expect`` ranks (default all) must report within ``timeout`` s."""
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, args, kwargs))
         out = {}
         try:
-            while len(out) < self.size:
+            while len(out) < (self.size if expect is None else expect):
                 rank, ok, value = self.results.get(timeout=timeout)
                 out[rank] = (ok, value)
         except queue.Empty:

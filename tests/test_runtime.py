@@ -1,7 +1,7 @@
 """parallelize: pipeline + data-parallel training equals single-device training (real gloo processes)."""
 import pytest
 
-from tests.dist_checks import (bad_inputs, bucket_overlap, failing_rank, features, hanging_rank,
+from tests.dist_checks import (bad_inputs, bucket_overlap, dying_rank, failing_rank, features, hanging_rank,
                                lazy_plan_then_train, mixed_precision, replay_early_post_order,
                                train_matches_single_device)
 from tests.dist_pool import Pool
@@ -79,11 +79,35 @@ def test_dp_buckets_overlap_the_last_backward(pool2):
 
 
 def test_a_stalled_rank_times_out_everywhere():
+    """Rank 1 sleeps in its loss: rank 0 times out, and names rank 1 and where it is, not itself."""
     results = _on_fresh_pool(hanging_rank)
-    assert "rank 0 (pp=0, tp=0, dp=0) failed at 0RECV_B0" in results[0]["error"], results[0]
-    assert "TimeoutError: no progress for 2 s" in results[0]["error"]
-    assert results[0]["seconds"] < 5
-    assert "failed at 0RECV_B0" in results[1]["error"], results[1]      # rank 1 learns why, when it wakes
+    for r in results:      # rank 1 learns the same cause when it wakes
+        assert "rank 1 (pp=1, tp=0, dp=0) is stalled at 1F0 (busy for " in r["error"], r
+        assert "rank 0 (pp=0, tp=0, dp=0) gave up at 0RECV_B0" in r["error"], r
+        assert "TimeoutError: no progress for 2 s" in r["error"], r
+    assert results[0]["seconds"] < 2 + 5
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dead_rank_is_named_by_the_survivors(victim, tmp_path):
+    """A rank's process exits mid-step: the survivor names it, or says the store's host died."""
+    import time
+    stamp = str(tmp_path / "died")
+    pool = Pool(2)
+    try:
+        out = pool.run_raw(dying_rank, victim, stamp, timeout=60, expect=1)
+    finally:
+        pool.close(force=True)
+    (ok, r), = out.values()
+    assert ok and r["error"] is not None, r
+    if victim == 1:
+        assert "rank 1 (pp=1, tp=0, dp=0) died or froze (no heartbeat for 1.5 s" in r["error"], r
+        assert "rank 0 (pp=0, tp=0, dp=0) gave up at 0RECV_B0" in r["error"], r
+    else:
+        assert "the job's store at 127.0.0.1:" in r["error"] and "has probably died" in r["error"], r
+    seconds = r["ended"] - float(open(stamp).read())
+    assert seconds < 10, seconds
+    print(f"victim {victim}: last survivor ended {seconds:.2f} s after the fault")
 
 
 def test_strict_transport_hangs_where_nccl_would():

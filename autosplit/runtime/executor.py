@@ -68,6 +68,7 @@ class PipelineExecutor:
         return total.detach(), [self.outputs[k] for k in sorted(self.outputs)]
 
     def _guarded(self, item, fn) -> None:
+        self.watchdog.at(str(item))
         try:
             fn(item)
         except Exception as exc:

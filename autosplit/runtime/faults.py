@@ -15,6 +15,9 @@ Terms:
                    ``wait(timeout)`` marks the Work failed for good, so ``wait()`` runs on a helper
                    thread while this thread polls the result.
     Future      -- (the strict transport's groups) polled directly.
+  blame       -- a wait that times out or breaks (a peer's connection reset) asks the heartbeats
+                 (heartbeat.py) which rank died, stalled or is part of a deadlock, and the published
+                 message names that rank first, so the survivors do not report themselves.
 A wait abandoned on failure leaves its helper thread blocked; the threads are daemons, and the
 ParallelModule is unusable after a RankFailure anyway.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+from autosplit.runtime.heartbeat import diagnose, heartbeat, store_address
 from autosplit.runtime.serial_thread import SerialThread
 
 FAILURE_KEY = "autosplit/failure"
@@ -35,28 +39,57 @@ class RankFailure(RuntimeError):
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, coord, timeout_s: float, backend: str = "gloo"):
-        self.store, self.rank, self.coord, self.timeout_s = store, rank, coord, timeout_s
-        self.where = f"rank {rank} (pp={coord.pp}, tp={coord.tp}, dp={coord.dp})"
+    def __init__(self, store, rank: int, mesh, timeout_s: float, backend: str = "gloo"):
+        self.store, self.rank, self.mesh, self.timeout_s = store, rank, mesh, timeout_s
+        self.where = self.describe(rank)
         self.polled = backend == "nccl"      # NCCL works complete on their own: poll them
         self._waiter = None if self.polled else SerialThread("autosplit-wait")
+        self.beat = heartbeat(store, rank)
 
-    def fail(self, doing: str, exc: BaseException) -> RankFailure:
-        """Publish this rank's failure (first writer wins) and return the error to raise."""
+    def describe(self, rank: int) -> str:
+        """"rank R (pp=.., tp=.., dp=..)", the way every message names a rank."""
+        c = self.mesh.coord_of(rank)
+        return f"rank {rank} (pp={c.pp}, tp={c.tp}, dp={c.dp})"
+
+    def at(self, doing: str) -> None:
+        """Tell the heartbeat what this rank is doing now (an action, a call)."""
+        self.beat.at(doing)
+
+    def fail(self, doing: str, exc: BaseException, blame_others: bool = False) -> RankFailure:
+        """Publish this rank's failure (first writer wins) and return the error to raise.
+
+        With ``blame_others`` (a wait that timed out or broke) the heartbeats are asked first which
+        other rank is at fault, and that rank is named before this one.
+        """
         if isinstance(exc, RankFailure):
             return exc
         message = f"{self.where} failed at {doing}: {type(exc).__name__}: {exc}"
         try:
+            if blame_others and not self.store.check([FAILURE_KEY]):
+                culprit = diagnose(self.store, self.mesh.size, self.rank, self.describe)
+                if culprit:
+                    message = f"{culprit}; {self.where} gave up at {doing}: {type(exc).__name__}: {exc}"
             if not self.store.check([FAILURE_KEY]):
                 self.store.set(FAILURE_KEY, message)
-        except Exception:  # the store itself is gone: still raise locally
-            pass
+            else:            # another rank was first: report its cause, which is the earlier one
+                message = f"{self.where} stopped at {doing}: {self.store.get(FAILURE_KEY).decode()}"
+        except Exception as store_exc:  # the store itself is gone: say so, and still raise locally
+            message = self._store_lost(doing, store_exc, message)
         return RankFailure(message)
 
-    def check(self) -> None:
-        """Raise if another rank has failed."""
-        if self.store.check([FAILURE_KEY]):
-            cause = self.store.get(FAILURE_KEY).decode()
+    def _store_lost(self, doing: str, store_exc: BaseException, message: str) -> str:
+        return (f"the job's store at {store_address()} is unreachable ({type(store_exc).__name__}: "
+                f"{store_exc}): the process hosting it (rank 0's, unless torchrun's agent hosts the "
+                f"store) has probably died; {self.where} was at {doing}; {message}")
+
+    def check(self, doing: str = "a wait") -> None:
+        """Raise if another rank has failed (or the store is gone)."""
+        try:
+            failed = self.store.check([FAILURE_KEY])
+            cause = self.store.get(FAILURE_KEY).decode() if failed else None
+        except Exception as exc:
+            raise RankFailure(self._store_lost(doing, exc, "")) from exc
+        if failed:
             raise RankFailure(f"{self.where} stopped: {cause}")
 
     def wait(self, handle, doing: str) -> None:
@@ -75,19 +108,23 @@ class Watchdog:
 
     def _until(self, done, doing: str, finish) -> None:
         """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure."""
+        before = self.beat.doing, self.beat.waiting
+        self.beat.at(doing, waiting=True)
         start = time.monotonic()
         deadline, next_check, sleep = start + self.timeout_s, start + _CHECK_EVERY_S, _POLL_S[0]
         while not done():
             now = time.monotonic()
             if now >= next_check:
-                self.check()
+                self.check(doing)
                 next_check = now + _CHECK_EVERY_S
                 if now > deadline:
                     raise self.fail(doing, TimeoutError(
-                        f"no progress for {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"))
+                        f"no progress for {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"),
+                        blame_others=True)
             time.sleep(sleep)
             sleep = min(2 * sleep, _POLL_S[1])
         try:
             finish()
         except Exception as exc:
-            raise self.fail(doing, exc) from exc
+            raise self.fail(doing, exc, blame_others=True) from exc
+        self.beat.at(*before)

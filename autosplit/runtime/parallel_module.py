@@ -46,7 +46,7 @@ class ParallelModule:
         self.num_microbatches, self.schedule, self.chunks_per_rank = num_microbatches, schedule, chunks_per_rank
         self.tp_mode, self.autocast, self.checkpoint = tp_mode, autocast, checkpoint
         self.bucket_bytes, self.compile_options = bucket_bytes, compile_options or {}
-        self.watchdog = Watchdog(world.store, world.rank, world.coord, world.timeout_s, world.backend)
+        self.watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.plan, self.buckets, self.provisional = None, None, False
         self.partial_params: list = []

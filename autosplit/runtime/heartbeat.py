@@ -1,0 +1,100 @@
+"""Per-rank liveness in the job's store, so that a failure names the rank that died or stalled.
+
+Terms:
+  beat     -- the key ``autosplit/beat/{rank}``, rewritten every ``INTERVAL_S`` by a daemon thread of
+              each rank with "count|state|doing|seconds": a counter, whether the rank's main thread
+              is ``waiting`` on another rank or ``busy`` (computing, or in user code), what it is doing
+              (an action such as ``1F2``) and for how long, by the rank's own clock.
+  dead     -- a rank whose count does not move while an observer watches it for ``STALE_S`` by the
+              observer's clock (no clock agreement between hosts is needed): the process is gone or
+              frozen as a whole.
+  stalled  -- a rank that beats but has been busy, not waiting, at one action for longer than the
+              observer waited: the rank the others are waiting for.
+
+What can be told apart: a dead process (from a stale beat, after a peer's connection reset or a
+timeout), a rank stuck in computation or user code (busy, beating), and an ordering deadlock (every
+rank waiting).  What cannot: a process alive but starved of the GIL for longer than ``STALE_S``
+looks dead; a rank stuck inside a GPU kernel looks busy.  When the store's host process dies (rank 0's
+process, unless torchrun's agent hosts the store) nothing can be read, and the message says so.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+INTERVAL_S = 0.5
+STALE_S = 1.5
+_PREFIX = "autosplit/beat/"
+
+
+class Heartbeat:
+    """This process's beat: one daemon thread, and the state the main thread updates."""
+
+    def __init__(self, store, rank: int):
+        self.store, self.rank = store, rank
+        self.doing, self.waiting, self.since = "start", False, time.monotonic()
+        self._count = 0
+        threading.Thread(target=self._loop, name="autosplit-heartbeat", daemon=True).start()
+
+    def at(self, doing: str, waiting: bool = False) -> None:
+        """Called by the main thread when it starts something (cheap: three attribute writes)."""
+        if doing != self.doing or waiting != self.waiting:
+            self.doing, self.waiting, self.since = doing, waiting, time.monotonic()
+
+    def _loop(self) -> None:
+        while True:
+            self._count += 1
+            state = "waiting" if self.waiting else "busy"
+            value = f"{self._count}|{state}|{self.doing}|{time.monotonic() - self.since:.1f}"
+            try:
+                self.store.set(f"{_PREFIX}{self.rank}", value)
+            except Exception:       # the store is gone (job over, or its host died): stop beating
+                return
+            time.sleep(INTERVAL_S)
+
+
+_BEATS: dict[int, Heartbeat] = {}
+
+
+def heartbeat(store, rank: int) -> Heartbeat:
+    """The process's Heartbeat for ``store`` (one thread per store, however many modules are built)."""
+    if id(store) not in _BEATS:
+        _BEATS[id(store)] = Heartbeat(store, rank)
+    return _BEATS[id(store)]
+
+
+def read_beats(store, world_size: int) -> dict[int, tuple[int, str, str, float]]:
+    """rank -> (count, state, doing, seconds) for every rank that has beaten."""
+    keys = [f"{_PREFIX}{r}" for r in range(world_size)]
+    present = [r for r, k in enumerate(keys) if store.check([k])]
+    out = {}
+    for r in present:
+        count, state, doing, seconds = store.get(keys[r]).decode().split("|")
+        out[r] = (int(count), state, doing, float(seconds))
+    return out
+
+
+def diagnose(store, world_size: int, me: int, describe) -> str | None:
+    """Why the job is stuck, naming other ranks, or None when nothing points at one.
+
+    Watches every rank's beat for ``STALE_S``; ``describe(rank)`` gives "rank R (pp=.., tp=.., dp=..)".
+    """
+    first = read_beats(store, world_size)
+    time.sleep(STALE_S)
+    second = read_beats(store, world_size)
+    dead = [r for r in range(world_size) if r != me and (r not in second or second[r][0] == first.get(r, (0,))[0])]
+    if dead:
+        return "; ".join(f"{describe(r)} died or froze (no heartbeat for {STALE_S:g} s; its last beat, "
+                         f"sent every {INTERVAL_S:g} s, said it was at "
+                         f"{second[r][2] if r in second else 'start-up'})" for r in dead)
+    stalled = [r for r, (_, state, _, _) in second.items() if r != me and state == "busy"]
+    if stalled:
+        return "; ".join(f"{describe(r)} is stalled at {second[r][2]} (busy for {second[r][3]:.0f} s, "
+                         f"not waiting on another rank)" for r in stalled)
+    waits = ", ".join(f"rank {r} at {doing}" for r, (_, _, doing, _) in sorted(second.items()) if r != me)
+    return f"every rank is waiting on another ({waits}): an ordering deadlock" if waits else None
+
+
+def store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
