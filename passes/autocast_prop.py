@@ -48,8 +48,10 @@ def autocast_state(device_type: str, dtype: torch.dtype):
 
 
 def _to_meta(value):
-    return tree_map(lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-                    if isinstance(x, torch.Tensor) else x, value)
+    """Plain meta tensors (made outside the fake mode, or they would be fake tensors on "meta")."""
+    with unset_fake_temporarily():
+        return tree_map(lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                        if isinstance(x, torch.Tensor) else x, value)
 
 
 class _FakeInterpreter(fx.Interpreter):
