@@ -32,6 +32,9 @@ def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
         return timm.create_model(spec, pretrained=False, **kwargs)
 
 
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m autosplit", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -43,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     plan.add_argument("--chunks-per-rank", type=int, default=1)
     plan.add_argument("--microbatches", type=int, default=None)
-    plan.add_argument("--device", default="h100", help="cost model: h100, a100 or cpu (measured here)")
+    plan.add_argument("--device", default="h100", help="cost model: h100, h200, a100 or cpu (measured here)")
+    plan.add_argument("--autocast", choices=sorted(_AUTOCAST), default=None, help="plan for torch.autocast")
+    plan.add_argument("--checkpoint", choices=["stage", "block"], default=None,
+                      help="plan for activation recomputation per stage or per block")
+    plan.add_argument("--memory-budget", default=None, help="bytes per stage, e.g. 8GiB")
     plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
     return p
 
@@ -56,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.empty(args.batch, *default_input_shape(model, args.image_size), device="meta")
         plan = autosplit.compile(model, mesh=args.mesh, example_input=x, schedule=args.schedule,
                                  chunks_per_rank=args.chunks_per_rank, num_microbatches=args.microbatches,
-                                 device=args.device)
+                                 device=args.device, autocast=_AUTOCAST.get(args.autocast),
+                                 checkpoint=args.checkpoint, memory_budget=args.memory_budget)
         print(plan.summary())
         print(f"planned in {time.perf_counter() - start:.2f} s")
         if args.out:

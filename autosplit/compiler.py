@@ -3,8 +3,8 @@
 Terms: see plan.py (stage, layers, memory) and passes/cut_points.py (cut, segment).
 
 Steps, each a graph pass or a pure function:
-  trace -> MetaShapeProp -> AnnotateCosts -> find_cuts -> balanced_bounds -> assign stages
-  -> SplitStages -> Plan.
+  validate -> trace -> MetaShapeProp [-> AutocastDtypeProp] -> AnnotateCosts -> find_cuts
+  -> balanced_bounds (or the user's stage_bounds) -> assign stages -> SplitStages -> Plan.
 Nothing here allocates a weight: parameters may live on the meta device.
 """
 from __future__ import annotations
@@ -16,53 +16,50 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 from torch import nn
 
-from autosplit.cost_model import AnnotateCosts, collective_time, get_profile, graph_time, p2p_time
+from autosplit import validate
+from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
 from autosplit.errors import AutosplitError
-from autosplit.layers import find_layer_ends, layer_paths, layers_label
+from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
+from autosplit.passes.autocast_prop import AutocastDtypeProp
 from autosplit.passes.cut_points import Cut, find_cuts
-from autosplit.passes.partition import balanced_bounds, equal_layer_bounds, stage_costs
+from autosplit.passes.partition import balanced_bounds, stage_costs, torchtitan_bounds
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
 from autosplit.passes.split_stages import SplitStages
 from autosplit.passes.tp_rewrite import shard_tensor_parallel
 from autosplit.passes.tp_sequence import apply_sequence_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
 from autosplit.schedule import check_schedule
+from autosplit.segment_costs import CHECKPOINTS, OPTIMIZER_FACTOR, SegmentCosts, comm_time
 from autosplit.trace import trace
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-OPTIMIZER_FACTOR = 4   # parameter + gradient + two Adam moments, all in the parameter's dtype
+TP_MODES = ("1d", "2d")
+AUTOCAST = (None, torch.bfloat16, torch.float16)
 
 
-def _check_args(mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_rank: int) -> None:
-    if tp_mode not in ("1d", "2d"):
-        raise AutosplitError(f"tp_mode={tp_mode!r}: expected '1d' (Megatron) or '2d' (SUMMA)")
+def _check_args(model, mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_rank: int, num_microbatches,
+                autocast, checkpoint, sequence_parallel) -> None:
+    validate.model(model)
+    validate.one_of("tp_mode", tp_mode, TP_MODES)
     if tp_mode == "2d" and mesh.tp > 1:
         raise AutosplitError(f"tp_mode='2d' (SUMMA) is not in this release yet; use tp_mode='1d' "
                              f"(Megatron), which supports tp={mesh.tp}")
-    if schedule not in SCHEDULES:
-        raise AutosplitError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if not isinstance(chunks_per_rank, int) or chunks_per_rank < 1:
-        raise AutosplitError(f"chunks_per_rank={chunks_per_rank!r} must be a positive integer")
+    validate.one_of("schedule", schedule, SCHEDULES)
+    validate.positive_int("chunks_per_rank", chunks_per_rank)
     if schedule == "interleaved" and chunks_per_rank < 2:
         raise AutosplitError(f"schedule='interleaved' needs chunks_per_rank >= 2 (got {chunks_per_rank})")
     if schedule == "1f1b" and chunks_per_rank != 1:
         raise AutosplitError(f"schedule='1f1b' runs one chunk per rank (got chunks_per_rank="
                              f"{chunks_per_rank}); use schedule='interleaved' for several")
-
-
-def _as_inputs(model: nn.Module, example_input) -> tuple[torch.Tensor, ...]:
-    if example_input is None:
-        meta = any(p.device.type == "meta" for p in model.parameters())
-        why = "the model is on the meta device, so " if meta else ""
-        raise AutosplitError(
-            f"example_input is required: {why}autosplit plans shapes from one microbatch, e.g. "
-            f"example_input=torch.empty(8, 3, 224, 224, device='meta')")
-    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    for i, x in enumerate(inputs):
-        if not isinstance(x, torch.Tensor):
-            raise AutosplitError(f"example_input[{i}] is a {type(x).__name__}; expected a tensor")
-    return inputs
+    if num_microbatches is not None:
+        validate.positive_int("num_microbatches", num_microbatches,
+                              f" (or None for 2 * pp = {2 * mesh.pp})")
+    if not any(autocast is a for a in AUTOCAST):
+        raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
+    validate.one_of("checkpoint", checkpoint, CHECKPOINTS)
+    if not isinstance(sequence_parallel, bool):
+        raise AutosplitError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
 
 
 def _shape_prop(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -70,7 +67,7 @@ def _shape_prop(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> None:
         MetaShapeProp(inputs)(gm)
     except AutosplitError as exc:
         shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
-        raise AutosplitError(f"{exc}\nThe example input has shape {shapes}; it must be one microbatch "
+        raise AutosplitError(f"{exc}\nexample_input has shape {shapes}; it must be one microbatch "
                              f"of what the model's forward takes, batch dim first (e.g. (B, C, H, W))") from exc
 
 
@@ -83,11 +80,6 @@ def _segments(nodes: list[fx.Node], cuts: list[Cut]) -> list[list[fx.Node]]:
     return segments
 
 
-def _comm(nodes: Sequence[fx.Node], tp: int, profile) -> float:
-    """Tensor-parallel communication of ``nodes``, forward plus backward."""
-    return sum(sum(collective_time(n, tp, profile)) for n in nodes)
-
-
 def _in_flight(result, pp: int, chunks: int) -> list[int]:
     """Microbatches whose activations each stage holds at the schedule's peak (from the simulator)."""
     return [max(1, -(-result.peak_activations[s % pp] // chunks)) for s in range(pp * chunks)]
@@ -95,27 +87,43 @@ def _in_flight(result, pp: int, chunks: int) -> list[int]:
 
 def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str = "1d",
             schedule: str = "1f1b", chunks_per_rank: int = 1, num_microbatches: int | None = None, *,
-            device="h100", memory_budget: float | None = None, leaf_modules: Sequence[type] = (),
+            device="h100", memory_budget: float | str | None = None, leaf_modules: Sequence = (),
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
-            sequence_parallel: bool = False) -> Plan:
+            sequence_parallel: bool = False, autocast: torch.dtype | None = None,
+            checkpoint: str | None = None) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
-    ``device``: a cost-model profile ("h100", "a100", "cpu" measured here, or a DeviceProfile).
-    ``memory_budget``: bytes per stage the cut must respect.  ``num_microbatches`` defaults to 2 * pp.
-    ``sequence_parallel``: with tp > 1, also shard the token dim between tensor-parallel regions.
-    ``stage_bounds``: reuse another plan's cut (``plan.bounds``) instead of searching, e.g. to re-plan
-    the same model for a new batch size while keeping every parameter on the same rank.
+    Args:
+        device: the cost-model profile: "h100", "h200", "a100", "cpu" (measured here) or a DeviceProfile.
+        memory_budget: bytes per stage the cut must respect: a number, or a string such as "8GiB",
+            "512MiB", "1.5GB".
+        num_microbatches: a positive integer; None means 2 * pp.
+        leaf_modules: module classes torch.fx must not trace into: classes, "package.module.ClassName",
+            or a class name that names one class among the model's submodules.
+        concrete_args: values for forward parameters after the example inputs.
+        sequence_parallel: with tp > 1, also shard the token dim between tensor-parallel regions.
+        stage_bounds: reuse another plan's cut (``plan.bounds``) instead of searching, e.g. to re-plan
+            the same model for a new batch size while keeping every parameter on the same rank.
+        autocast: None, torch.bfloat16 or torch.float16: plan for training under ``torch.autocast``
+            (matmuls at the half-precision peak, activations and boundaries in the dtype autocast gives).
+        checkpoint: None, "stage" or "block": plan for activation recomputation (memory and time).
     """
     mesh = MeshShape.parse(mesh)
-    _check_args(mesh, tp_mode, schedule, chunks_per_rank)
-    inputs = _as_inputs(model, example_input)
-    num_microbatches = num_microbatches or 2 * mesh.pp
+    _check_args(model, mesh, tp_mode, schedule, chunks_per_rank, num_microbatches, autocast, checkpoint,
+                sequence_parallel)
+    inputs = validate.example_inputs(model, example_input)
+    budget = validate.memory_budget(memory_budget)
+    validate.concrete_args(model, len(inputs), concrete_args)
+    leaves = validate.leaf_modules(model, leaf_modules)
+    profile = get_profile(device)
+    num_microbatches = 2 * mesh.pp if num_microbatches is None else num_microbatches
     n_stages = mesh.pp * chunks_per_rank
     simulated = check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank)  # proves it deadlock-free
     in_flight = _in_flight(simulated, mesh.pp, chunks_per_rank)
-    profile = get_profile(device)
 
-    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaf_modules, concrete_args)
+    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaves, concrete_args)
+    if autocast is not None:
+        AutocastDtypeProp(inputs, autocast, profile.device_type)(gm)
     annotate = AnnotateCosts()
     annotate(gm)
     cuts = find_cuts(gm)
@@ -123,13 +131,17 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
         raise AutosplitError(
             f"pp({mesh.pp}) * chunks_per_rank({chunks_per_rank}) = {n_stages} stages, but the graph has only "
             f"{len(cuts)} places to cut (at most {len(cuts) + 1} stages); use fewer pipeline stages")
-    seg = _SegmentCosts(_segments(list(gm.graph.nodes), cuts), cuts, mesh.tp, profile, in_flight)
-    bounds = list(stage_bounds) if stage_bounds is not None else \
-        balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, memory_budget)
     layers = layer_paths(model)
-    layer_ends = find_layer_ends(layers, seg.segments)
-    equal = equal_layer_bounds(layer_ends, len(seg.segments), n_stages) if len(layer_ends) >= n_stages else bounds
-    _assign_stages(seg.segments, bounds)
+    segments = _segments(list(gm.graph.nodes), cuts)
+    seg = SegmentCosts(segments, cuts, mesh.tp, profile, in_flight, checkpoint=checkpoint, layers=layers,
+                       input_bytes=sum(tensor_bytes(x) for x in inputs))
+    if stage_bounds is not None:
+        bounds = validate.stage_bounds(stage_bounds, n_stages, len(segments))
+    else:
+        bounds = balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, budget)
+    baseline = torchtitan_bounds(find_layer_ends(layers, segments), first_layer_segment(layers, segments) - 1,
+                                 len(segments), n_stages)
+    _assign_stages(segments, bounds)
     split = SplitStages(n_stages)
     split(gm)
     return Plan(mesh=mesh, tp_mode=tp_mode, schedule=schedule, chunks_per_rank=chunks_per_rank,
@@ -137,10 +149,12 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 example_shapes=[tuple(x.shape) for x in inputs],
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
                 stages=_stage_infos(layers, mesh, split, seg, bounds),
-                equal_layer_times=stage_costs(equal, seg.time, seg.out_time), equal_layer_bounds=list(equal),
+                equal_layer_times=None if baseline is None else stage_costs(baseline, seg.time, seg.out_time),
+                equal_layer_bounds=baseline,
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
-                tp_plan=tp_plan,
-                schedule_grid=simulated.format_grid())
+                tp_plan=tp_plan, schedule_grid=simulated.format_grid(),
+                autocast=None if autocast is None else str(autocast).removeprefix("torch."),
+                checkpoint=checkpoint)
 
 
 def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args):
@@ -158,25 +172,6 @@ def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concre
     gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
     _shape_prop(gm, inputs)
     return gm, tp_plan
-
-
-class _SegmentCosts:
-    """Per segment: time (fwd + bwd compute and tp communication), boundary transfer, memory."""
-
-    def __init__(self, segments, cuts, tp: int, profile, in_flight: list[int]):
-        self.segments, self.cuts, self.tp, self.profile, self.in_flight = segments, cuts, tp, profile, in_flight
-        self.time = [sum(graph_time(s, profile)) + _comm(s, tp, profile) for s in segments]
-        self.out_time = [self.boundary_time(k) for k in range(len(segments))]
-        self.params = [sum(n.meta["cost"].param_bytes for n in s) for s in segments]
-        self.saved = [sum(n.meta["cost"].saved_bytes for n in s) for s in segments]
-
-    def boundary_time(self, k: int) -> float:
-        """Sending segment k's outputs forward and their gradients back (0 after the last)."""
-        return 2 * p2p_time(self.cuts[k].nbytes, self.profile) if k < len(self.cuts) else 0.0
-
-    def memory(self, stage: int, first: int, last: int) -> float:
-        return OPTIMIZER_FACTOR * sum(self.params[first:last + 1]) + \
-            self.in_flight[stage] * sum(self.saved[first:last + 1])
 
 
 def _visible(node: fx.Node) -> bool:
@@ -209,7 +204,7 @@ def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     return infos
 
 
-def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: _SegmentCosts, bounds) -> list[StageInfo]:
+def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds) -> list[StageInfo]:
     all_nodes = [n for s in seg.segments for n in s]
     by_name = {n.name: n for n in all_nodes}
     result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
@@ -221,15 +216,16 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: _S
         fwd, bwd = graph_time(nodes, seg.profile)
         params = dict(module.named_parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-        saved = sum(n.meta["cost"].saved_bytes for n in nodes)
+        kept, recompute = seg.activations(bounds[s - 1] + 1 if s else 0, bounds[s])
         infos.append(StageInfo(
             index=s, pp_rank=s % mesh.pp, chunk=s // mesh.pp,
             layers=layers_label(layers, [n for n in shown if n.meta["stage"] == s], shown),
             nodes=[n.name for n in nodes], params=list(params), n_params=sum(p.numel() for p in params.values()),
-            param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd,
-            comm_time=seg.boundary_time(bounds[s]) + _comm(nodes, mesh.tp, seg.profile),
-            activation_bytes=saved, in_flight=seg.in_flight[s],
-            memory_bytes=OPTIMIZER_FACTOR * param_bytes + seg.in_flight[s] * saved,
+            param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd + seg.recompute_time(nodes),
+            comm_time=seg.boundary_time(bounds[s]) + comm_time(nodes, mesh.tp, seg.profile),
+            activation_bytes=kept, in_flight=seg.in_flight[s],
+            memory_bytes=OPTIMIZER_FACTOR * param_bytes + seg.in_flight[s] * kept + recompute,
             inputs=_tensor_infos([by_name[n] for n in split.inputs[s]]),
-            outputs=_tensor_infos([by_name[n] for n in split.outputs[s]])))
+            outputs=_tensor_infos([by_name[n] for n in split.outputs[s]]),
+            recompute_bytes=recompute))
     return infos

@@ -15,3 +15,7 @@ class TraceError(AutosplitError):
 
 class PlanError(AutosplitError):
     """A valid model for which the requested plan cannot be built (e.g. too many stages)."""
+
+
+class RankError(AutosplitError, IndexError):
+    """A pipeline / tensor-parallel rank outside the mesh (an IndexError too, for callers that catch one)."""

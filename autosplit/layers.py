@@ -42,6 +42,13 @@ def find_layer_ends(layers: Sequence[str], segments: Sequence[Sequence[fx.Node]]
     return sorted(set(ends))
 
 
+def first_layer_segment(layers: Sequence[str], segments: Sequence[Sequence[fx.Node]]) -> int:
+    """Index of the first segment holding a node of any layer (len(segments) if none does)."""
+    return next((k for k, seg in enumerate(segments)
+                 if any(_within(n.meta.get("module_path", ""), layer) for n in seg for layer in layers)),
+                len(segments))
+
+
 def _within(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
 

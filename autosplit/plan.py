@@ -6,7 +6,10 @@ Terms:
   layers -- a readable summary of the module paths a stage covers ("blocks.0-3, blocks.4.attn").
   memory -- predicted peak bytes of one stage on its rank: parameters, gradients and two optimizer
             moments (4 x parameter bytes), plus the activations kept for backward times the number of
-            microbatches the schedule keeps in flight on that stage.
+            microbatches the schedule keeps in flight on that stage, plus (with checkpointing) what one
+            microbatch's recomputation holds (see segment_costs.py).
+  baseline -- torchtitan's cut (passes/partition.py ``torchtitan_bounds``): equal units per stage where
+            the embedding and the head each count as one layer; None ("n/a") where that rule has no cut.
 
 A Plan is pure: building one needs no process group and no GPU.  The runtime interprets it.
 """
@@ -17,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch.fx as fx
 
+from autosplit.errors import RankError
 from autosplit.mesh import MeshShape
 
 
@@ -46,6 +50,7 @@ class StageInfo:
     memory_bytes: int
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
+    recompute_bytes: int = 0      # alive while one microbatch's backward recomputes (checkpointing)
 
     @property
     def time(self) -> float:
@@ -63,14 +68,16 @@ class Plan:
     example_shapes: list[tuple[int, ...]]
     example_dtypes: list[str]
     stages: list[StageInfo]
-    equal_layer_times: list[float]            # stage costs of the equal-layer-count cut, for comparison
-    equal_layer_bounds: list[int]             # that cut, as stage_bounds (to run it for comparison)
+    equal_layer_times: list[float] | None     # stage costs of torchtitan's cut (the baseline); None: n/a
+    equal_layer_bounds: list[int] | None      # that cut, as stage_bounds (to run it for comparison)
     unknown_ops: list[str]
     bounds: list[int]                         # last segment of each stage (see passes/partition.py)
     graph: fx.GraphModule = field(repr=False)  # the whole traced graph, annotated
     modules: list[fx.GraphModule] = field(repr=False)
     schedule_grid: str = field(default="", repr=False)
     tp_plan: object = field(default=None, repr=False)   # passes.tp_rewrite.TensorParallelPlan when tp > 1
+    autocast: str | None = None               # "bfloat16" / "float16" when planned for torch.autocast
+    checkpoint: str | None = None             # None, "stage" or "block"
     _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -79,10 +86,10 @@ class Plan:
 
     def stage_modules(self, pp_rank: int, tp_rank: int = 0) -> list[fx.GraphModule]:
         """The GraphModules pipeline rank ``pp_rank`` runs, one per chunk, in stage order."""
-        if not 0 <= pp_rank < self.mesh.pp:
-            raise IndexError(f"pp_rank {pp_rank} is outside 0..{self.mesh.pp - 1} (pp={self.mesh.pp})")
-        if not 0 <= tp_rank < self.mesh.tp:
-            raise IndexError(f"tp_rank {tp_rank} is outside 0..{self.mesh.tp - 1} (tp={self.mesh.tp})")
+        for name, rank, size in (("pp_rank", pp_rank, self.mesh.pp), ("tp_rank", tp_rank, self.mesh.tp)):
+            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+                axis = name.removesuffix("_rank")
+                raise RankError(f"stage_modules: {name}={rank!r} is outside 0..{size - 1} ({axis}={size})")
         return [self._module(c * self.mesh.pp + pp_rank, tp_rank) for c in range(self.chunks_per_rank)]
 
     def _module(self, stage: int, tp_rank: int) -> fx.GraphModule:
@@ -94,11 +101,12 @@ class Plan:
             self._tp_modules[key] = fx.GraphModule(self.tp_plan.local_root(tp_rank, graph), graph, f"Stage{stage}")
         return self._tp_modules[key]
 
-    def balance(self) -> tuple[float, float]:
-        """max/mean predicted stage time: (autosplit's cut, the equal-layer-count cut)."""
+    def balance(self) -> tuple[float, float | str]:
+        """max/mean predicted stage time: (autosplit's cut, torchtitan's cut).  The second is "n/a" where
+        torchtitan's rule has no cut (fewer layers, embedding and head included, than stages)."""
         ours = [s.time for s in self.stages]
-        return max(ours) / (sum(ours) / len(ours)), max(self.equal_layer_times) / (
-            sum(self.equal_layer_times) / len(self.equal_layer_times))
+        base = self.equal_layer_times
+        return max(ours) / (sum(ours) / len(ours)), "n/a" if base is None else max(base) / (sum(base) / len(base))
 
     def summary(self) -> str:
         from autosplit.report import summary_table

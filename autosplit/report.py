@@ -25,25 +25,39 @@ def _count(n: int) -> str:
 def _boundary(stage) -> str:
     if not stage.outputs or stage.outputs[0].name == "output":
         return "(model output)"
-    shapes = " ".join("x".join(map(str, t.shape)) for t in stage.outputs)
+    shapes = " ".join("x".join(map(str, t.shape)) + f" {t.dtype}" for t in stage.outputs)
     return f"{len(stage.outputs)} x [{shapes}] {_bytes(sum(t.nbytes for t in stage.outputs))}"
 
 
+BASELINE = "torchtitan's cut (embedding and head count as layers)"
+
+
+def _ratio(value) -> str:
+    return value if isinstance(value, str) else f"{value:.3f}"
+
+
 def summary_table(plan: Plan) -> str:
-    header = ("stage", "rank", "layers", "params", "fwd ms", "bwd ms", "comm ms", "act/mb", "memory", "boundary")
+    header = ("stage", "rank", "layers", "params", "fwd ms", "bwd ms", "comm ms", "act/mb", "recompute", "memory",
+              "boundary")
     rows = [header]
     for s in plan.stages:
         rows.append((str(s.index), f"pp{s.pp_rank}.c{s.chunk}", s.layers, _count(s.n_params),
                      f"{s.fwd_time * 1e3:.3f}", f"{s.bwd_time * 1e3:.3f}", f"{s.comm_time * 1e3:.3f}",
-                     _bytes(s.activation_bytes), _bytes(s.memory_bytes), _boundary(s)))
+                     _bytes(s.activation_bytes), _bytes(s.recompute_bytes) if plan.checkpoint else "-",
+                     _bytes(s.memory_bytes), _boundary(s)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     ours, equal = plan.balance()
     shapes = ", ".join("x".join(map(str, s)) for s in plan.example_shapes)
     head = (f"autosplit plan: mesh {plan.mesh}, {plan.n_stages} stages, schedule {plan.schedule}, "
-            f"{plan.num_microbatches} microbatches of [{shapes}], device model {plan.device}")
-    foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {equal:.3f} equal layer count"]
+            f"{plan.num_microbatches} microbatches of [{shapes}], device model {plan.device}, "
+            f"autocast {plan.autocast or 'off (float32)'}, checkpoint {plan.checkpoint or 'off'}")
+    foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {_ratio(equal)} {BASELINE}"]
+    if plan.checkpoint:
+        what = "its inputs" if plan.checkpoint == "stage" else "the tensors entering each layer"
+        foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
+                    f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
     if plan.tp_plan is not None:
         tp = plan.tp_plan
         foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "
@@ -61,8 +75,9 @@ def plan_dict(plan: Plan) -> dict:
         "tp_mode": plan.tp_mode, "schedule": plan.schedule, "chunks_per_rank": plan.chunks_per_rank,
         "num_microbatches": plan.num_microbatches, "device": plan.device,
         "example_shapes": [list(s) for s in plan.example_shapes],
-        "balance": {"autosplit": ours, "equal_layer_count": equal,
-                    "equal_layer_stage_times": plan.equal_layer_times},
+        "autocast": plan.autocast, "checkpoint": plan.checkpoint,
+        "balance": {"autosplit": ours, "equal_layer_count": None if isinstance(equal, str) else equal,
+                    "equal_layer_stage_times": plan.equal_layer_times, "baseline": BASELINE},
         "unknown_ops": plan.unknown_ops,
         "tensor_parallel": None if plan.tp_plan is None else {
             "tp": plan.tp_plan.tp, "regions": plan.tp_plan.regions, "notes": plan.tp_plan.notes,

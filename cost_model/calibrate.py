@@ -173,4 +173,4 @@ def calibrate(seconds: float = 1.0, *, link: bool = True, link_timeout: float = 
         name += " [link not measured; copy bandwidth and 50 us assumed]"
     return DeviceProfile(name=name, peak_flops=flops, mem_bandwidth=mem_bw, link_bandwidth=link_bw,
                          link_latency=latency, memory_bytes=_memory_bytes(device),
-                         op_overhead=op_overhead(device, share))
+                         op_overhead=op_overhead(device, share), device_type=device.type)

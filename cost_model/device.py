@@ -10,12 +10,16 @@ Terms:
   link latency    -- seconds of fixed cost per message on that link (the alpha of the alpha-beta model).
   op overhead     -- seconds of fixed cost per op (a GPU kernel launch, a CPU dispatch): small models are
                      dominated by it, so without it tiny stages would look free.
+  device type     -- "cuda" or "cpu": where the profiled device runs, so the planner applies that device's
+                     autocast op lists (CUDA keeps layer_norm / softmax in float32 under autocast, CPU does not).
   profile         -- a frozen ``DeviceProfile`` holding the numbers above, plus the memory size.
 
 Built-in profiles come from the vendor datasheets (dense figures, i.e. without 2:4 sparsity):
   H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/):
              BF16/FP16 tensor core 989 TFLOPS dense (1979 with sparsity), FP32 67 TFLOPS,
              HBM3 3.35 TB/s, NVLink 900 GB/s total = 450 GB/s per direction, 80 GB.
+  H200 SXM:  NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/): the H100's
+             compute (BF16/FP16 989 TFLOPS dense, FP32 67 TFLOPS), HBM3e 4.8 TB/s, NVLink 900 GB/s total, 141 GB.
   A100 SXM4 80GB: NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100/):
              BF16/FP16 tensor core 312 TFLOPS dense, FP32 19.5 TFLOPS, HBM2e 2,039 GB/s,
              NVLink 600 GB/s total = 300 GB/s per direction, 80 GB.
@@ -28,6 +32,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from autosplit.errors import AutosplitError
 
 GiB = 1 << 30
 _HALF = (torch.bfloat16, torch.float16)
@@ -43,6 +49,7 @@ class DeviceProfile:
     link_latency: float       # s per message
     memory_bytes: int         # device memory size
     op_overhead: float = 4e-6  # s per op launched (CUDA kernel launch + framework dispatch)
+    device_type: str = "cuda"  # whose autocast rules apply: "cuda" or "cpu"
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.
@@ -74,7 +81,12 @@ A100 = DeviceProfile(
     peak_flops={torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
     mem_bandwidth=2.039e12, link_bandwidth=300e9, link_latency=3e-6, memory_bytes=80 * GiB)
 
-_BUILTIN = {"h100": H100, "a100": A100}
+H200 = DeviceProfile(
+    name="h200",
+    peak_flops={torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    mem_bandwidth=4.8e12, link_bandwidth=450e9, link_latency=3e-6, memory_bytes=141 * 10**9)
+
+_BUILTIN = {"h100": H100, "h200": H200, "a100": A100}
 NAMES = tuple(_BUILTIN) + ("cpu",)
 
 
@@ -91,10 +103,36 @@ def get_profile(name_or_profile) -> DeviceProfile:
     """A DeviceProfile from "h100", "a100", "cpu" (measured here, once per process) or a DeviceProfile."""
     if isinstance(name_or_profile, DeviceProfile):
         return name_or_profile
-    key = str(name_or_profile).lower()
+    if not isinstance(name_or_profile, str):
+        raise AutosplitError(f"device={name_or_profile!r} is a {type(name_or_profile).__name__}; expected a "
+                             f"profile name ({', '.join(NAMES)}) or a cost_model.DeviceProfile")
+    key = name_or_profile.lower()
     if key == "cpu":
         return _cpu_profile()
     if key not in _BUILTIN:
-        raise ValueError(f"unknown device profile {name_or_profile!r}; valid names: {', '.join(NAMES)} "
-                         f"(or pass a DeviceProfile)")
+        raise AutosplitError(f"device={name_or_profile!r}: unknown device profile; valid names: {', '.join(NAMES)} "
+                             f"(or pass a DeviceProfile, e.g. cost_model.calibrate(device='cuda'))")
     return _BUILTIN[key]
+
+
+# SXM parts only: the PCIe / NVL variants of the same chip have lower clocks, memory bandwidth and links,
+# so they must not silently get the SXM numbers.
+_GPU_NAMES = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
+_OTHER_FORM_FACTORS = ("pcie", "nvl")
+
+
+def profile_for_gpu(gpu_name: str) -> DeviceProfile:
+    """The built-in profile of a GPU named ``gpu_name`` (``torch.cuda.get_device_name``).
+
+    An unknown GPU is an error rather than a guess: every rank must plan with the same numbers, and a
+    wrong profile silently moves the cut.  (A measured profile would need rank 0 to calibrate and
+    broadcast; we leave that to the user: ``device=cost_model.calibrate(device='cuda')``.)
+    """
+    lowered = gpu_name.lower()
+    for marker, key in _GPU_NAMES:
+        if marker in lowered and not any(f in lowered for f in _OTHER_FORM_FACTORS):
+            return _BUILTIN[key]
+    raise AutosplitError(
+        f"GPU {gpu_name!r} has no built-in cost-model profile (built in: H100 SXM, H200 SXM, A100 SXM); "
+        f"pass device= to autosplit.parallelize / autosplit.compile: a name ({', '.join(NAMES)}) or a "
+        f"DeviceProfile, e.g. device=autosplit.cost_model.calibrate(device='cuda') measured on this GPU")

@@ -10,7 +10,8 @@ Terms:
   param_bytes  -- parameters the node owns: all params of a call_module's module; the tensor of a
                   get_attr (parameter or buffer); 0 otherwise.
   saved_bytes  -- activation bytes autograd keeps from forward to backward (parameters and views of
-                  them, like ``self.weight.t()``, excluded: they are kept anyway).  Per rule below; views and add/sub/neg save nothing.
+                  them, like ``self.weight.t()``, excluded: they are kept anyway).  A matmul-class op whose
+                  output is narrower than its input (autocast) keeps its input in the output's dtype.  Per rule below; views and add/sub/neg save nothing.
   view         -- an op that only re-describes memory (reshape, permute, getitem ...): 0 FLOPs, 0 bytes.
                   ``reshape`` / ``flatten`` that cannot be a view (e.g. after ``transpose``) count as a copy.
   unknown op   -- an op with no rule: 0 FLOPs, bytes = inputs + outputs, saves its inputs (conservative).
@@ -95,13 +96,23 @@ def _is_param(a: fx.Node) -> bool:
     return a.op == "get_attr"
 
 
-def _act_bytes(node: fx.Node, *positions: tuple[int, str]) -> int:
-    """Bytes of the given args that are activations (tensors that are not parameters or their views)."""
+def _act_bytes(node: fx.Node, *positions: tuple[int, str], compute: bool = False) -> int:
+    """Bytes of the given args that are activations (tensors that are not parameters or their views).
+
+    ``compute``: count them in the op's output dtype when that is narrower, because autocast casts a
+    float32 input to bfloat16 / float16 before a matmul and autograd keeps the cast copy.
+    """
+    out = node.meta.get("val")
     total = 0
     for i, name in positions:
         a = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(a, fx.Node) and not _is_param(a):
-            total += tensor_bytes(a.meta.get("val"))
+            val = a.meta.get("val")
+            if compute and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) \
+                    and val.is_floating_point() and out.is_floating_point() and out.element_size() < val.element_size():
+                total += val.numel() * out.element_size()
+            else:
+                total += tensor_bytes(val)
     return total
 
 
@@ -126,7 +137,7 @@ def _linear(node, module):
     if isinstance(w, torch.Tensor) and w.dim() > 2:   # conv: (Cout, Cin / groups, *kernel)
         macs = n * math.prod(w.shape[1:])
     bias = n if b is not None else 0
-    return _Est(2 * macs + bias, 4 * macs + bias, _act_bytes(node, (0, "input")))
+    return _Est(2 * macs + bias, 4 * macs + bias, _act_bytes(node, (0, "input"), compute=True))
 
 
 def _matmul(node, module):   # matmul / mm / bmm: out[..., m, n] = sum_k a[..., m, k] b[..., k, n]
@@ -139,7 +150,7 @@ def _addmm(node, module):    # addmm(input, m1, m2) / baddbmm(input, b1, b2) = b
 
 def _mm(node, pa, pb, add):
     macs = _numel(node) * _arg(node, *pa).shape[-1]
-    return _Est(2 * macs + add, 4 * macs + add, _act_bytes(node, pa, pb))
+    return _Est(2 * macs + add, 4 * macs + add, _act_bytes(node, pa, pb, compute=True))
 
 
 def _einsum_operands(node):

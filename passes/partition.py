@@ -70,18 +70,28 @@ def balanced_bounds(seg_time: Sequence[float], out_time: Sequence[float], n_stag
     return bounds[::-1]
 
 
-def equal_layer_bounds(layer_end_segment: Sequence[int], n_segments: int, n_stages: int) -> list[int]:
-    """The cut Colossal-AI and torchtitan make: equal numbers of layers per stage (earlier stages take
-    the remainder), the embedding on the first stage and the head on the last.
+def torchtitan_bounds(layer_end_segment: Sequence[int], embed_end_segment: int, n_segments: int,
+                      n_stages: int) -> list[int] | None:
+    """The baseline cut torchtitan makes (``generate_llm_fqn_per_model_part`` with its default weights):
+    the embedding and the head each count as one layer, so L layers are L + 2 units; stage s gets
+    ``(L + 2) // S`` units, the first ``(L + 2) % S`` stages one more; the embedding is the first unit of
+    stage 0 and the head the last unit of the last stage.  None where that rule has no cut: fewer
+    units than stages, or no cut between the embedding (head) and the layers when a stage would hold
+    only the embedding (head).
 
     ``layer_end_segment[l]``: the segment that ends right after layer l.
+    ``embed_end_segment``: the segment that ends right before the first layer (-1 if none).
     """
     L = len(layer_end_segment)
-    if n_stages > L:
-        raise PlanError(f"equal-layer split: {L} layers cannot fill {n_stages} stages")
-    per, extra = divmod(L, n_stages)
+    if n_stages == 1:
+        return [n_segments - 1]
+    per, extra = divmod(L + 2, n_stages)
+    if L == 0 or per < 1:
+        return None
     bounds, used = [], 0
     for s in range(n_stages - 1):
-        used += per + (1 if s < extra else 0)
-        bounds.append(layer_end_segment[used - 1])
-    return bounds + [n_segments - 1]
+        used += per + (1 if s < extra else 0) - (1 if s == 0 else 0)   # stage 0's first unit: the embedding
+        bounds.append(layer_end_segment[used - 1] if used > 0 else embed_end_segment)
+    bounds.append(n_segments - 1)
+    ok = bounds[0] >= 0 and all(a < b for a, b in zip(bounds, bounds[1:]))
+    return bounds if ok else None

@@ -10,6 +10,8 @@ from torch import nn
 from autosplit.cost_model import (A100, H100, AnnotateCosts, DeviceProfile, NodeCost, all_gather_time,
                                   all_reduce_time, calibrate, get_profile, graph_time, op_time, p2p_time,
                                   reduce_scatter_time)
+from autosplit.cost_model import profile_for_gpu
+from autosplit.errors import AutosplitError
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.trace import trace
 
@@ -262,8 +264,20 @@ def test_profiles():
     assert get_profile("H100") is H100 and get_profile(A100) is A100
     assert H100.flops_for(torch.float64) == 67e12 / 2
     assert LINK.flops_for(torch.bfloat16) == 1e12            # no 16-bit entry: float32
-    with pytest.raises(ValueError, match="h100, a100, cpu"):
+    with pytest.raises(AutosplitError, match="device='tpu': unknown device profile; valid names: h100, h200, a100, cpu"):
         get_profile("tpu")
+
+
+@pytest.mark.parametrize("gpu,expected", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                                          ("NVIDIA H200", "h200")])
+def test_known_gpu_names_get_their_profile(gpu, expected):
+    assert profile_for_gpu(gpu).name == expected
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA L4", "NVIDIA GeForce RTX 4090", "NVIDIA H100 PCIe", "NVIDIA B200"])
+def test_unknown_gpu_is_an_error_not_the_h100_profile(gpu):
+    with pytest.raises(AutosplitError, match=rf"GPU '{gpu}' has no built-in cost-model profile.*pass device="):
+        profile_for_gpu(gpu)
 
 
 def _finite_positive(p: DeviceProfile):

@@ -74,7 +74,8 @@ class ParallelModule:
             options["device"] = self.profile
         self.plan = compile_plan(self.model, mesh=mesh, example_input=example, tp_mode=self.tp_mode,
                                  schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
-                                 num_microbatches=self.num_microbatches, stage_bounds=bounds, **options)
+                                 num_microbatches=self.num_microbatches, stage_bounds=bounds,
+                                 autocast=self.autocast, checkpoint=self.checkpoint, **options)
         self.provisional = False
         modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
         if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given

@@ -3,7 +3,8 @@
 Terms:
   profile -- a cost_model.DeviceProfile.  Every rank compiles the plan itself, so every rank must
              use the same numbers, or the ranks would cut the model differently: on GPUs a built-in
-             profile is picked from the device name; on CPU rank 0 measures this machine and
+             profile is picked from the device name (an unknown GPU is an error asking for
+             ``device=``, never another GPU's numbers); on CPU rank 0 measures this machine and
              broadcasts the result.
 """
 from __future__ import annotations
@@ -11,14 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autosplit.cost_model import get_profile
+from autosplit.cost_model import get_profile, profile_for_gpu
 
 
 def agreed_profile(world):
     """The profile for ``world``'s device, identical on every rank (one broadcast on CPU)."""
     if world.device.type == "cuda":
-        name = torch.cuda.get_device_name(world.device).lower()
-        return get_profile("a100" if "a100" in name else "h100")
+        return profile_for_gpu(torch.cuda.get_device_name(world.device))
     box = [get_profile("cpu") if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -1,0 +1,107 @@
+"""Per-segment time and per-stage memory, as the partitioner and the Plan see them.
+
+Terms: see passes/cut_points.py (segment, cut) and plan.py (memory).
+  kept       -- activation bytes one in-flight microbatch holds on a stage between its forward and its
+                backward.  Without checkpointing: everything its ops save (``NodeCost.saved_bytes``).
+  recompute  -- bytes alive only while one microbatch's backward recomputes its forward (0 without
+                checkpointing), and the forward time spent again in backward.
+  checkpoint -- None; "stage": a stage keeps only its inputs per microbatch, and one microbatch's full
+                activations while recomputing; "block": the tensors entering each layer (and what ops
+                outside the layers save), plus one layer's activations while recomputing.  Layers are
+                autosplit.layers.layer_paths, as in runtime/checkpointing.py, so the model matches the run.
+
+memory(stage) = 4 x parameter bytes + in_flight x kept + recompute.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from autosplit.cost_model import collective_time, graph_time, p2p_time
+from autosplit.passes.shape_prop import tensor_bytes
+
+OPTIMIZER_FACTOR = 4   # parameter + gradient + two Adam moments, all in the parameter's dtype
+CHECKPOINTS = (None, "stage", "block")
+
+
+def comm_time(nodes: Sequence[fx.Node], tp: int, profile) -> float:
+    """Tensor-parallel communication of ``nodes``, forward plus backward."""
+    return sum(sum(collective_time(n, tp, profile)) for n in nodes)
+
+
+def _layer_of(node: fx.Node, layers: Sequence[str]) -> str | None:
+    path = node.meta.get("module_path", "")
+    return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
+
+
+class SegmentCosts:
+    """Per segment: time (fwd + bwd + recompute, tp communication), boundary transfer, memory."""
+
+    def __init__(self, segments, cuts, tp: int, profile, in_flight: list[int], *,
+                 checkpoint: str | None = None, layers: Sequence[str] = (), input_bytes: int = 0):
+        self.segments, self.cuts, self.tp, self.profile, self.in_flight = segments, cuts, tp, profile, in_flight
+        self.checkpoint, self.layers, self.input_bytes = checkpoint, list(layers), input_bytes
+        self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s)
+                     for s in segments]
+        self.out_time = [self.boundary_time(k) for k in range(len(segments))]
+        self.params = [sum(n.meta["cost"].param_bytes for n in s) for s in segments]
+        self.saved = [sum(n.meta["cost"].saved_bytes for n in s) for s in segments]
+        self._activations: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def boundary_time(self, k: int) -> float:
+        """Sending segment k's outputs forward and their gradients back (0 after the last)."""
+        return 2 * p2p_time(self.cuts[k].nbytes, self.profile) if k < len(self.cuts) else 0.0
+
+    def recompute_time(self, nodes: Sequence[fx.Node]) -> float:
+        """Forward time spent again in backward: all of a stage's nodes, or those inside layers."""
+        if self.checkpoint is None:
+            return 0.0
+        if self.checkpoint == "block":
+            nodes = [n for n in nodes if _layer_of(n, self.layers) is not None]
+        return graph_time(nodes, self.profile)[0]
+
+    def activations(self, first: int, last: int) -> tuple[int, int]:
+        """(kept per microbatch, recompute) bytes of a stage holding segments first..last."""
+        key = (first, last)
+        if key not in self._activations:
+            self._activations[key] = self._measure(first, last)
+        return self._activations[key]
+
+    def _measure(self, first: int, last: int) -> tuple[int, int]:
+        saved = sum(self.saved[first:last + 1])
+        if self.checkpoint is None:
+            return saved, 0
+        if self.checkpoint == "stage":
+            inputs = self.cuts[first - 1].nbytes if first > 0 else self.input_bytes
+            return inputs, saved
+        nodes = [n for seg in self.segments[first:last + 1] for n in seg]
+        return _block_activations(nodes, self.layers)
+
+    def memory(self, stage: int, first: int, last: int) -> float:
+        kept, recompute = self.activations(first, last)
+        return OPTIMIZER_FACTOR * sum(self.params[first:last + 1]) + self.in_flight[stage] * kept + recompute
+
+
+def _block_activations(nodes: list[fx.Node], layers: Sequence[str]) -> tuple[int, int]:
+    """Runs of consecutive nodes of one layer are recomputed (runtime/checkpointing.py splits the same
+    way): each keeps only the tensors entering it; nodes outside layers keep what they save."""
+    kept, recompute = 0, 0
+    runs: list[tuple[str | None, list[fx.Node]]] = []
+    for n in nodes:
+        layer = runs[-1][0] if n.op == "get_attr" and runs else _layer_of(n, layers)
+        if not runs or runs[-1][0] != layer:
+            runs.append((layer, []))
+        runs[-1][1].append(n)
+    for layer, run in runs:
+        saved = sum(n.meta["cost"].saved_bytes for n in run)
+        if layer is None:
+            kept += saved
+            continue
+        inside = set(run)
+        entering = {a for n in run for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
+        kept += sum(tensor_bytes(a.meta.get("val")) for a in entering
+                    if isinstance(a.meta.get("val"), torch.Tensor))
+        recompute = max(recompute, saved)
+    return kept, recompute

@@ -1,0 +1,107 @@
+"""A corpus of bad calls to autosplit.compile: each raises an AutosplitError (or one of its kinds)
+whose message names the argument and shows the value or the arithmetic."""
+import pytest
+import torch
+
+import autosplit
+from autosplit.errors import AutosplitError, PlanError, RankError
+from tests.models import HandViT, timm_cls
+
+X = torch.randn(2, 3, 32, 32)
+
+
+def _call(**overrides):
+    kwargs = dict(model=timm_cls(depth=2), mesh=(2, 1, 1), example_input=X)
+    kwargs.update(overrides)
+    return autosplit.compile(**kwargs)
+
+
+CASES = [  # (id, compile overrides, exception type, regex the message must match)
+    ("model_not_module", dict(model={"w": torch.zeros(1)}), AutosplitError, r"model is a builtins\.dict; expected a torch\.nn\.Module"),
+    ("model_is_class", dict(model=HandViT), AutosplitError, r"model is a builtins\.type; expected a torch\.nn\.Module"),
+    ("mesh_two_axes", dict(mesh=(2, 1)), AutosplitError, r"mesh=\(2, 1\): expected three integers"),
+    ("mesh_zero_pp", dict(mesh=(0, 1, 1)), AutosplitError, r"mesh axis pp=0 must be a positive integer"),
+    ("mesh_string_typo", dict(mesh="2;1;1"), AutosplitError, r"mesh '2;1;1': expected three integers"),
+    ("microbatches_zero", dict(num_microbatches=0), AutosplitError, r"num_microbatches=0 \(int\) must be a positive integer \(or None for 2 \* pp = 4\)"),
+    ("microbatches_negative", dict(num_microbatches=-3), AutosplitError, r"num_microbatches=-3 \(int\) must be a positive integer"),
+    ("microbatches_float", dict(num_microbatches=4.0), AutosplitError, r"num_microbatches=4\.0 \(float\) must be a positive integer"),
+    ("microbatches_bool", dict(num_microbatches=True), AutosplitError, r"num_microbatches=True \(bool\) must be a positive integer"),
+    ("chunks_bool", dict(chunks_per_rank=True), AutosplitError, r"chunks_per_rank=True \(bool\) must be a positive integer"),
+    ("chunks_string", dict(chunks_per_rank="2", schedule="interleaved"), AutosplitError, r"chunks_per_rank='2' \(str\) must be a positive integer"),
+    ("interleaved_one_chunk", dict(schedule="interleaved"), AutosplitError, r"schedule='interleaved' needs chunks_per_rank >= 2 \(got 1\)"),
+    ("schedule_typo", dict(schedule="1fb1"), AutosplitError, r"schedule='1fb1': expected one of 'gpipe', '1f1b', 'interleaved' \(did you mean '1f1b'\?\)"),
+    ("tp_mode_typo", dict(tp_mode="1D "), AutosplitError, r"tp_mode='1D ': expected one of '1d', '2d'"),
+    ("checkpoint_typo", dict(checkpoint="blocks"), AutosplitError, r"checkpoint='blocks': expected one of None, 'stage', 'block' \(did you mean 'block'\?\)"),
+    ("autocast_float32", dict(autocast=torch.float32), AutosplitError, r"autocast=torch\.float32: expected None, torch\.bfloat16 or torch\.float16"),
+    ("autocast_string", dict(autocast="bf16"), AutosplitError, r"autocast='bf16': expected None, torch\.bfloat16 or torch\.float16"),
+    ("device_unknown", dict(device="tpu-v5"), AutosplitError, r"device='tpu-v5': unknown device profile; valid names: h100, h200, a100, cpu"),
+    ("device_wrong_type", dict(device=3), AutosplitError, r"device=3 is a int; expected a profile name"),
+    ("example_missing", dict(example_input=None), AutosplitError, r"example_input is required"),
+    ("example_not_tensor", dict(example_input=[[1.0, 2.0]]), AutosplitError, r"example_input\[0\] is a list; expected a tensor"),
+    ("example_numpy_like", dict(example_input=3.0), AutosplitError, r"example_input is a float; expected a tensor"),
+    ("example_wrong_rank", dict(example_input=torch.randn(3, 32, 32)), AutosplitError, r"(?s)example_input has shape \(3, 32, 32\); it must be one microbatch"),
+    ("example_empty_tuple", dict(example_input=()), AutosplitError, r"example_input is empty"),
+    ("budget_unit_typo", dict(memory_budget="8 GBs"), AutosplitError, r"memory_budget='8 GBs': expected bytes as a number or a string like '8GiB'"),
+    ("budget_negative", dict(memory_budget=-1), AutosplitError, r"memory_budget=-1 = -1 bytes; it must be a positive"),
+    ("budget_zero_string", dict(memory_budget="0GiB"), AutosplitError, r"memory_budget='0GiB' = 0 bytes"),
+    ("budget_bool", dict(memory_budget=True), AutosplitError, r"memory_budget=True is a bool; expected bytes"),
+    ("budget_too_small", dict(memory_budget="1KiB"), PlanError, r"no cut into 2 stages fits the memory budget of 0\.00 GiB"),
+    ("concrete_unknown_key", dict(concrete_args={"mask": None}), AutosplitError, r"concrete_args key 'mask': VisionTransformer\.forward has no such parameter; it takes \(x, attn_mask"),
+    ("concrete_fills_input", dict(concrete_args={"x": None}), AutosplitError, r"concrete_args key 'x' is forward parameter 0, which the 1 example input\(s\) already fill"),
+    ("concrete_not_dict", dict(concrete_args=[("attn_mask", None)]), AutosplitError, r"concrete_args=\[\('attn_mask', None\)\]: expected a dict"),
+    ("leaf_unknown_name", dict(leaf_modules=["Atention"]), AutosplitError, r"leaf_modules entry 'Atention': no submodule of VisionTransformer has that class name; close: Attention"),
+    ("leaf_bad_import", dict(leaf_modules=["timm.layers.NoSuchBlock"]), AutosplitError, r"leaf_modules entry 'timm\.layers\.NoSuchBlock': cannot import it"),
+    ("leaf_not_module_class", dict(leaf_modules=[int]), AutosplitError, r"leaf_modules entry <class 'int'> is not an nn\.Module class"),
+    ("leaf_not_iterable", dict(leaf_modules=5), AutosplitError, r"leaf_modules=5: expected a list of nn\.Module classes"),
+    ("bounds_short", dict(stage_bounds=[3]), AutosplitError, r"stage_bounds=\[3\]: 1 entries for 2 stages"),
+    ("bounds_decreasing", dict(stage_bounds=[5, 2]), AutosplitError, r"stage_bounds=\[5, 2\]: not strictly increasing, stage 1 ends at segment 2 <= 5"),
+    ("bounds_last_wrong", dict(stage_bounds=[1, 2]), AutosplitError, r"stage_bounds=\[1, 2\]: the last stage must end at the last segment, \d+ \(the graph has \d+ segments\), not 2"),
+    ("bounds_negative", dict(stage_bounds=[-1, 0]), AutosplitError, r"stage_bounds=\[-1, 0\]: segment -1 < 0"),
+    ("bounds_not_int", dict(stage_bounds=[1.0, 2.0]), AutosplitError, r"stage_bounds=\[1\.0, 2\.0\]: entries must be integers"),
+    ("too_many_stages", dict(mesh=(40, 1, 1)), AutosplitError, r"pp\(40\) \* chunks_per_rank\(1\) = 40 stages, but the graph has only \d+ places to cut"),
+    ("sequence_parallel_string", dict(sequence_parallel="yes"), AutosplitError, r"sequence_parallel='yes': expected True or False"),
+]
+
+
+@pytest.mark.parametrize("overrides,exc,match", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_compile_call(overrides, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        _call(**overrides)
+    assert isinstance(info.value, AutosplitError)
+
+
+@pytest.mark.parametrize("budget,expected", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1.5e9),
+                                             (" 2 kib ", 2048), (4096, 4096), (1e9, 1e9)])
+def test_memory_budget_forms(budget, expected):
+    from autosplit.validate import memory_budget
+    assert memory_budget(budget) == expected
+
+
+def test_leaf_modules_by_name_and_by_path_trace_the_same_leaf():
+    model = timm_cls(depth=2)
+    by_name = autosplit.compile(model, mesh=(1, 1, 1), example_input=X, leaf_modules=["Attention"])
+    by_path = autosplit.compile(model, mesh=(1, 1, 1), example_input=X, leaf_modules=["timm.models.vision_transformer.Attention"])
+    for plan in (by_name, by_path):
+        targets = {n.target for n in plan.graph.graph.nodes if n.op == "call_module"}
+        assert {"blocks.0.attn", "blocks.1.attn"} <= targets
+
+
+def test_leaf_name_shared_by_two_classes_is_ambiguous():
+    class Attention(torch.nn.Module):        # same class name as timm's, another class
+        def forward(self, x):
+            return x
+
+    model = timm_cls(depth=2)
+    model.extra = Attention()
+    with pytest.raises(AutosplitError, match=r"leaf_modules entry 'Attention' names 2 classes in the model"):
+        autosplit.compile(model, mesh=(1, 1, 1), example_input=X, leaf_modules=["Attention"])
+
+
+@pytest.mark.parametrize("pp_rank,tp_rank,match", [(2, 0, r"pp_rank=2 is outside 0\.\.1 \(pp=2\)"),
+                                                   (-1, 0, r"pp_rank=-1 is outside 0\.\.1"),
+                                                   (0, 1, r"tp_rank=1 is outside 0\.\.0 \(tp=1\)")])
+def test_stage_modules_out_of_range(pp_rank, tp_rank, match):
+    plan = _call()
+    with pytest.raises(RankError, match=match) as info:
+        plan.stage_modules(pp_rank, tp_rank)
+    assert isinstance(info.value, AutosplitError) and isinstance(info.value, IndexError)
