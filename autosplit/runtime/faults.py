@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+import torch.distributed as dist
+
 from autosplit.runtime.heartbeat import diagnose, heartbeat, store_address
 from autosplit.runtime.serial_thread import SerialThread
 
@@ -75,7 +77,18 @@ class Watchdog:
                 message = f"{self.where} stopped at {doing}: {self.store.get(FAILURE_KEY).decode()}"
         except Exception as store_exc:  # the store itself is gone: say so, and still raise locally
             message = self._store_lost(doing, store_exc, message)
+        self._abort()
         return RankFailure(message)
+
+    def _abort(self) -> None:
+        """On NCCL, abort this rank's communicators: kernels waiting on a failed peer would otherwise
+        stay queued on the GPU, and the process could not exit.  Gloo's waits end with the process."""
+        if not self.polled:
+            return
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:    # an experimental torch API: the NCCL watchdog still tears the rank down
+            pass
 
     def _store_lost(self, doing: str, store_exc: BaseException, message: str) -> str:
         return (f"the job's store at {store_address()} is unreachable ({type(store_exc).__name__}: "
@@ -90,6 +103,7 @@ class Watchdog:
         except Exception as exc:
             raise RankFailure(self._store_lost(doing, exc, "")) from exc
         if failed:
+            self._abort()
             raise RankFailure(f"{self.where} stopped: {cause}")
 
     def wait(self, handle, doing: str) -> None:

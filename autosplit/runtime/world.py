@@ -7,7 +7,10 @@ Terms:
   groups   -- one process group per mesh axis ("pp", "tp", "dp"), from torch's DeviceMesh of shape
               (pp, dp, tp): tp innermost, so tensor-parallel ranks are consecutive (see mesh.py).
   timeout  -- every wait in the runtime gives up after this many seconds with an error naming the rank
-              and what it waited for; the same value is the process groups' own timeout.
+              and what it waited for (faults.Watchdog).  The process groups get the same timeout
+              plus ``NCCL_GRACE_S``: NCCL's own watchdog (async error handling, on by default here as
+              under torchrun) then tears down a rank whose kernels are still stuck after ours has
+              reported, instead of leaving it hanging on the GPU.
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autosplit.errors import AutosplitError
 from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
+NCCL_GRACE_S = 5.0
 
 
 @dataclass
@@ -68,13 +73,22 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         size = dist.get_world_size()
     else:
-        if "WORLD_SIZE" not in os.environ:
-            raise RuntimeError("autosplit.parallelize needs a distributed launch: run under torchrun "
-                               "(torchrun --nproc-per-node N train.py) or init_process_group first")
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise AutosplitError(
+                f"autosplit.parallelize needs a distributed launch, but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set: run under torchrun "
+                f"(torchrun --nproc-per-node N train.py) or call torch.distributed.init_process_group first")
         size = int(os.environ["WORLD_SIZE"])
         shape = MeshShape.parse(mesh, world_size=size)   # fail before any rendezvous wait
         backend, device = _choose_backend()
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        options = {}
+        if backend == "nccl":
+            # NCCL's watchdog aborts stuck communicators (torchrun sets this too); device_id binds the
+            # default group to this GPU, so its communicators are created eagerly, on every rank at once.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            options["device_id"] = device
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s + NCCL_GRACE_S), **options)
     shape = MeshShape.parse(mesh, world_size=size)
     dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
     device_mesh = init_device_mesh(device.type, dims, mesh_dim_names=LAYOUT_ORDER)
