@@ -8,9 +8,14 @@ Terms:
   deadline    -- every wait gives up after ``timeout_s`` seconds with a RankFailure naming this rank
                  and what it waited for.
   Watchdog.wait -- waits for one handle, watching the store and the deadline from the calling thread:
-    NCCL Work   -- ``work.wait()`` does not block the host on NCCL (it only orders the streams), so a
-                   deadline around it would never fire: we poll ``work.is_completed()`` (a CUDA event
-                   query) on this thread, then call ``wait()`` for the stream ordering.  No thread hop.
+    NCCL Work   -- ``work.wait()`` does not block the host on NCCL (it only makes the current stream
+                   wait), so a deadline around it would never fire.  Inside a step the host must not
+                   block either (it would stop running ahead of the GPU), so ``wait`` orders the stream
+                   and *defers* the check: the work joins a pending list.  Every place where the host
+                   reads a device value (the loss, a norm, a state dict) calls ``wait(..., host=True)``,
+                   which first polls each pending work's ``is_completed()`` (a CUDA event query) in
+                   order against the deadline, on this thread: no thread hop, and a hang anywhere in
+                   the step is reported, naming the first unfinished work, before the host blocks.
     gloo Work   -- gloo's send/recv Work only completes inside ``wait()``, and a timed-out gloo
                    ``wait(timeout)`` marks the Work failed for good, so ``wait()`` runs on a helper
                    thread while this thread polls the result.
@@ -46,6 +51,7 @@ class Watchdog:
         self.where = self.describe(rank)
         self.polled = backend == "nccl"      # NCCL works complete on their own: poll them
         self._waiter = None if self.polled else SerialThread("autosplit-wait")
+        self._pending: list[tuple[object, str]] = []    # NCCL works whose completion is not checked yet
         self.beat = heartbeat(store, rank)
 
     def describe(self, rank: int) -> str:
@@ -106,19 +112,33 @@ class Watchdog:
             self._abort()
             raise RankFailure(f"{self.where} stopped: {cause}")
 
-    def wait(self, handle, doing: str) -> None:
+    def wait(self, handle, doing: str, host: bool = False) -> None:
         """Wait for ``handle`` (a torch.distributed Work or a Future), at most timeout_s, watching
-        for failures of other ranks."""
+        for failures of other ranks.  ``host``: the caller reads the result on the host next (on
+        NCCL the wait is otherwise deferred; see the module docstring)."""
         if handle is None:
             return
         if isinstance(handle, Future):
             return self._until(handle.done, doing, lambda: handle.result())
         if self.polled:
-            return self._until(handle.is_completed, doing, handle.wait)
+            try:
+                handle.wait()                       # stream ordering only; returns at once
+            except Exception as exc:
+                raise self.fail(doing, exc, blame_others=True) from exc
+            self._pending.append((handle, doing))
+            if host:
+                self.settle()
+            return
         if handle.is_completed():
             return self._until(lambda: True, doing, handle.wait)
         future = self._waiter.submit(handle.wait)
         return self._until(future.done, doing, future.result)
+
+    def settle(self) -> None:
+        """Check, bounded by the deadline, that every deferred NCCL work has finished (no-op on gloo)."""
+        pending, self._pending = self._pending, []
+        for handle, doing in pending:
+            self._until(handle.is_completed, doing, lambda: None)
 
     def _until(self, done, doing: str, finish) -> None:
         """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure."""

@@ -19,6 +19,7 @@ process, unless torchrun's agent hosts the store) nothing can be read, and the m
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -35,7 +36,16 @@ class Heartbeat:
         self.store, self.rank = store, rank
         self.doing, self.waiting, self.since = "start", False, time.monotonic()
         self._count = 0
-        threading.Thread(target=self._loop, name="autosplit-heartbeat", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="autosplit-heartbeat", daemon=True)
+        self._thread.start()
+        # Stopped before the interpreter finalizes: a daemon thread caught inside a store call while
+        # the store's C++ objects are destroyed aborts the process ("terminate called ...").
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def at(self, doing: str, waiting: bool = False) -> None:
         """Called by the main thread when it starts something (cheap: three attribute writes)."""
@@ -43,7 +53,7 @@ class Heartbeat:
             self.doing, self.waiting, self.since = doing, waiting, time.monotonic()
 
     def _loop(self) -> None:
-        while True:
+        while not self._stop.is_set():
             self._count += 1
             state = "waiting" if self.waiting else "busy"
             value = f"{self._count}|{state}|{self.doing}|{time.monotonic() - self.since:.1f}"
@@ -51,7 +61,7 @@ class Heartbeat:
                 self.store.set(f"{_PREFIX}{self.rank}", value)
             except Exception:       # the store is gone (job over, or its host died): stop beating
                 return
-            time.sleep(INTERVAL_S)
+            self._stop.wait(INTERVAL_S)
 
 
 _BEATS: dict[int, Heartbeat] = {}

@@ -36,7 +36,7 @@ class LossScaler:
                 bad.fill_(1.0)
                 break
         work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)
-        watchdog.wait(work, "fp16 overflow check")
+        watchdog.wait(work, "fp16 overflow check", host=True)
         if bad.item() > 0:
             for p in params:
                 p.grad = None

@@ -189,7 +189,7 @@ class ParallelModule:
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         total = loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches
         work = dist.all_reduce(total, async_op=True)
-        self.watchdog.wait(work, "loss all-reduce")
+        self.watchdog.wait(work, "loss all-reduce", host=True)
         return float(total.item() / (self.world.mesh.tp * self.world.mesh.dp))
 
     @contextlib.contextmanager
@@ -220,7 +220,7 @@ class ParallelModule:
                 local += p.grad.detach().double().square().sum()
         for axis in ("pp", "tp"):
             work = dist.all_reduce(local, group=self.world.group(axis), async_op=True)
-            self.watchdog.wait(work, f"gradient-norm all-reduce over {axis}")
+            self.watchdog.wait(work, f"gradient-norm all-reduce over {axis}", host=True)
         norm = math.sqrt(local.item())
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
@@ -241,7 +241,7 @@ class ParallelModule:
             (info.shape[0] * self.num_microbatches, *info.shape[1:]), dtype=getattr(torch, info.dtype),
             device=self.world.device)
         work = dist.broadcast(result, src=last, group=self.world.group("pp"), async_op=True)
-        self.watchdog.wait(work, "predict broadcast")
+        self.watchdog.wait(work, "predict broadcast", host=True)
         return result
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -264,7 +264,7 @@ class ParallelModule:
         group = self.world.group("tp")
         parts = [torch.empty_like(tensor) for _ in range(self.world.mesh.tp)]
         work = dist.all_gather(parts, tensor.detach().contiguous(), group=group, async_op=True)
-        self.watchdog.wait(work, f"full_state_dict gather of {name}")
+        self.watchdog.wait(work, f"full_state_dict gather of {name}", host=True)
         full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)
         for part, index in zip(parts, info.indices):
             full.index_copy_(info.dim, index.to(tensor.device), part)
@@ -285,7 +285,7 @@ class ParallelModule:
             if name in owners and self.world.mesh.pp > 1:
                 src = self.world.rank_at(pp=owners[name])
                 work = dist.broadcast(buf, src=src, group=self.world.group("pp"), async_op=True)
-                self.watchdog.wait(work, f"full_state_dict broadcast of {name}")
+                self.watchdog.wait(work, f"full_state_dict broadcast of {name}", host=True)
             result[name] = buf.cpu()
         return result
 
