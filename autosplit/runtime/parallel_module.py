@@ -88,7 +88,9 @@ class ParallelModule:
         self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
         stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
-            self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m)]
+            # partial-grad params are reduced over dp by _reduce_partial_grads, after their tp sum
+            partial_ids = {id(p) for p in self.partial_params}
+            self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m) if id(p) not in partial_ids]
                                         for s, m in zip(stages, self.raw_modules)},
                                        self.world.group("dp"), self.dp_size, self.watchdog, self.bucket_bytes)
         self.executor = PipelineExecutor(self.world, self.plan, self.modules, self.loss_fn, self.watchdog,
@@ -172,9 +174,14 @@ class ParallelModule:
         return self._global_mean(loss_sum)
 
     def _reduce_partial_grads(self, earlier: list) -> None:
-        """Sum over tp, once per step, the gradients of replicated parameters that each tp rank saw
-        only part of (qk-norm weights, layer norms under sequence parallelism), then add back what
-        earlier steps of a gradient accumulation had already reduced."""
+        """Sum over tp the gradients of replicated parameters that each tp rank saw only part of
+        (qk-norm weights, layer norms under sequence parallelism), once per step; add back what
+        earlier steps of a gradient accumulation had already summed; on a synchronising step (not
+        under ``no_sync``) average the whole accumulated gradient over dp.
+
+        These parameters are not in the dp buckets: a bucket would average only this step's part,
+        and the parts that ``no_sync`` steps accumulated would never be averaged over dp.
+        """
         if not self.partial_params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial_params]
@@ -182,8 +189,22 @@ class ParallelModule:
         offset = 0
         for p, before in zip(self.partial_params, earlier):
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone() + (before if before is not None else 0)
+            part = flat[offset:offset + n].view_as(p)
+            flat[offset:offset + n] = (part + before if before is not None else part).reshape(-1)
             offset += n
+        if self._dp_sync():
+            work = dist.all_reduce(flat, group=self.world.group("dp"), async_op=True)
+            self.watchdog.wait(work, "data-parallel all-reduce of partial gradients")
+            flat.div_(self.dp_size)
+        offset = 0
+        for p in self.partial_params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def _dp_sync(self) -> bool:
+        """Does this step average gradients over dp (dp > 1 and not inside ``no_sync``)?"""
+        return self.buckets is not None and self.buckets.enabled
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         total = loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches
