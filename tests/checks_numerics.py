@@ -51,3 +51,75 @@ def accumulate_tp_dp(name: str, mesh=(1, 2, 2), micro_steps: int = 3, updates: i
         ref_opt.step()
         ref_opt.zero_grad()
     return {"param_diff": _max_diff(pm.full_state_dict(), ref.state_dict())}
+
+
+# ---- item 4: fp16 loss scaling -------------------------------------------------------------------
+class _SyncCounter:
+    """Counts host syncs (``item``, ``bool``, ``float``, ``int`` of a tensor) while active."""
+
+    NAMES = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+    def __enter__(self):
+        self.count, self.saved = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for name, fn in self.saved.items():
+            def counted(t, *a, _fn=fn, **k):
+                self.count += 1
+                return _fn(t, *a, **k)
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def fp16_training(mesh=(2, 1, 2), steps: int = 6, poison_step: int = 2, lr: float = 0.1, batch: int = 8):
+    """fp16 autocast with the dynamic loss scaler against fp32 single-device SGD on the same data.
+    The loss of the last rank is made inf at ``poison_step``: every rank must skip that step (the
+    reference skips it too).  growth_interval=2: the scale doubles after 2 clean steps."""
+    torch.manual_seed(0)
+    model = VARIANTS["timm_cls"]()
+    ref = copy.deepcopy(model)
+    xs, ys = _data(steps, batch)
+    poison = [False]
+
+    def loss_fn(out, y):
+        loss = F.cross_entropy(out, y)
+        return loss * float("inf") if poison[0] and dist.get_rank() == dist.get_world_size() - 1 else loss
+
+    dp = mesh[2]
+    pm = autosplit.parallelize(model, mesh=mesh, loss_fn=loss_fn, num_microbatches=2,
+                               example_input=xs[0, : batch // dp // 2], autocast=torch.float16)
+    pm.scaler.growth_interval = 2
+    pm.scaler.scale = 2.0 ** 10         # 2**16 overflows this model's fp16 gradients at once
+    rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    scales, skipped, syncs, losses, ref_losses = [], [], [], [], []
+    unscale = pm.scaler.unscale_and_update
+
+    def counted_unscale(*a, **k):
+        with _SyncCounter() as c:
+            unscale(*a, **k)
+        syncs.append(c.count)
+
+    pm.scaler.unscale_and_update = counted_unscale
+    n_grads = 0
+    for i in range(steps):
+        poison[0] = i == poison_step
+        scales.append(pm.scaler.scale)
+        losses.append(pm.step(xs[i][rows], ys[i][rows]))
+        skipped.append(pm.scaler.skipped)
+        n_grads = max(n_grads, sum(p.grad is not None for p in pm.parameters()))
+        opt.step()
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(xs[i]), ys[i])
+        ref_losses.append(loss.item())
+        if not pm.scaler.skipped:      # the reference skips what the scaler skipped
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    state, ref_state = pm.full_state_dict(), ref.state_dict()
+    scale_of = max(ref_state[k].abs().max().item() for k in ref_state)
+    return {"param_diff": _max_diff(state, ref_state), "param_scale": scale_of, "scales": scales,
+            "skipped": skipped, "syncs": syncs, "grads": n_grads,
+            "loss_diff": max(abs(a - b) for i, (a, b) in enumerate(zip(losses, ref_losses)) if i != poison_step)}
