@@ -123,3 +123,73 @@ def fp16_training(mesh=(2, 1, 2), steps: int = 6, poison_step: int = 2, lr: floa
     return {"param_diff": _max_diff(state, ref_state), "param_scale": scale_of, "scales": scales,
             "skipped": skipped, "syncs": syncs, "grads": n_grads,
             "loss_diff": max(abs(a - b) for i, (a, b) in enumerate(zip(losses, ref_losses)) if i != poison_step)}
+
+
+# ---- item 5: buffers under dp --------------------------------------------------------------------
+class ConvBN(torch.nn.Module):
+    """A small hand-written CNN with BatchNorm: running statistics are buffers updated in forward."""
+
+    def __init__(self, classes: int = 7):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 8, 3, padding=1, stride=2), torch.nn.BatchNorm2d(8)
+        self.conv3, self.bn3 = torch.nn.Conv2d(8, 16, 3, padding=1, stride=2), torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        x = torch.relu(self.bn3(self.conv3(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def _replica0_reference(model, xs, ys, dp: int, m: int, lr: float):
+    """Single-device reference of DDP-style buffers: each step accumulates the gradients of every
+    replica's microbatches (each replica starting from the step's buffers, loss / (dp*m)), then the
+    buffers are replica 0's (what dp rank 0 broadcasts), then one SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in zip(xs, ys):
+        start = {k: v.clone() for k, v in model.named_buffers()}
+        replica0 = None
+        for k, (xr, yr) in enumerate(zip(x.chunk(dp), y.chunk(dp))):
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(start[name])
+            for xm, ym in zip(xr.chunk(m), yr.chunk(m)):
+                (F.cross_entropy(model(xm), ym) / (dp * m)).backward()
+            if k == 0:
+                replica0 = {name: b.clone() for name, b in model.named_buffers()}
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(replica0[name])
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def buffers_under_dp(mesh, steps: int = 3, batch: int = 8, m: int = 2, lr: float = 0.1):
+    torch.manual_seed(0)
+    model = ConvBN()
+    ref = copy.deepcopy(model)
+    xs, ys = _data(steps, batch)
+    dp = mesh[2]
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=m, example_input=xs[0, : batch // dp // m])
+    rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    for x, y in zip(xs, ys):
+        pm.step(x[rows], y[rows])
+        opt.step()
+        opt.zero_grad()
+    pm.train()
+    pm.predict(xs[0][rows])          # a training-mode forward updates the statistics too
+    state = pm.full_state_dict()
+    ref_state = _replica0_reference(ref, xs, ys, dp, m, lr)
+    with torch.no_grad():            # ... and so does the reference's replica-0 forward
+        ref.train()
+        for xm in xs[0][: batch // dp].chunk(m):
+            ref(xm)
+    ref_state = ref.state_dict()
+    flat = torch.cat([state[k].double().reshape(-1) for k in sorted(state)])
+    return {"state": flat, "buffer_diff": _max_diff({k: state[k] for k in state if "running" in k or "batches" in k},
+                                                    {k: ref_state[k] for k in state if "running" in k or "batches" in k}),
+            "param_diff": _max_diff(state, ref_state)}

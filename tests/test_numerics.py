@@ -29,3 +29,15 @@ def test_fp16_scaler_against_fp32(pool4):
         assert r["scales"] == [s, s, 2 * s, s, s, 2 * s], r     # x2 after 2 clean steps, /2 on the skip
         assert r["syncs"] == [1] * 6 and r["grads"] > 10, r
         assert r["param_diff"] <= FP16_TOL and r["loss_diff"] <= FP16_TOL, r
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 2), (2, 1, 2)])
+def test_buffers_identical_across_dp(request, mesh):
+    """BatchNorm statistics: dp rank 0's are broadcast after each step (DDP's behaviour), so
+    full_state_dict is the same on every rank and equals the replica-0 reference."""
+    pool = request.getfixturevalue(f"pool{mesh[0] * mesh[1] * mesh[2]}")
+    results = pool.run(C.buffers_under_dp, mesh)
+    for r in results:
+        spread = (r["state"] - results[0]["state"]).abs().max().item()
+        assert spread == 0, f"full_state_dict differs across ranks by {spread}"
+        assert r["buffer_diff"] <= TOL and r["param_diff"] <= TOL, {k: r[k] for k in ("buffer_diff", "param_diff")}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.runtime.buffers import BufferSync
 from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
@@ -169,6 +170,7 @@ class ParallelModule:
         if self.buckets is not None:
             self.buckets.finish()
         self._reduce_partial_grads(earlier)
+        self._sync_buffers()
         if self.scaler.enabled:
             self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
         return self._global_mean(loss_sum)
@@ -201,6 +203,16 @@ class ParallelModule:
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
+
+    def _sync_buffers(self) -> None:
+        """Buffers a forward updated (BatchNorm statistics) become dp rank 0's on every replica
+        (runtime/buffers.py), so replicas never drift and ``full_state_dict`` agrees everywhere."""
+        if self.dp_size == 1:
+            return
+        if getattr(self, "_buffer_sync", None) is None or self._buffer_sync.modules is not self.raw_modules:
+            self._buffer_sync = BufferSync(self.raw_modules, self.world.group("dp"), self.world.rank_at(dp=0),
+                                           self.watchdog)
+        self._buffer_sync.sync()
 
     def _dp_sync(self) -> bool:
         """Does this step average gradients over dp (dp > 1 and not inside ``no_sync``)?"""
@@ -255,6 +267,7 @@ class ParallelModule:
         xs = self._microbatches(inputs, "predict")
         self._plan_for(xs[0])
         _, outs = self.executor.run(xs, None, train=False)
+        self._sync_buffers()                  # a forward in training mode may update BatchNorm statistics
         last = self.world.rank_at(pp=(self.plan.n_stages - 1) % self.world.mesh.pp)
         info = self.plan.stages[-1].outputs[0]
         result = torch.cat(outs) if outs else torch.empty(
