@@ -193,3 +193,29 @@ def buffers_under_dp(mesh, steps: int = 3, batch: int = 8, m: int = 2, lr: float
     return {"state": flat, "buffer_diff": _max_diff({k: state[k] for k in state if "running" in k or "batches" in k},
                                                     {k: ref_state[k] for k in state if "running" in k or "batches" in k}),
             "param_diff": _max_diff(state, ref_state)}
+
+
+# ---- item 2: train / eval mode follows pm.train() / pm.eval() --------------------------------------
+def dropout_vit(drop_path: float = 0.0, p: float = 0.3):
+    """A timm ViT with attention dropout (a constant SDPA argument once traced), projection and MLP
+    dropout (nn.Dropout) and optionally DropPath (ops that differ between the modes)."""
+    import timm
+    return timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                         mlp_ratio=2, num_classes=10, attn_drop_rate=p, proj_drop_rate=p,
+                                         drop_path_rate=drop_path)
+
+
+def eval_mode(mesh, drop_path: float = 0.0, batch: int = 4, **kw):
+    torch.manual_seed(0)
+    model = dropout_vit(drop_path)
+    ref = copy.deepcopy(model).eval()
+    x = _data(1, batch)[0][0]
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=2, example_input=x[: batch // 2], **kw)
+    with torch.no_grad():
+        want = ref(x)
+    pm.eval()
+    a, b = pm.predict(x), pm.predict(x)
+    pm.train()
+    c, d = pm.predict(x), pm.predict(x)
+    return {"eval_repeat": (a - b).abs().max().item(), "eval_vs_ref": (a - want).abs().max().item(),
+            "train_repeat": (c - d).abs().max().item(), "train_vs_ref": (c - want).abs().max().item()}

@@ -41,3 +41,35 @@ def test_buffers_identical_across_dp(request, mesh):
         spread = (r["state"] - results[0]["state"]).abs().max().item()
         assert spread == 0, f"full_state_dict differs across ranks by {spread}"
         assert r["buffer_diff"] <= TOL and r["param_diff"] <= TOL, {k: r[k] for k in ("buffer_diff", "param_diff")}
+
+
+@pytest.mark.parametrize("mesh,kw", [((2, 1, 1), {}), ((1, 2, 1), {}), ((1, 2, 1), {"sequence_parallel": True}),
+                                     ((2, 1, 1), {"drop_path": 0.2}), ((1, 2, 1), {"drop_path": 0.2})])
+def test_eval_mode_follows_pm_eval(pool2, mesh, kw):
+    """Attention dropout (dropout_p frozen by tracing), nn.Dropout and DropPath (a `self.training`
+    branch): after pm.eval() two predicts agree and equal the single-device model in eval mode;
+    after pm.train() they drop."""
+    for r in pool2.run(C.eval_mode, mesh, **kw):
+        assert r["eval_repeat"] == 0 and r["eval_vs_ref"] <= TOL, r
+        assert r["train_repeat"] > 1e-3 and r["train_vs_ref"] > 1e-3, r
+
+
+def test_root_mode_branch_is_refused():
+    """A `self.training` branch in the root's own forward cannot become a leaf: a clear TraceError."""
+    import torch
+
+    import autosplit
+
+    class RootBranch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.fc(x)
+            return x * 2 if self.training else x.relu()
+
+    model = RootBranch()
+    with pytest.raises(autosplit.AutosplitError, match=r"different operations in train and eval mode.*'mul'"):
+        autosplit.compile(model, example_input=torch.randn(2, 4), device="cpu")
+    assert model.training                               # the model's mode is restored
