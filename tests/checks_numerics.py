@@ -219,3 +219,54 @@ def eval_mode(mesh, drop_path: float = 0.0, batch: int = 4, **kw):
     c, d = pm.predict(x), pm.predict(x)
     return {"eval_repeat": (a - b).abs().max().item(), "eval_vs_ref": (a - want).abs().max().item(),
             "train_repeat": (c - d).abs().max().item(), "train_vs_ref": (c - want).abs().max().item()}
+
+
+# ---- item 3: dropout masks under tensor parallelism ------------------------------------------------
+def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4):
+    """One training step of a dropout ViT on (1, tp, 1); every nn.Dropout call's mask (output zero
+    where the input is not) by module path, and the default CPU RNG state after the step."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                          mlp_ratio=2, num_classes=10, attn_drop_rate=0.3, proj_drop_rate=0.3,
+                                          pos_drop_rate=0.3, drop_rate=0.3)
+    masks: dict[str, list] = {}
+
+    def hook(name):
+        def fn(module, inputs, output):
+            if output.device.type == "meta":       # planning runs the graph on meta tensors
+                return
+            masks.setdefault(name, []).append(((output == 0) & (inputs[0] != 0)).detach().clone())
+        return fn
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            m.register_forward_hook(hook(name))
+    xs, ys = _data(1, batch)
+    pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
+                               example_input=xs[0, : batch // 2], sequence_parallel=sequence_parallel)
+    pm.train()
+    pm.step(xs[0], ys[0])
+    return {"masks": {k: torch.stack(v) for k, v in masks.items()}, "rng": torch.get_rng_state()}
+
+
+def checkpoint_replays_tp_dropout(checkpoint, sequence_parallel: bool = False, steps: int = 2, batch: int = 4):
+    """Parameters after ``steps`` SGD steps of a dropout ViT on (1, tp, 1): with checkpoint="block"
+    the recomputed forward must draw the same masks as the first forward, so the result equals
+    training without checkpointing (same seeds)."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                          mlp_ratio=2, num_classes=10, attn_drop_rate=0.3, proj_drop_rate=0.3)
+    xs, ys = _data(steps, batch)
+    pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
+                               example_input=xs[0, : batch // 2], checkpoint=checkpoint,
+                               sequence_parallel=sequence_parallel)
+    pm.train()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    torch.manual_seed(7)
+    for x, y in zip(xs, ys):
+        pm.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    return pm.full_state_dict()

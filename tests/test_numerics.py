@@ -73,3 +73,33 @@ def test_root_mode_branch_is_refused():
     with pytest.raises(autosplit.AutosplitError, match=r"different operations in train and eval mode.*'mul'"):
         autosplit.compile(model, example_input=torch.randn(2, 4), device="cpu")
     assert model.training                               # the model's mode is restored
+
+
+# dropout modules of the test ViT whose input is split across tp ranks, without / with sequence
+# parallelism (fc1's hidden features; under sp also the token-sharded residual stream from pos_drop on)
+SHARDED = {False: {"blocks.0.mlp.drop1", "blocks.1.mlp.drop1"},
+           True: {"pos_drop"} | {f"blocks.{i}.{m}" for i in (0, 1) for m in ("mlp.drop1", "mlp.drop2", "attn.proj_drop")}}
+REPLICATED = {False: {"pos_drop", "head_drop"} | {f"blocks.{i}.{m}" for i in (0, 1) for m in ("mlp.drop2", "attn.proj_drop")},
+              True: {"head_drop"}}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_dropout_masks(pool2, sp):
+    """Masks differ across tp ranks where the activation is sharded, agree where it is replicated;
+    the default RNG stream stays identical on every tp rank."""
+    r0, r1 = pool2.run(C.tp_dropout_masks, sequence_parallel=sp)
+    assert set(r0["masks"]) == SHARDED[sp] | REPLICATED[sp]
+    for name in SHARDED[sp]:
+        a, b = r0["masks"][name], r1["masks"][name]
+        assert a.shape == b.shape and (a != b).float().mean() > 0.1, f"{name}: the same mask on both tp ranks"
+    for name in REPLICATED[sp]:
+        assert (r0["masks"][name] == r1["masks"][name]).all(), f"{name}: replicated masks differ across tp ranks"
+    assert (r0["rng"] == r1["rng"]).all()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_block_checkpoint_replays_tp_dropout(pool2, sp):
+    plain = pool2.run(C.checkpoint_replays_tp_dropout, None, sequence_parallel=sp)
+    blocks = pool2.run(C.checkpoint_replays_tp_dropout, "block", sequence_parallel=sp)
+    for a, b in zip(plain, blocks):
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.passes.tp_random import fork_sharded_random
 from autosplit.runtime.buffers import BufferSync
 from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
@@ -78,6 +79,7 @@ class ParallelModule:
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds, **options)
         self.provisional = False
         modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
         if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
             for old, new in zip(self.raw_modules, modules):
                 _adopt_parameters(old, new)

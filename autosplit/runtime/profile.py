@@ -19,6 +19,11 @@ def agreed_profile(world):
     if world.device.type == "cuda":
         name = torch.cuda.get_device_name(world.device).lower()
         return get_profile("a100" if "a100" in name else "h100")
-    box = [get_profile("cpu") if world.rank == 0 else None]
+    box = [None]
+    if world.rank == 0:
+        # the measurement draws random matrices: keep them off the default stream, which must stay
+        # identical on every rank (replicated dropout masks under tensor parallelism rely on it)
+        with torch.random.fork_rng(devices=[]):
+            box[0] = get_profile("cpu")
     dist.broadcast_object_list(box, src=0)
     return box[0]
