@@ -6,6 +6,7 @@ Terms:
                    no-trace modules; anything the user lists in ``leaf_modules``).
   concrete args -- forward parameters fixed to a Python value while tracing (here: every parameter with a
                    default that the example input does not supply, e.g. timm's ``attn_mask=None``).
+  mode          -- train / eval: the graph follows it (see trace_modes.py), like the eager model.
   module path   -- the dotted name of the module a node came from (``blocks.3.attn.qkv``), kept in
                    ``node.meta["module_path"]`` so stages and dumps can show the original names.
 """
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autosplit.errors import TraceError
+from autosplit.trace_modes import ModeBranch, branch_module, follow_mode, mode_constants
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -38,14 +40,14 @@ def _timm_notrace():
 class _Tracer(fx.Tracer):
     """fx.Tracer that remembers which module it is inside, for error messages."""
 
-    def __init__(self, leaf_types: tuple[type, ...], autowrap_functions: tuple):
+    def __init__(self, leaf_types: tuple[type, ...], autowrap_functions: tuple, leaf_ids: set[int] = frozenset()):
         super().__init__(autowrap_functions=autowrap_functions)
-        self.leaf_types = leaf_types
+        self.leaf_types, self.leaf_ids = leaf_types, leaf_ids
         self.module_scope: list[tuple[str, nn.Module]] = []
         self.failed_scope: list[tuple[str, nn.Module]] | None = None
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, qualname)
+        return isinstance(m, self.leaf_types) or id(m) in self.leaf_ids or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         self.module_scope.append((self.path_of_module(m), m))
@@ -96,9 +98,38 @@ def _concrete_args(model: nn.Module, n_inputs: int, given: dict | None) -> dict:
 
 def trace(model: nn.Module, n_inputs: int = 1, *, leaf_modules: Sequence[type] = (),
           concrete_args: dict | None = None) -> fx.GraphModule:
-    """Symbolically trace ``model`` (which is not modified) into a GraphModule sharing its parameters."""
+    """Symbolically trace ``model`` (which is not modified) into a GraphModule sharing its parameters.
+
+    The graph follows train / eval mode (trace_modes.py): the model is traced in both modes; constants
+    frozen from ``self.training`` become ModeSwitch nodes, and a submodule whose ops differ between
+    the modes is traced again as a leaf.  The model's own mode flags are restored afterwards.
+    """
+    flags = {m: m.training for m in model.modules()}
+    leaf_ids: set[int] = set()
+    try:
+        for _ in range(len(flags) + 1):        # each round makes one more module a leaf
+            model.train(True)
+            train_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids)
+            model.train(False)
+            eval_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids)
+            try:
+                constants = mode_constants(train_gm, eval_gm)
+                break
+            except ModeBranch as branch:
+                path, module = branch_module(model, branch)
+                if id(module) in leaf_ids:      # defensive: a leaf cannot differ inside
+                    raise TraceError(f"module '{path}' differs between train and eval mode even as a leaf") from branch
+                leaf_ids.add(id(module))
+    finally:
+        for m, training in flags.items():
+            m.training = training
+    follow_mode(train_gm, constants, model.training)
+    return train_gm
+
+
+def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, leaf_ids: set[int]) -> fx.GraphModule:
     timm_leaves, timm_functions = _timm_notrace()
-    tracer = _Tracer(tuple(leaf_modules) + timm_leaves, timm_functions)
+    tracer = _Tracer(tuple(leaf_modules) + timm_leaves, timm_functions, leaf_ids)
     concrete = _concrete_args(model, n_inputs, concrete_args)
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)

@@ -220,6 +220,7 @@ def _shard_mha(gm: fx.GraphModule, node: fx.Node, plan: TensorParallelPlan) -> N
     copies: dict = {}
     _insert_copy(gm.graph, node, 0, copies)
     node.args = (node.args[0], node.args[0], node.args[0], *node.args[3:])
+    node.meta["tp_random"] = mha.dropout > 0          # its attention dropout sees this rank's heads only
     out = next(u for u in node.users if u.args[1] == 0)
     bias = f"{node.target}.out_proj.bias" if mha.out_proj.bias is not None else None
     _reduce_after(gm.graph, out, bias)

@@ -26,26 +26,31 @@ class LossScaler:
         self.skipped = False
 
     def unscale_and_update(self, params: list[torch.nn.Parameter], world, watchdog) -> None:
+        """Unscale every gradient and check it for inf/nan in one fused device-side pass per
+        (device, dtype) group, agree on overflow with one all-reduce, and read the verdict with one
+        host sync (``.item()``); a per-gradient ``isfinite(g).all()`` test would sync once per tensor."""
         self.skipped = False
         if not self.enabled:
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        bad = torch.zeros(1, device=world.device)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                bad.fill_(1.0)
-                break
-        work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)
+        found = torch.zeros(1, device=world.device)
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in groups.items():
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            found_here = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv)
+            found = torch.maximum(found, found_here.to(found.device))
+        work = dist.all_reduce(found, op=dist.ReduceOp.MAX, async_op=True)
         watchdog.wait(work, "fp16 overflow check", host=True)
-        if bad.item() > 0:
+        if found.item() > 0:                # the one host sync of the step
             for p in params:
                 p.grad = None
             self.scale /= 2
             self.clean_steps = 0
             self.skipped = True
             return
-        for g in grads:
-            g.div_(self.scale)
         self.clean_steps += 1
         if self.clean_steps % self.growth_interval == 0:
             self.scale *= 2

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.passes.tp_random import fork_sharded_random
+from autosplit.runtime.buffers import BufferSync
 from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
@@ -78,6 +80,7 @@ class ParallelModule:
                                  autocast=self.autocast, checkpoint=self.checkpoint, **options)
         self.provisional = False
         modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
         if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
             for old, new in zip(self.raw_modules, modules):
                 _adopt_parameters(old, new)
@@ -89,7 +92,9 @@ class ParallelModule:
         self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
         stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
-            self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m)]
+            # partial-grad params are reduced over dp by _reduce_partial_grads, after their tp sum
+            partial_ids = {id(p) for p in self.partial_params}
+            self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m) if id(p) not in partial_ids]
                                         for s, m in zip(stages, self.raw_modules)},
                                        self.world.group("dp"), self.dp_size, self.watchdog, self.bucket_bytes)
         self.executor = PipelineExecutor(self.world, self.plan, self.modules, self.loss_fn, self.watchdog,
@@ -168,14 +173,20 @@ class ParallelModule:
         if self.buckets is not None:
             self.buckets.finish()
         self._reduce_partial_grads(earlier)
+        self._sync_buffers()
         if self.scaler.enabled:
             self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
         return self._global_mean(loss_sum)
 
     def _reduce_partial_grads(self, earlier: list) -> None:
-        """Sum over tp, once per step, the gradients of replicated parameters that each tp rank saw
-        only part of (qk-norm weights, layer norms under sequence parallelism), then add back what
-        earlier steps of a gradient accumulation had already reduced."""
+        """Sum over tp the gradients of replicated parameters that each tp rank saw only part of
+        (qk-norm weights, layer norms under sequence parallelism), once per step; add back what
+        earlier steps of a gradient accumulation had already summed; on a synchronising step (not
+        under ``no_sync``) average the whole accumulated gradient over dp.
+
+        These parameters are not in the dp buckets: a bucket would average only this step's part,
+        and the parts that ``no_sync`` steps accumulated would never be averaged over dp.
+        """
         if not self.partial_params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial_params]
@@ -183,8 +194,32 @@ class ParallelModule:
         offset = 0
         for p, before in zip(self.partial_params, earlier):
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone() + (before if before is not None else 0)
+            part = flat[offset:offset + n].view_as(p)
+            flat[offset:offset + n] = (part + before if before is not None else part).reshape(-1)
             offset += n
+        if self._dp_sync():
+            work = dist.all_reduce(flat, group=self.world.group("dp"), async_op=True)
+            self.watchdog.wait(work, "data-parallel all-reduce of partial gradients")
+            flat.div_(self.dp_size)
+        offset = 0
+        for p in self.partial_params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def _sync_buffers(self) -> None:
+        """Buffers a forward updated (BatchNorm statistics) become dp rank 0's on every replica
+        (runtime/buffers.py), so replicas never drift and ``full_state_dict`` agrees everywhere."""
+        if self.dp_size == 1:
+            return
+        if getattr(self, "_buffer_sync", None) is None or self._buffer_sync.modules is not self.raw_modules:
+            self._buffer_sync = BufferSync(self.raw_modules, self.world.group("dp"), self.world.rank_at(dp=0),
+                                           self.watchdog)
+        self._buffer_sync.sync()
+
+    def _dp_sync(self) -> bool:
+        """Does this step average gradients over dp (dp > 1 and not inside ``no_sync``)?"""
+        return self.buckets is not None and self.buckets.enabled
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         total = loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches
@@ -235,6 +270,7 @@ class ParallelModule:
         xs = self._microbatches(inputs, "predict")
         self._plan_for(xs[0])
         _, outs = self.executor.run(xs, None, train=False)
+        self._sync_buffers()                  # a forward in training mode may update BatchNorm statistics
         last = self.world.rank_at(pp=(self.plan.n_stages - 1) % self.world.mesh.pp)
         info = self.plan.stages[-1].outputs[0]
         result = torch.cat(outs) if outs else torch.empty(

@@ -19,6 +19,11 @@ def agreed_profile(world):
     """The profile for ``world``'s device, identical on every rank (one broadcast on CPU)."""
     if world.device.type == "cuda":
         return profile_for_gpu(torch.cuda.get_device_name(world.device))
-    box = [get_profile("cpu") if world.rank == 0 else None]
+    box = [None]
+    if world.rank == 0:
+        # the measurement draws random matrices: keep them off the default stream, which must stay
+        # identical on every rank (replicated dropout masks under tensor parallelism rely on it)
+        with torch.random.fork_rng(devices=[]):
+            box[0] = get_profile("cpu")
     dist.broadcast_object_list(box, src=0)
     return box[0]

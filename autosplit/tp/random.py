@@ -1,0 +1,74 @@
+"""Random ops (dropout) inside tensor-parallel sharded regions: a different stream per tp rank.
+
+Terms:
+  sharded random op -- a dropout (module, function or SDPA's ``dropout_p``) whose input is split
+                       across tp ranks (attention heads, MLP hidden features, or tokens under sequence
+                       parallelism).  Each rank holds a different part of one tensor, so each needs its
+                       own mask: with one shared stream, rank 1's heads would get rank 0's mask
+                       pattern.  Replicated activations must get the *same* mask on every tp rank.
+  default stream    -- torch's default generator; identical on every tp rank (same seed, same draws),
+                       which keeps replicated-region masks equal.
+  fork              -- (Megatron's model-parallel RNG) a sharded random op draws one seed from the
+                       default CPU stream (the same draw on every tp rank), runs under a generator
+                       seeded with (that seed, tp rank), then restores the default stream.  So the
+                       default stream advances identically on every tp rank, sharded masks differ,
+                       and activation checkpointing, which restores the default stream before it
+                       recomputes, replays exactly the same masks.
+
+``TpRandom`` wraps one op; ``passes/tp_random.py`` puts it on the sharded random ops of a stage graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autosplit.tp.collectives import _group
+
+_GOLDEN = 0x9E3779B97F4A7C15          # odd 64-bit constant: (seed, rank) -> well-separated seeds
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of tp rank ``rank``'s fork, from one draw ``seed`` of the default stream."""
+    return (seed + _GOLDEN * (rank + 1)) % (2**63 - 1)
+
+
+def _device_of(args, kwargs) -> torch.device:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+class TpRandom(nn.Module):
+    """Runs ``op`` (a module, a function, or a Tensor method name) under this tp rank's fork."""
+
+    def __init__(self, op, axis: str):
+        super().__init__()
+        self.axis = axis
+        if isinstance(op, nn.Module):
+            self.inner = op               # the model's own module: follows its train/eval flag
+        else:
+            self.fn = op
+
+    def _call(self, args, kwargs):
+        if hasattr(self, "inner"):
+            return self.inner(*args, **kwargs)
+        if isinstance(self.fn, str):      # a Tensor method: x.bernoulli(...)
+            return getattr(args[0], self.fn)(*args[1:], **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        device = _device_of(args, kwargs)
+        if device.type == "meta":
+            return self._call(args, kwargs)
+        seed = int(torch.randint(0, 2**62, (1,)).item())        # one draw of the default CPU stream
+        rank = dist.get_rank(_group(self.axis))
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+            torch.manual_seed(rank_seed(seed, rank))
+            return self._call(args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}" + ("" if hasattr(self, "inner") else f", op={getattr(self.fn, '__name__', self.fn)}")
