@@ -212,7 +212,24 @@ def bucket_overlap():
     """Small buckets: most are all-reduced while the last backward still runs, not at the end."""
     pm, ref, xs, ys, rows = _setup(mesh=(1, 1, 2), bucket_mb=0.01)
     pm.step(xs[0][rows], ys[0][rows])
-    return {"buckets": len(pm.buckets.buckets), "early": pm.buckets.launched_early}
+    out = {"buckets": len(pm.buckets.buckets), "early": pm.buckets.launched_early}
+
+    def in_buckets() -> bool:     # every .grad is a view of its bucket's flat buffer
+        return all(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+                   for b in pm.buckets.buckets for p in b.params)
+    out["views"] = in_buckets()
+    # with .grad kept (zero_grad(set_to_none=False)) backward accumulates into the buckets: no copy
+    for p in pm.parameters():
+        p.grad.zero_()
+    copies = []
+    original = torch.Tensor.copy_
+    torch.Tensor.copy_ = lambda self, *a, **k: copies.append(self.shape) or original(self, *a, **k)
+    try:
+        pm.step(xs[1][rows], ys[1][rows])
+    finally:
+        torch.Tensor.copy_ = original
+    out["views_again"], out["copies"] = in_buckets(), len(copies)
+    return out
 
 
 def hanging_rank():

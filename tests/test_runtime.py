@@ -76,6 +76,7 @@ def test_mixed_precision(pool4):
 def test_dp_buckets_overlap_the_last_backward(pool2):
     for r in pool2.run(bucket_overlap):
         assert r["buckets"] > 4 and r["early"] >= r["buckets"] - 1, r
+        assert r["views"] and r["views_again"] and r["copies"] == 0, r      # gradients live in the buckets
 
 
 def test_a_stalled_rank_times_out_everywhere():

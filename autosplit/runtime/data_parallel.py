@@ -8,6 +8,11 @@ Terms:
             and a bucket whose gradients are all final is all-reduced at once, asynchronously, while
             the rest of the backward runs.  Buckets with unused parameters are launched at ``finish``.
   no_sync -- gradient accumulation across several steps can skip the reduction until the last one.
+  views   -- as DDP's ``gradient_as_bucket_view``: each bucket owns one flat buffer for the whole run,
+            and each parameter's ``.grad`` becomes a view of its slot, so the all-reduce and the
+            average happen in place.  A gradient autograd created anew (the first backward after
+            ``zero_grad(set_to_none=True)``) is copied into its slot once; with ``.grad`` already a
+            view, backward accumulates straight into the bucket and nothing is copied at all.
 
 We write the bucketing ourselves instead of wrapping stages in DistributedDataParallel: DDP's reducer
 assumes one forward and one backward per iteration, while a pipeline runs m of each per step and only
@@ -22,9 +27,13 @@ import torch.distributed as dist
 class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        self.slots = [self.flat[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
         self.ready: set[int] = set()
         self.had_grad: list[bool] = []
-        self.flat: torch.Tensor | None = None
         self.work = None
 
 
@@ -46,8 +55,12 @@ class GradBuckets:
 
     @staticmethod
     def _split(params: list[torch.nn.Parameter], limit: int) -> list[_Bucket]:
+        """Consecutive runs of about ``limit`` bytes, one dtype and device each (one flat buffer)."""
         buckets, current, size = [], [], 0
         for p in params:
+            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= limit:
@@ -69,8 +82,13 @@ class GradBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.had_grad = [p.grad is not None for p in bucket.params]   # unused params keep grad None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        with torch.no_grad():
+            for p, slot in zip(bucket.params, bucket.slots):
+                if p.grad is None:
+                    slot.zero_()
+                elif p.grad.data_ptr() != slot.data_ptr():     # a fresh gradient: into its slot, once
+                    slot.copy_(p.grad)
+                    p.grad = slot
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
@@ -83,13 +101,7 @@ class GradBuckets:
                 self._launch(bucket)
         for bucket in self.buckets:
             self.watchdog.wait(bucket.work, "data-parallel gradient all-reduce")
-            bucket.flat.div_(self.dp)
-            offset = 0
-            for p, had in zip(bucket.params, bucket.had_grad):
-                n = p.numel()
-                if had:
-                    p.grad = bucket.flat[offset:offset + n].view_as(p).clone()
-                offset += n
-            bucket.flat, bucket.work = None, None
+            bucket.flat.div_(self.dp)                   # the .grad views see the average
+            bucket.work = None
             bucket.ready.clear()
         self.armed.clear()
