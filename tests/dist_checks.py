@@ -200,10 +200,20 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
                                example_input=torch.randn(2, 3, 32, 32), **kw)
     x, y = _data(1, 2 * microbatches)
     COUNTS.clear()
-    pm.step(x[0], y[0])
+    from autosplit.tp import collectives
+    reduced = []                     # (tensor given to the all-reduce, tensor reduced) per call
+    original = collectives.dist.all_reduce
+    collectives.dist.all_reduce = lambda t, *a, **k: reduced.append(t) or original(t, *a, **k)
+    clones = []
+    clone = torch.Tensor.clone
+    torch.Tensor.clone = lambda self, *a, **k: clones.append(1) or clone(self, *a, **k)
+    try:
+        pm.step(x[0], y[0])
+    finally:
+        collectives.dist.all_reduce, torch.Tensor.clone = original, clone
     per_block = {f"{k[0]}:{k[1]}": v / (depth * microbatches) for k, v in COUNTS.items()}
     return {"per_block": per_block, "regions": len(pm.plan.tp_plan.regions), "depth": depth,
-            "microbatches": microbatches}
+            "microbatches": microbatches, "all_reduces": len(reduced), "clones": len(clones)}
 
 
 

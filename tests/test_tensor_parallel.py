@@ -40,6 +40,7 @@ def test_megatron_minimum_communication(pool2, name):
     for r in pool2.run(count_tp_collectives, name):
         assert r["regions"] == 2 * r["depth"], r
         assert r["per_block"] == {"all_reduce:fwd": 2, "copy:fwd": 2, "copy:bwd": 2, "all_reduce:bwd": 2}, r
+        assert r["all_reduces"] >= 4 * r["depth"] and r["clones"] == 0, r    # reduced in place, no copies
 
 
 @pytest.mark.parametrize("name", MODELS)

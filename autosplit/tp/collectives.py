@@ -63,7 +63,13 @@ def _shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
-    x = x.contiguous().clone()
+    """Sum ``x`` over the axis *in place* (no copy, as Megatron does) and return it.
+
+    Callers own ``x``: the partial sum a row-parallel GEMM just produced, whose only reader is the
+    reduction (the tp rewrite routes every other user to the reduced result), or a gradient the
+    autograd engine hands over for this backward alone.  A non-contiguous input is reduced in a copy.
+    """
+    x = x.contiguous()
     _wait(dist.all_reduce(x, group=_group(axis), async_op=True), f"all_reduce over {axis}")
     return x
 
@@ -83,7 +89,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         out = torch.empty_like(chunks.chunk(n)[0])
         _wait(dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True), f"reduce_scatter over {axis}")
         return out.movedim(0, dim).contiguous()
-    return _shard(_all_reduce(x, axis), dim, n, rank)     # gloo has no reduce_scatter
+    return _shard(_all_reduce(x.clone(), axis), dim, n, rank)     # gloo has no reduce_scatter
 
 
 class _Copy(torch.autograd.Function):
@@ -103,7 +109,10 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
         COUNTS[("all_reduce", "fwd")] += 1
-        return _all_reduce(x, axis)
+        out = _all_reduce(x, axis)
+        if out is x:
+            ctx.mark_dirty(x)     # reduced in place: autograd must know x changed
+        return out
 
     @staticmethod
     def backward(ctx, grad):
