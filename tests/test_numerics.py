@@ -22,7 +22,8 @@ FP16_TOL = 5e-4     # fp16 matmuls (10-bit mantissa), 5 SGD updates of a 4-block
 
 def test_fp16_scaler_against_fp32(pool4):
     """Unscale, growth after growth_interval clean steps, a skip when one rank overflows, one host
-    sync per step; parameters within FP16_TOL of fp32 single-device training."""
+    sync in the whole step (the loss and the overflow verdict are read together); parameters within
+    FP16_TOL of fp32 single-device training."""
     for r in pool4.run(C.fp16_training):
         assert r["skipped"] == [False, False, True, False, False, False], r
         s = r["scales"][0]

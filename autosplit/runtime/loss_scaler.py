@@ -3,8 +3,9 @@
 Terms:
   scale     -- the factor the loss is multiplied by before backward (so small fp16 gradients do not
                flush to zero); gradients are divided by it again before the optimizer step.
-  overflow  -- an inf or nan in any rank's gradients; ranks agree on it with one all-reduce (MAX) over
-               the whole world, so either every rank skips the step or none does.
+  overflow  -- an inf or nan in any rank's gradients; ranks agree on it through the step's one
+               all-reduce over the whole world (summed with the loss), so either every rank skips the
+               step or none does.
   skip      -- on overflow every gradient is set to None, which torch optimizers treat as "no update",
                and the scale is halved; after ``growth_interval`` clean steps it doubles.
 
@@ -25,31 +26,32 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped = False
 
-    def unscale_and_update(self, params: list[torch.nn.Parameter], world, watchdog) -> None:
+    def unscale(self, params: list[torch.nn.Parameter], device) -> torch.Tensor:
         """Unscale every gradient and check it for inf/nan in one fused device-side pass per
-        (device, dtype) group, agree on overflow with one all-reduce, and read the verdict with one
-        host sync (``.item()``); a per-gradient ``isfinite(g).all()`` test would sync once per tensor."""
-        self.skipped = False
-        if not self.enabled:
-            return
-        found = torch.zeros(1, device=world.device)
+        (device, dtype) group; returns this rank's overflow flag (1.0 or 0.0) on ``device``, not read:
+        the step all-reduces it together with the loss, so the verdict costs no host sync of its own
+        (a per-gradient ``isfinite(g).all()`` test would sync once per tensor)."""
+        found = torch.zeros(1, device=device)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
                 groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, _), grads in groups.items():
-            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
-            found_here = torch.zeros(1, dtype=torch.float32, device=device)
+        for (grad_device, _), grads in groups.items():
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=grad_device)
+            found_here = torch.zeros(1, dtype=torch.float32, device=grad_device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv)
             found = torch.maximum(found, found_here.to(found.device))
-        work = dist.all_reduce(found, op=dist.ReduceOp.MAX, async_op=True)
-        watchdog.wait(work, "fp16 overflow check", host=True)
-        if found.item() > 0:                # the one host sync of the step
+        return found
+
+    def update(self, overflow: bool, params: list[torch.nn.Parameter]) -> None:
+        """After every rank's flag was summed: skip the step everywhere (gradients None, scale
+        halved) on an overflow anywhere, else count a clean step and grow the scale on schedule."""
+        self.skipped = overflow
+        if overflow:
             for p in params:
                 p.grad = None
             self.scale /= 2
             self.clean_steps = 0
-            self.skipped = True
             return
         self.clean_steps += 1
         if self.clean_steps % self.growth_interval == 0:

@@ -174,9 +174,12 @@ class ParallelModule:
             self.buckets.finish()
         self._reduce_partial_grads(earlier)
         self._sync_buffers()
+        params = list(self.parameters()) if self.scaler.enabled else []
+        overflow = self.scaler.unscale(params, self.world.device) if self.scaler.enabled else None
+        loss, overflow_anywhere = self._global_mean(loss_sum, overflow)
         if self.scaler.enabled:
-            self.scaler.unscale_and_update(list(self.parameters()), self.world, self.watchdog)
-        return self._global_mean(loss_sum)
+            self.scaler.update(overflow_anywhere, params)
+        return loss
 
     def _reduce_partial_grads(self, earlier: list) -> None:
         """Sum over tp the gradients of replicated parameters that each tp rank saw only part of
@@ -202,9 +205,9 @@ class ParallelModule:
             self.watchdog.wait(work, "data-parallel all-reduce of partial gradients")
             flat.div_(self.dp_size)
         offset = 0
-        for p in self.partial_params:
+        for p in self.partial_params:       # views of the reduced buffer, as the dp buckets' are
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            p.grad = flat[offset:offset + n].view_as(p)
             offset += n
 
     def _sync_buffers(self) -> None:
@@ -221,11 +224,16 @@ class ParallelModule:
         """Does this step average gradients over dp (dp > 1 and not inside ``no_sync``)?"""
         return self.buckets is not None and self.buckets.enabled
 
-    def _global_mean(self, loss_sum: torch.Tensor) -> float:
-        total = loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches
+    def _global_mean(self, loss_sum: torch.Tensor, overflow: torch.Tensor | None = None) -> tuple[float, bool]:
+        """The global batch's mean loss and whether any rank's gradients overflowed: one all-reduce
+        over the world and the step's one host sync (``tolist``)."""
+        flag = overflow.reshape(1) if overflow is not None else torch.zeros(1, device=self.world.device)
+        total = torch.cat([loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches,
+                           flag.to(torch.float64)])
         work = dist.all_reduce(total, async_op=True)
         self.watchdog.wait(work, "loss all-reduce", host=True)
-        return float(total.item() / (self.world.mesh.tp * self.world.mesh.dp))
+        loss, overflowed = total.tolist()
+        return loss / (self.world.mesh.tp * self.world.mesh.dp), overflowed > 0
 
     @contextlib.contextmanager
     def no_sync(self):
