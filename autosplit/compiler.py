@@ -139,8 +139,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
         bounds = validate.stage_bounds(stage_bounds, n_stages, len(segments))
     else:
         bounds = balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, budget)
-    baseline = torchtitan_bounds(find_layer_ends(layers, segments), first_layer_segment(layers, segments) - 1,
-                                 len(segments), n_stages)
+    layer_ends = find_layer_ends(layers, segments)
+    baseline = torchtitan_bounds(layer_ends, first_layer_segment(layers, segments) - 1, len(segments), n_stages)
     _assign_stages(segments, bounds)
     split = SplitStages(n_stages)
     split(gm)
@@ -154,7 +154,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
                 tp_plan=tp_plan, schedule_grid=simulated.format_grid(),
                 autocast=None if autocast is None else str(autocast).removeprefix("torch."),
-                checkpoint=checkpoint)
+                checkpoint=checkpoint, layer_end_segments=layer_ends)
 
 
 def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args):

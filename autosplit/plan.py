@@ -78,6 +78,7 @@ class Plan:
     tp_plan: object = field(default=None, repr=False)   # passes.tp_rewrite.TensorParallelPlan when tp > 1
     autocast: str | None = None               # "bfloat16" / "float16" when planned for torch.autocast
     checkpoint: str | None = None             # None, "stage" or "block"
+    layer_end_segments: list[int] = field(default_factory=list)   # per layer, the segment it ends in
     _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -123,11 +123,13 @@ def _pieces(vit, n_pieces: int):
 
 
 def equal_layer_bounds(model, example, n_stages: int) -> list[int]:
-    """autosplit's ``stage_bounds`` for the equal-block cut (torch's hand split), as the plan reports it."""
+    """autosplit's ``stage_bounds`` for the equal-block cut (torch's hand split)."""
     import autosplit
-    return autosplit.compile(model, mesh=(WORLD, 1, 1), example_input=example,
+    from autosplit.passes.partition import equal_block_bounds
+    plan = autosplit.compile(model, mesh=(WORLD, 1, 1), example_input=example,
                              schedule="interleaved" if n_stages > WORLD else "1f1b",
-                             chunks_per_rank=n_stages // WORLD, num_microbatches=MICROBATCHES).equal_layer_bounds
+                             chunks_per_rank=n_stages // WORLD, num_microbatches=MICROBATCHES)
+    return equal_block_bounds(plan.layer_end_segments, plan.bounds[-1] + 1, n_stages)
 
 
 # ------------------------------------------------------------------------------------- timing

@@ -1,10 +1,10 @@
-"""Benchmark the planner: stage balance against the equal-layer cut, and planning cost of huge models.
+"""Benchmark the planner: stage balance against torchtitan's cut, and planning cost of huge models.
 
   a. balance   -- timm vit_base_patch16_224, microbatch 8 at 224 px, pp = 2, 3, 4, 5, 6, 8, cost model h100:
-                  max/mean predicted stage time of autosplit's cut and of the equal-layer-count cut
-                  (Colossal-AI / torchtitan style), and the ratio of their bottleneck stage times
-                  (equal / autosplit = predicted pipeline speed-up, since a pipeline's steady-state step
-                  time is proportional to its slowest stage).
+                  max/mean predicted stage time of autosplit's cut and of torchtitan's cut (embedding
+                  and head each count as a layer; n/a where that rule has no cut), and the ratio of their
+                  bottleneck stage times (torchtitan / autosplit = predicted pipeline speed-up, since a
+                  pipeline's steady-state step time is proportional to its slowest stage).
   b. planning  -- ViT-H/14 at pp = 8 and a ViT-22B-like model at pp = 16, built on the meta device: wall
                   time of ``autosplit.compile`` and peak RSS, each case in a fresh Python process, and a
                   check that no parameter or buffer left the meta device.
@@ -83,10 +83,9 @@ def _peak_rss_kib() -> int:
     return peak // 1024 if sys.platform == "darwin" else peak   # bytes on macOS, KiB on Linux
 
 
-def _equal_blocks(n_layers: int, pp: int) -> list[int]:
-    """Blocks per stage of the equal-layer cut: earlier stages take the remainder."""
-    per, extra = divmod(n_layers, pp)
-    return [per + (1 if s < extra else 0) for s in range(pp)]
+def _num(x, digits: int = 3) -> str:
+    """A figure, or "n/a" where the baseline has no cut."""
+    return "n/a" if x is None or isinstance(x, str) else f"{x:.{digits}f}"
 
 
 # ------------------------------------------------------------------------------------ a. balance
@@ -94,31 +93,29 @@ def _equal_blocks(n_layers: int, pp: int) -> list[int]:
 def run_balance(pps) -> dict:
     import autosplit
     model = _build(BALANCE_MODEL)
-    n_blocks = len(model.blocks)
+    n_blocks = len(model.blocks)       # for the stage tables' caption
     rows, details = [], {}
     for pp in pps:
         t0 = time.perf_counter()
         plan = autosplit.compile(model, mesh=(pp, 1, 1), example_input=_example(), schedule="1f1b",
                                  chunks_per_rank=1, num_microbatches=None, device=DEVICE_MODEL)
         seconds = time.perf_counter() - t0
-        ours_ratio, equal_ratio = plan.balance()
+        ours_ratio, equal_ratio = plan.balance()       # the baseline: torchtitan's cut, or "n/a"
         ours = [s.time for s in plan.stages]
-        equal = list(plan.equal_layer_times)
+        equal = list(plan.equal_layer_times or [])
         row = {"pp": pp, "ours_balance": ours_ratio, "equal_balance": equal_ratio,
-               "ours_max_ms": max(ours) * 1e3, "equal_max_ms": max(equal) * 1e3,
-               "speedup": max(equal) / max(ours), "plan_s": seconds}
+               "ours_max_ms": max(ours) * 1e3, "equal_max_ms": max(equal) * 1e3 if equal else None,
+               "speedup": max(equal) / max(ours) if equal else None, "plan_s": seconds}
         rows.append(row)
-        print(f"pp={pp}: max/mean autosplit {ours_ratio:.3f}, equal-layer {equal_ratio:.3f}; bottleneck "
-              f"{row['ours_max_ms']:.3f} vs {row['equal_max_ms']:.3f} ms -> x{row['speedup']:.3f} "
-              f"(planned in {seconds:.2f} s)", flush=True)
-        if pp in LAYER_DETAIL_PPS:
-            blocks = _equal_blocks(n_blocks, pp)
+        versus = (f"torchtitan's cut {equal_ratio:.3f}; bottleneck {row['ours_max_ms']:.3f} vs "
+                  f"{row['equal_max_ms']:.3f} ms -> x{row['speedup']:.3f}" if equal else "torchtitan's cut n/a")
+        print(f"pp={pp}: max/mean autosplit {ours_ratio:.3f}, {versus} (planned in {seconds:.2f} s)", flush=True)
+        if pp in LAYER_DETAIL_PPS and equal:
             details[pp] = [{"stage": s.index, "layers": s.layers, "params": s.n_params, "ms": s.time * 1e3,
-                            "memory": s.memory_bytes, "equal_blocks": blocks[s.index],
-                            "equal_ms": equal[s.index] * 1e3} for s in plan.stages]
+                            "memory": s.memory_bytes, "torchtitan_ms": equal[s.index] * 1e3} for s in plan.stages]
             for d in details[pp]:
-                print(f"   stage {d['stage']}: {d['layers']}  ({d['ms']:.3f} ms; equal cut: "
-                      f"{d['equal_blocks']} blocks, {d['equal_ms']:.3f} ms)")
+                print(f"   stage {d['stage']}: {d['layers']}  ({d['ms']:.3f} ms; torchtitan's cut: "
+                      f"{d['torchtitan_ms']:.3f} ms)")
     return {"rows": rows, "details": details, "n_blocks": n_blocks}
 
 
@@ -214,25 +211,25 @@ def render(balance: dict, planning: list[dict], command: str, total_s: float) ->
     if balance:
         out += ["### Stage balance: ViT-B/16 (`vit_base_patch16_224`), microbatch 8 x 3 x 224 x 224, 1F1B", "",
                 "*max/mean* is the slowest stage's predicted time over the mean (1.000 is perfect). The "
-                "*equal-layer* cut is the Colossal-AI / torchtitan split: equal numbers of transformer "
-                "blocks per stage (earlier stages take the remainder), embedding on the first stage, head "
-                "on the last. *Speed-up* is equal-layer bottleneck / autosplit bottleneck: the predicted "
-                "gain in pipeline throughput.", "",
-                "| pp | autosplit max/mean | equal-layer max/mean | autosplit bottleneck (ms) "
-                "| equal-layer bottleneck (ms) | speed-up | plan time (s) |",
+                "baseline is *torchtitan's cut* (`generate_llm_fqn_per_model_part`): the embedding and the "
+                "head each count as one layer, L + 2 units split evenly, earlier stages taking the "
+                "remainder; n/a where that rule has no cut. *Speed-up* is the baseline's bottleneck / "
+                "autosplit's: the predicted gain in pipeline throughput.", "",
+                "| pp | autosplit max/mean | torchtitan max/mean | autosplit bottleneck (ms) "
+                "| torchtitan bottleneck (ms) | speed-up | plan time (s) |",
                 "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in balance["rows"]:
-            out.append(f"| {r['pp']} | {r['ours_balance']:.3f} | {r['equal_balance']:.3f} | {r['ours_max_ms']:.3f} "
-                       f"| {r['equal_max_ms']:.3f} | {r['speedup']:.3f} | {r['plan_s']:.2f} |")
+            out.append(f"| {r['pp']} | {r['ours_balance']:.3f} | {_num(r['equal_balance'])} | {r['ours_max_ms']:.3f} "
+                       f"| {_num(r['equal_max_ms'])} | {_num(r['speedup'])} | {r['plan_s']:.2f} |")
         out.append("")
         for pp, stages in sorted(balance["details"].items()):
             out += [f"Stages at pp = {pp} ({balance['n_blocks']} blocks; autosplit may cut a block between its "
                     f"attention and MLP halves):", "",
-                    "| stage | autosplit layers | params | predicted ms | memory | equal-layer blocks | equal-layer ms |",
-                    "|---:|---|---:|---:|---:|---:|---:|"]
+                    "| stage | autosplit layers | params | predicted ms | memory | torchtitan's cut ms |",
+                    "|---:|---|---:|---:|---:|---:|"]
             for d in stages:
                 out.append(f"| {d['stage']} | {d['layers']} | {d['params'] / 1e6:.1f} M | {d['ms']:.3f} "
-                           f"| {_bytes(d['memory'])} | {d['equal_blocks']} | {d['equal_ms']:.3f} |")
+                           f"| {_bytes(d['memory'])} | {d['torchtitan_ms']:.3f} |")
             out.append("")
     if planning:
         out += ["### Planning cost of large models (meta device, microbatch 8, 1F1B)", "",
@@ -242,7 +239,7 @@ def render(balance: dict, planning: list[dict], command: str, total_s: float) ->
                 "(the import peak may already exceed the resident set). *Off meta* counts parameters and buffers (of the model and of every "
                 "stage GraphModule) that are not on the meta device: 0 means nothing was materialized.", "",
                 "| model | params | pp | compile (s) | RSS before (MiB) | peak RSS (MiB) | increment (MiB) "
-                "| off meta | max/mean (autosplit / equal) |",
+                "| off meta | max/mean (autosplit / torchtitan) |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in planning:
             desc = PLANNING_CASES[r["name"]][0]
@@ -250,7 +247,7 @@ def render(balance: dict, planning: list[dict], command: str, total_s: float) ->
             out.append(f"| {desc} | {r['n_params'] / 1e9:.2f} B | {r['pp']} | {r['compile_s']:.2f} "
                        f"| {r['rss_before_mib']:.0f} | {r['peak_after_mib']:.0f} | {inc:.0f} "
                        f"| {r['not_meta']} / {r['tensors_checked']} "
-                       f"| {r['ours_balance']:.3f} / {r['equal_balance']:.3f} |")
+                       f"| {r['ours_balance']:.3f} / {_num(r['equal_balance'])} |")
         out.append("")
         for r in planning:
             out.append(f"- `{r['name']}`: {r['n_nodes']} graph nodes, stages hold {r['stage_params'] / 1e9:.2f} B "

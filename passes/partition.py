@@ -95,3 +95,14 @@ def torchtitan_bounds(layer_end_segment: Sequence[int], embed_end_segment: int, 
     bounds.append(n_segments - 1)
     ok = bounds[0] >= 0 and all(a < b for a, b in zip(bounds, bounds[1:]))
     return bounds if ok else None
+
+
+def equal_block_bounds(layer_end_segment: Sequence[int], n_segments: int, n_stages: int) -> list[int] | None:
+    """The hand split most pipeline examples use (torch.distributed.pipelining's ViT/GPT tutorials): the
+    L layers in equal runs of L / S, the embedding with the first run, the head with the last.  None
+    when L does not divide by S."""
+    L = len(layer_end_segment)
+    if L == 0 or L % n_stages:
+        return None
+    per = L // n_stages
+    return [layer_end_segment[(s + 1) * per - 1] for s in range(n_stages - 1)] + [n_segments - 1]

@@ -129,6 +129,15 @@ def test_early_post_order_deadlocks_under_nccl_rules(name):
     assert "rank 1 waits at 1RECV_F1, which needs 0SEND_F1 that rank 0 has queued behind [0RECV_B0]" in str(info.value)
 
 
+def test_pair_order_is_checked():
+    """NCCL pairs transfers between two ranks by position: swapped receives are caught before running."""
+    lists = lower(build_schedule("gpipe", 2, 2))
+    lists[1] = [Group((Action.parse("1RECV_F1"), Action.parse("1RECV_F0"))) if str(x) == "[1RECV_F0]" else x
+                for x in lists[1] if str(x) != "[1RECV_F1]"]
+    with pytest.raises(ScheduleDeadlock, match=r"at position 0 rank 0 sends for 1RECV_F0, rank 1 receives 1RECV_F1"):
+        simulate(lists)
+
+
 def test_slot_fusion_alone_is_not_enough_for_looped_schedules():
     """torch's 1F1B fusion (each slot's sends with the next compute's receives) is fine for 1F1B but
     deadlocks looped schedules, where ranks 0 and pp-1 send to each other in both directions."""

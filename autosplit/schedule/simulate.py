@@ -22,6 +22,9 @@ Terms:
                in a list is a group of one (the executor's posting order before fusion can be replayed).
   deadlock  -- a step in which no action matches, no group finishes and no host moves while some list
                or queue is unfinished.
+  pair order -- NCCL matches the transfers between two ranks in one direction by position, not tag:
+               rank a's sends to b, in posting order, must be b's receives from a, in posting order
+               (checked before the run).
   busy / idle -- steps in which a rank did / did not run a compute.  ``idle_fraction`` is the total
                idle rank-steps over ``steps * pp``.
   in flight -- on one rank, the (stage, microbatch) pairs whose F ran and whose B has not: the
@@ -134,7 +137,32 @@ class _Sim:
     def _finished(self) -> bool:
         return all(self.pos[r] == len(self.lists[r]) and not self.queue[r] for r in range(self.pp))
 
+    def _check_pair_order(self) -> None:
+        """NCCL ignores tags: between two ranks, in one direction, the n-th send is matched with the
+        n-th receive.  So rank a's sends to rank b, in posting order, must be exactly rank b's
+        receives from rank a, in posting order (a tensor-by-tensor mismatch would pair wrong buffers)."""
+        sends: dict[tuple[int, int], list[Action]] = {}
+        recvs: dict[tuple[int, int], list[Action]] = {}
+        for r, items in self.lists.items():
+            for a in _actions(items):
+                if not a.is_compute:
+                    peer = a.peer_stage % self.pp
+                    book = sends if a.kind.is_send else recvs
+                    book.setdefault((r, peer) if a.kind.is_send else (peer, r), []).append(a)
+        for pair in sorted(set(sends) | set(recvs)):
+            sent = [a.matching() for a in sends.get(pair, [])]
+            got = recvs.get(pair, [])
+            if sent != got:
+                k = next((k for k, (x, y) in enumerate(zip(sent, got)) if x != y), min(len(sent), len(got)))
+                src, dst = pair
+                raise ScheduleDeadlock(
+                    f"rank {src}'s sends to rank {dst} and rank {dst}'s receives from rank {src} are not in the "
+                    f"same order (NCCL matches them by position, not by tag): at position {k} rank {src} sends "
+                    f"for {sent[k] if k < len(sent) else 'nothing'}, rank {dst} receives "
+                    f"{got[k] if k < len(got) else 'nothing'}")
+
     def run(self) -> SimResult:
+        self._check_pair_order()
         grid: list[list[str | None]] = []
         t = 0
         while not self._finished():
