@@ -183,7 +183,7 @@ def _patch(timer: PhaseTimer) -> list:
     forward  -- stage forward (+ loss on the last stage): autosplit PipelineExecutor._forward /
                 _finish_forward; torch _PipelineStageBase.forward_one_chunk / _maybe_compute_loss
     backward -- PipelineExecutor._backward; _PipelineStageBase.backward_one_chunk
-    post     -- posting isend/irecv (and allocating receive buffers): PipelineExecutor._communicate;
+    post     -- posting a group of isend/irecv (and allocating receive buffers): PipelineExecutor._post;
                 torch schedules._batch_p2p
     wait     -- blocking on transfers: autosplit Watchdog.wait (all of it: the helper-thread hand-off,
                 polling, store checks); torch Work.wait() on the main thread
@@ -199,8 +199,8 @@ def _patch(timer: PhaseTimer) -> list:
         (executor.PipelineExecutor, "_forward", "forward"),
         (executor.PipelineExecutor, "_finish_forward", "forward"),
         (executor.PipelineExecutor, "_backward", "backward"),
-        (executor.PipelineExecutor, "_communicate", "post"),
-        (faults.Watchdog, "wait", lambda self, work, doing: "loss all-reduce" if "all-reduce" in doing else "wait"),
+        (executor.PipelineExecutor, "_post", "post"),
+        (faults.Watchdog, "wait", lambda self, work, doing, **k: "loss all-reduce" if "all-reduce" in doing else "wait"),
         (parallel_module.ParallelModule, "_global_mean", "loss all-reduce"),
         (tstage._PipelineStageBase, "forward_one_chunk", "forward"),
         (tstage._PipelineStageBase, "backward_one_chunk", "backward"),
@@ -292,7 +292,7 @@ def run_rank(rank: int, args) -> dict:
     if "ours_1f1b_plainwait" in args.configs and "ours_1f1b" in steps:
         from autosplit.runtime import faults
 
-        def plain_wait(self, work, doing):
+        def plain_wait(self, work, doing, host=False):
             if work is not None:
                 work.wait()
 

@@ -97,8 +97,12 @@ def failing_rank():
 
     pm = _small(microbatches=4, loss_fn=loss_fn, example_input=torch.randn(1, 3, 32, 32), timeout_s=30)
     start = time.monotonic()
-    err = error_of(pm.step, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
-    return {"error": err, "seconds": time.monotonic() - start}
+    try:
+        pm.step(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
+        err, notes = None, []
+    except Exception as exc:
+        err, notes = f"{type(exc).__name__}: {exc}", getattr(exc, "__notes__", [])
+    return {"error": err, "notes": notes, "seconds": time.monotonic() - start}
 
 
 def lazy_plan_then_train(name="timm_cls", mesh=(2, 1, 1)):

@@ -53,8 +53,13 @@ def _on_fresh_pool(fn) -> list:
 
 
 def test_failure_on_one_rank_stops_every_rank():
-    for r in _on_fresh_pool(failing_rank):
-        assert "rank 1 (pp=1, tp=0, dp=0) failed at 1F2: ValueError: injected failure" in r["error"], r
+    """The failing rank raises the user's own exception (type kept, the job's message attached); the
+    others stop with a RankFailure carrying the same message."""
+    cause = "rank 1 (pp=1, tp=0, dp=0) failed at 1F2: ValueError: injected failure"
+    results = _on_fresh_pool(failing_rank)
+    assert results[1]["error"] == "ValueError: injected failure" and cause in results[1]["notes"][0], results[1]
+    assert results[0]["error"].startswith("RankFailure:") and cause in results[0]["error"], results[0]
+    for r in results:
         assert r["seconds"] < 10
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from autosplit.runtime.faults import RankFailure
 from autosplit.runtime.p2p import Posted, make_transport, tag
 from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
 
@@ -71,8 +72,16 @@ class PipelineExecutor:
         self.watchdog.at(str(item))
         try:
             fn(item)
+        except RankFailure:
+            raise
         except Exception as exc:
-            raise self.watchdog.fail(str(item), exc) from exc
+            # The user's own error (in their model or loss): every other rank stops with the published
+            # message, and this rank raises the original exception, its type kept, with that message
+            # attached, so an ``except ValueError`` around ``step`` still sees a ValueError here.
+            failure = self.watchdog.fail(str(item), exc)
+            if hasattr(exc, "add_note"):
+                exc.add_note(str(failure))
+            raise
 
     # ---- communication -------------------------------------------------------------------------
     def _post(self, group: Group) -> None:
