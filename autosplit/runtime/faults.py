@@ -52,7 +52,7 @@ class Watchdog:
         self.polled = backend == "nccl"      # NCCL works complete on their own: poll them
         self._waiter = None if self.polled else SerialThread("autosplit-wait")
         self._pending: list[tuple[object, str]] = []    # NCCL works whose completion is not checked yet
-        self.beat = heartbeat(store, rank)
+        self.beat = heartbeat(store, rank, mesh.size)
 
     def describe(self, rank: int) -> str:
         """"rank R (pp=.., tp=.., dp=..)", the way every message names a rank."""
@@ -74,7 +74,7 @@ class Watchdog:
         message = f"{self.where} failed at {doing}: {type(exc).__name__}: {exc}"
         try:
             if blame_others and not self.store.check([FAILURE_KEY]):
-                culprit = diagnose(self.store, self.mesh.size, self.rank, self.describe)
+                culprit = diagnose(self.store, self.mesh.size, self.rank, self.describe, self.timeout_s / 2)
                 if culprit:
                     message = f"{culprit}; {self.where} gave up at {doing}: {type(exc).__name__}: {exc}"
             if not self.store.check([FAILURE_KEY]):

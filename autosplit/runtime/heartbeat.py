@@ -1,11 +1,12 @@
 """Per-rank liveness in the job's store, so that a failure names the rank that died or stalled.
 
 Terms:
-  beat     -- the key ``autosplit/beat/{rank}``, rewritten every ``INTERVAL_S`` by a daemon thread of
+  beat     -- the key ``autosplit/beat/{rank}``, rewritten every ``interval_for(world)`` seconds (0.5 s up
+              to 500 ranks, then longer, so the store sees at most 1000 beats a second) by a thread of
               each rank with "count|state|doing|seconds": a counter, whether the rank's main thread
               is ``waiting`` on another rank or ``busy`` (computing, or in user code), what it is doing
               (an action such as ``1F2``) and for how long, by the rank's own clock.
-  dead     -- a rank whose count does not move while an observer watches it for ``STALE_S`` by the
+  dead     -- a rank whose count does not move while an observer watches it for three intervals by the
               observer's clock (no clock agreement between hosts is needed): the process is gone or
               frozen as a whole.
   stalled  -- a rank that beats but has been busy, not waiting, at one action for longer than the
@@ -13,8 +14,7 @@ Terms:
 
 What can be told apart: a dead process (from a stale beat, after a peer's connection reset or a
 timeout), a rank stuck in computation or user code (busy, beating), and an ordering deadlock (every
-rank waiting).  What cannot: a process alive but starved of the GIL for longer than ``STALE_S``
-looks dead; a rank stuck inside a GPU kernel looks busy.  When the store's host process dies (rank 0's
+rank waiting).  What cannot: a process alive but starved of the GIL for three intervals looks dead; a rank stuck inside a GPU kernel looks busy.  When the store's host process dies (rank 0's
 process, unless torchrun's agent hosts the store) nothing can be read, and the message says so.
 """
 from __future__ import annotations
@@ -24,16 +24,22 @@ import os
 import threading
 import time
 
-INTERVAL_S = 0.5
-STALE_S = 1.5
+INTERVAL_S = 0.5              # between beats, in worlds of up to BEATS_PER_S / 2 ranks
+BEATS_PER_S = 1000            # what the whole world may ask of the store (TCPStore serves one thread)
 _PREFIX = "autosplit/beat/"
+
+
+def interval_for(world_size: int) -> float:
+    """Seconds between beats: INTERVAL_S, stretched in large worlds so the store sees at most
+    BEATS_PER_S beats a second."""
+    return max(INTERVAL_S, world_size / BEATS_PER_S)
 
 
 class Heartbeat:
     """This process's beat: one daemon thread, and the state the main thread updates."""
 
-    def __init__(self, store, rank: int):
-        self.store, self.rank = store, rank
+    def __init__(self, store, rank: int, world_size: int):
+        self.store, self.rank, self.interval = store, rank, interval_for(world_size)
         self.doing, self.waiting, self.since = "start", False, time.monotonic()
         self._count = 0
         self._stop = threading.Event()
@@ -61,16 +67,16 @@ class Heartbeat:
                 self.store.set(f"{_PREFIX}{self.rank}", value)
             except Exception:       # the store is gone (job over, or its host died): stop beating
                 return
-            self._stop.wait(INTERVAL_S)
+            self._stop.wait(self.interval)
 
 
 _BEATS: dict[int, Heartbeat] = {}
 
 
-def heartbeat(store, rank: int) -> Heartbeat:
+def heartbeat(store, rank: int, world_size: int) -> Heartbeat:
     """The process's Heartbeat for ``store`` (one thread per store, however many modules are built)."""
     if id(store) not in _BEATS:
-        _BEATS[id(store)] = Heartbeat(store, rank)
+        _BEATS[id(store)] = Heartbeat(store, rank, world_size)
     return _BEATS[id(store)]
 
 
@@ -85,20 +91,23 @@ def read_beats(store, world_size: int) -> dict[int, tuple[int, str, str, float]]
     return out
 
 
-def diagnose(store, world_size: int, me: int, describe) -> str | None:
+def diagnose(store, world_size: int, me: int, describe, min_busy_s: float = 0.0) -> str | None:
     """Why the job is stuck, naming other ranks, or None when nothing points at one.
 
-    Watches every rank's beat for ``STALE_S``; ``describe(rank)`` gives "rank R (pp=.., tp=.., dp=..)".
+    Watches every rank's beat for three intervals; ``describe(rank)`` gives "rank R (pp=.., tp=.., dp=..)";
+    a rank counts as stalled when it has been busy at one action for ``min_busy_s`` at least (a rank
+    merely computing its microbatch is not to blame).
     """
+    watch = 3 * interval_for(world_size)
     first = read_beats(store, world_size)
-    time.sleep(STALE_S)
+    time.sleep(watch)
     second = read_beats(store, world_size)
     dead = [r for r in range(world_size) if r != me and (r not in second or second[r][0] == first.get(r, (0,))[0])]
     if dead:
-        return "; ".join(f"{describe(r)} died or froze (no heartbeat for {STALE_S:g} s; its last beat, "
-                         f"sent every {INTERVAL_S:g} s, said it was at "
+        return "; ".join(f"{describe(r)} died or froze (no heartbeat for {watch:g} s; its last beat, "
+                         f"sent every {watch / 3:g} s, said it was at "
                          f"{second[r][2] if r in second else 'start-up'})" for r in dead)
-    stalled = [r for r, (_, state, _, _) in second.items() if r != me and state == "busy"]
+    stalled = [r for r, (_, state, _, busy) in second.items() if r != me and state == "busy" and busy >= min_busy_s]
     if stalled:
         return "; ".join(f"{describe(r)} is stalled at {second[r][2]} (busy for {second[r][3]:.0f} s, "
                          f"not waiting on another rank)" for r in stalled)
