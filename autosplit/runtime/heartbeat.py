@@ -9,13 +9,14 @@ Terms:
   dead     -- a rank whose count does not move while an observer watches it for three intervals by the
               observer's clock (no clock agreement between hosts is needed): the process is gone or
               frozen as a whole.
-  stalled  -- a rank that beats but has been busy, not waiting, at one action for longer than the
-              observer waited: the rank the others are waiting for.
+  stalled  -- a rank that beats but has been busy, not waiting, at one action for half the observer's
+              timeout or more: the rank the others are waiting for.
 
 What can be told apart: a dead process (from a stale beat, after a peer's connection reset or a
 timeout), a rank stuck in computation or user code (busy, beating), and an ordering deadlock (every
-rank waiting).  What cannot: a process alive but starved of the GIL for three intervals looks dead; a rank stuck inside a GPU kernel looks busy.  When the store's host process dies (rank 0's
-process, unless torchrun's agent hosts the store) nothing can be read, and the message says so.
+rank waiting).  What cannot: a process alive but starved of the GIL for three intervals looks dead;
+a rank stuck inside a GPU kernel looks busy.  When the store's host process dies (rank 0's process,
+unless torchrun's agent hosts the store) nothing can be read, and the message says so.
 """
 from __future__ import annotations
 
