@@ -229,3 +229,42 @@ def loss_not_scalar():
 def run_case(name: str) -> dict:
     """Run the case ``name`` on this rank (the pool runs module-level functions only)."""
     return globals()[name]()
+
+
+# ---- cost of the checks (run by hand: see the README's "Ranks must agree") -----------------------------
+def measure_check_cost(steps: int = 40, mesh=(2, 1, 1)) -> dict:
+    """Median step time with and without the per-call check, the check alone, and the one-time
+    agreement (plan fields + model checksums) on this rank."""
+    import statistics
+    import time
+    from autosplit.runtime.agreement import check_agreement, model_checksums
+    pm = _pm(mesh=mesh)
+    x, y = _batch(4)
+    pm.step(x, y)
+
+    def median_step() -> float:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            pm.step(x, y)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    with_check, enter = median_step(), pm._enter
+    pm._enter = lambda *args: None
+    without_check = median_step()
+    pm._enter = enter
+    gate = []
+    for _ in range(200):
+        start = time.perf_counter()
+        pm._enter("step", x, y)
+        gate.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    check_agreement(pm.world, pm.watchdog, pm.plan, pm.model, False)   # after training the model is
+    plan_ms = 1e3 * (time.perf_counter() - start)                         # no longer whole: plan only
+    start = time.perf_counter()
+    model_checksums(pm.model)
+    return {"step_with_ms": 1e3 * with_check, "step_without_ms": 1e3 * without_check,
+            "gate_ms": 1e3 * statistics.median(gate), "plan_agreement_ms": plan_ms,
+            "checksums_ms": 1e3 * (time.perf_counter() - start),
+            "params": sum(p.numel() for p in pm.model.parameters())}

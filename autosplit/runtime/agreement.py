@@ -77,15 +77,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(ints).to(torch.int64)
 
 
-def model_checksums(model: torch.nn.Module) -> tuple[list[str], list[int]]:
-    """(names, checksums) of every tensor of ``model.state_dict()``; meta tensors count 0."""
+def model_checksums(model: torch.nn.Module, device=None) -> tuple[list[str], list[int]]:
+    """(names, checksums) of every tensor of ``model.state_dict()``; meta tensors count 0.
+    ``device``: where to compute (a GPU reads a CPU-resident model faster than the CPU sums it)."""
     names, sums = [], []
     for name, t in model.state_dict().items():
         names.append(name)
         if t.device.type == "meta" or t.numel() == 0:
             sums.append(torch.zeros((), dtype=torch.int64))
             continue
-        bits = _bits(t)
+        bits = _bits(t.to(device) if device is not None else t)
         weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
         sums.append((bits * weights).sum().cpu())   # wraps mod 2**64, the same on every rank
     return names, torch.stack(sums).tolist() if sums else []
@@ -113,7 +114,7 @@ def check_agreement(world, watchdog, plan, model, check_params: bool, error: str
     model_text, model_key = _model_field(model)
     texts["model"] = model_text
     keys = dict(texts, model=model_key)
-    names, sums = model_checksums(model) if check_params and error is None else ([], [])
+    names, sums = model_checksums(model, world.device) if check_params and error is None else ([], [])
     row = [nonce(), int(error is not None)] + [stable_hash(keys[f]) for f in _FIELDS] + [stable_hash(str(sums))]
     rows = gather_rows(world, watchdog, row, "plan agreement")
     if all(r[1:] == rows[0][1:] for r in rows) and not rows[0][1]:
