@@ -268,3 +268,9 @@ def measure_check_cost(steps: int = 40, mesh=(2, 1, 1)) -> dict:
             "gate_ms": 1e3 * statistics.median(gate), "plan_agreement_ms": plan_ms,
             "checksums_ms": 1e3 * (time.perf_counter() - start),
             "params": sum(p.numel() for p in pm.model.parameters())}
+
+
+def plan_fails_on_one_rank():
+    """Rank 1 cannot plan (a memory budget nothing fits in) at its first step; rank 0 can."""
+    pm = _pm(example_rows=None, **({"memory_budget": 1.0} if _rank() == 1 else {}))
+    return _result(_try(pm.step, *_batch(4)))

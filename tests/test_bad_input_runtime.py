@@ -60,6 +60,8 @@ CASES = [
     ("load_missing_keys_one_rank", A, EVERY, ["rank 1 (pp=1, tp=0, dp=0) found: load_full_state_dict: missing "
                                               "keys ['blocks.0.attn.proj.bias'"], True),
     ("load_different_values", A, EVERY, ["parameters differ between ranks: rank 1 holds different values"], False),
+    ("plan_fails_on_one_rank", A, EVERY, ["a rank could not plan the job, so no rank runs it: rank 1 (pp=1, tp=0, "
+                                          "dp=0): ", "memory"], False),
     ("load_not_a_dict", A, EVERY, ["load_full_state_dict: expected a dict of tensors", "got list"], True),
 ]
 

@@ -154,7 +154,6 @@ class ParallelModule:
             elif self.provisional and [tuple(x.shape) for x in mb] != [tuple(s) for s in self.plan.example_shapes]:
                 self._build(mb, bounds=self.plan.bounds)
         except AutosplitError as exc:   # tell every rank (they wait in the agreement), then fail here too
-            self.plan = None
             self._agree(error=str(exc))
             raise
         self.provisional = False
@@ -290,8 +289,9 @@ class ParallelModule:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (full shapes, CPU tensors), identical on every rank."""
+        self._enter("full_state_dict")       # before planning: a lazy plan may communicate
         self._require_plan("full_state_dict()")
-        self._enter("full_state_dict")
+        self._agree()
         owners, local, sharded = self._owners(), self._local_tensors(), self._sharded()
         result = {}
         for name, tensor in self.model.state_dict().items():
@@ -332,13 +332,11 @@ class ParallelModule:
     def _enter(self, call: str, *args) -> None:
         """First thing in every entry point that communicates: check this rank's arguments, then make
         sure every rank entered the same call with the same shapes; raise the same error everywhere
-        otherwise.  Then (once per plan) check that all ranks planned the same job."""
+        otherwise.  The plan agreement comes after planning (``_plan_for``, ``full_state_dict``)."""
         plan = None if self.plan is None or self.provisional else self.plan
         text, key, error = check_call(call, args, num_microbatches=self.num_microbatches, plan=plan,
                                       model=self.model)
         self.gate.enter(call, text, key, error)
-        if self.plan is not None:
-            self._agree()
 
     def _agree(self, error: str | None = None) -> None:
         """Once per plan (and after a load): all ranks planned the same job and hold the same model.
