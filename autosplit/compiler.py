@@ -22,6 +22,7 @@ from autosplit.errors import AutosplitError
 from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
 from autosplit.passes.autocast_prop import AutocastDtypeProp
+from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import Cut, find_cuts
 from autosplit.passes.partition import balanced_bounds, stage_costs, torchtitan_bounds
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
@@ -162,6 +163,7 @@ def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concre
     tp rank 0) together with the TensorParallelPlan that builds the other ranks' modules."""
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
     _shape_prop(gm, inputs)
+    check_single_output(gm)          # a tuple or dict output: refused here, with what to do instead
     if tp == 1:
         for n in gm.graph.nodes:
             n.meta["spec"] = {"tp": Replicate()}     # one placement per sharding axis (dp splits rows only)

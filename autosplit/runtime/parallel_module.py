@@ -22,11 +22,15 @@ from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.passes.tp_random import fork_sharded_random
+from autosplit.runtime.agreement import check_agreement
 from autosplit.runtime.buffers import BufferSync
+from autosplit.runtime.call_checks import check_call, state_dict_problem
+from autosplit.runtime.call_gate import CallGate
 from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
+from autosplit.runtime.loss_check import checked_loss, loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.world import World
@@ -44,12 +48,16 @@ class ParallelModule:
             raise AutosplitError(f"checkpoint={checkpoint!r}: expected None, 'stage' or 'block'")
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
+        if loss_fn_problem(loss_fn):
+            raise AutosplitError(loss_fn_problem(loss_fn))
         self.model, self.world, self.loss_fn = model, world, loss_fn
         self.num_microbatches, self.schedule, self.chunks_per_rank = num_microbatches, schedule, chunks_per_rank
         self.tp_mode, self.autocast, self.checkpoint = tp_mode, autocast, checkpoint
         self.bucket_bytes, self.compile_options = bucket_bytes, compile_options or {}
         self.watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
+        self.gate = CallGate(world, self.watchdog)
+        self._agreed, self._params_agreed = None, False     # the plan all ranks agreed on; model checked
         self.plan, self.buckets, self.provisional = None, None, False
         self.partial_params: list = []
         self.raw_modules: list = []
@@ -97,7 +105,7 @@ class ParallelModule:
             self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m) if id(p) not in partial_ids]
                                         for s, m in zip(stages, self.raw_modules)},
                                        self.world.group("dp"), self.dp_size, self.watchdog, self.bucket_bytes)
-        self.executor = PipelineExecutor(self.world, self.plan, self.modules, self.loss_fn, self.watchdog,
+        self.executor = PipelineExecutor(self.world, self.plan, self.modules, checked_loss(self.loss_fn), self.watchdog,
                                          self.autocast, self.buckets.arm if self.buckets else None)
 
     def _require_plan(self, what: str) -> None:
@@ -144,12 +152,17 @@ class ParallelModule:
         return list(zip(*parts))
 
     def _plan_for(self, mb: tuple) -> None:
-        if self.plan is None:
-            self._build(mb)
-        elif self.provisional and [tuple(x.shape) for x in mb] != [tuple(s) for s in self.plan.example_shapes]:
-            self._build(mb, bounds=self.plan.bounds)
+        try:
+            if self.plan is None:
+                self._build(mb)
+            elif self.provisional and [tuple(x.shape) for x in mb] != [tuple(s) for s in self.plan.example_shapes]:
+                self._build(mb, bounds=self.plan.bounds)
+        except AutosplitError as exc:   # tell every rank (they wait in the agreement), then fail here too
+            self._agree(error=str(exc))
+            raise
         self.provisional = False
         self._check_shapes(mb)
+        self._agree()
 
     def _check_shapes(self, mb: tuple) -> None:
         got = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in mb]
@@ -160,6 +173,7 @@ class ParallelModule:
 
     def step(self, images, labels) -> float:
         """Forward and backward of every microbatch; gradients averaged over dp; returns the mean loss."""
+        self._enter("step", images, labels)
         inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
         xs = self._microbatches(inputs, "step")
         ys = [y[0] for y in self._microbatches((labels,), "step labels")]
@@ -253,6 +267,7 @@ class ParallelModule:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global gradient norm over pp, tp and dp (each parameter counted once: a
         tp-sharded parameter by all its shards, a replicated one by tp rank 0 only)."""
+        self._enter("clip_grad_norm_", max_norm)
         sharded = self._sharded()
         grads, local = [], torch.zeros(1, dtype=torch.float64, device=self.world.device)
         for name, p in self.named_parameters():
@@ -274,6 +289,7 @@ class ParallelModule:
     # ---- inference -----------------------------------------------------------------------------
     def predict(self, images) -> torch.Tensor:
         """Forward only; the replica's full output on every rank of the replica."""
+        self._enter("predict", images)
         inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
         xs = self._microbatches(inputs, "predict")
         self._plan_for(xs[0])
@@ -316,7 +332,9 @@ class ParallelModule:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (full shapes, CPU tensors), identical on every rank."""
+        self._enter("full_state_dict")       # before planning: a lazy plan may communicate
         self._require_plan("full_state_dict()")
+        self._agree()
         owners, local, sharded = self._owners(), self._local_tensors(), self._sharded()
         result = {}
         for name, tensor in self.model.state_dict().items():
@@ -334,15 +352,12 @@ class ParallelModule:
         return result
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load the original model's state dict (full shapes) on every rank; then every rank checks
+        that all ranks loaded the same values."""
+        self._enter("load_full_state_dict", state_dict)
         own = self.model.state_dict()
-        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise AutosplitError(f"load_full_state_dict: missing keys {missing[:5]}, unexpected keys "
-                                 f"{unexpected[:5]}")
-        for name, tensor in own.items():
-            if tuple(state_dict[name].shape) != tuple(tensor.shape):
-                raise AutosplitError(f"load_full_state_dict: '{name}' has shape {tuple(state_dict[name].shape)}, "
-                                     f"the model has {tuple(tensor.shape)}")
+        if state_dict_problem(state_dict, own):      # unreachable after the gate; kept for direct callers
+            raise AutosplitError(state_dict_problem(state_dict, own))
         local, sharded = (self._local_tensors(), self._sharded()) if self.plan is not None else ({}, {})
         with torch.no_grad():
             for name, tensor in own.items():
@@ -353,6 +368,26 @@ class ParallelModule:
                         info = sharded[name]
                         value = value.index_select(info.dim, info.indices[self.tp_rank])
                     local[name].copy_(value)
+        self._params_agreed = False           # the whole model was just replaced: compare it again
+        self._agree()
+
+    # ---- agreement between ranks (runtime/call_gate.py, runtime/agreement.py) --------------------
+    def _enter(self, call: str, *args) -> None:
+        """First thing in every entry point that communicates: check this rank's arguments, then make
+        sure every rank entered the same call with the same shapes; raise the same error everywhere
+        otherwise.  The plan agreement comes after planning (``_plan_for``, ``full_state_dict``)."""
+        plan = None if self.plan is None or self.provisional else self.plan
+        text, key, error = check_call(call, args, num_microbatches=self.num_microbatches, plan=plan,
+                                      model=self.model)
+        self.gate.enter(call, text, key, error)
+
+    def _agree(self, error: str | None = None) -> None:
+        """Once per plan (and after a load): all ranks planned the same job and hold the same model.
+        The model is compared only while it is whole on every rank (before the first step, after a load)."""
+        if error is None and self._agreed is self.plan and self._params_agreed:
+            return
+        check_agreement(self.world, self.watchdog, self.plan, self.model, not self._params_agreed, error)
+        self._agreed, self._params_agreed = self.plan, True
 
 
 def _adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:

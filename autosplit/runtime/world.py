@@ -14,6 +14,7 @@ Terms:
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -68,6 +69,9 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     Raises the same clear error on every rank, without communicating, when the mesh does not match
     the world size: "pp(2) * tp(1) * dp(2) != WORLD_SIZE(3)".
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise AutosplitError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds (every "
+                             f"distributed wait gives up after it)")
     if dist.is_initialized():
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
