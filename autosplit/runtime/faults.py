@@ -140,6 +140,10 @@ class Watchdog:
         for handle, doing in pending:
             self._until(handle.is_completed, doing, lambda: None)
 
+    def until(self, done, doing: str) -> None:
+        """Poll ``done()`` (a store key, say) with the same deadline and failure checks as a wait."""
+        self._until(done, doing, lambda: None)
+
     def _until(self, done, doing: str, finish) -> None:
         """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure."""
         before = self.beat.doing, self.beat.waiting

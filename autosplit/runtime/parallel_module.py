@@ -80,7 +80,7 @@ class ParallelModule:
         bounds = bounds if bounds is not None else options.pop("stage_bounds", None)
         options.pop("stage_bounds", None)
         if "device" not in options:             # measured (CPU) once, then reused for re-planning
-            self.profile = self.profile or agreed_profile(self.world)
+            self.profile = self.profile or agreed_profile(self.world, self.watchdog)
             options["device"] = self.profile
         self.plan = compile_plan(self.model, mesh=mesh, example_input=example, tp_mode=self.tp_mode,
                                  schedule=self.schedule, chunks_per_rank=self.chunks_per_rank,
