@@ -28,7 +28,8 @@ def test_fp16_scaler_against_fp32(pool4):
         assert r["skipped"] == [False, False, True, False, False, False], r
         s = r["scales"][0]
         assert r["scales"] == [s, s, 2 * s, s, s, 2 * s], r     # x2 after 2 clean steps, /2 on the skip
-        assert r["syncs"] == [1] * 6 and r["grads"] > 10, r
+        # the first step also runs the once-per-plan agreement (plan fingerprint, parameter checksums)
+        assert r["syncs"][1:] == [1] * 5 and r["grads"] > 10, r
         assert r["param_diff"] <= FP16_TOL and r["loss_diff"] <= FP16_TOL, r
 
 

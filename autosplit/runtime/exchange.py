@@ -2,7 +2,9 @@
 
 Terms:
   row         -- a fixed-length list of int64 values one rank contributes; ``gather_rows`` returns
-                 every rank's row with ONE all_gather over WORLD, waited on through the Watchdog.
+                 every rank's row with ONE all_gather over WORLD, waited on through the Watchdog, on
+                 the world's host-side control group (gloo) when the backend is NCCL, so that reading
+                 the rows is no device sync.
   nonce       -- a random 62-bit number each rank puts first in its row, so that every exchange has
                  an id all ranks know (rank 0's nonce) without a counter that could drift.  Drawn from
                  a private random generator: the user's torch / random seeds are not touched.
@@ -33,10 +35,12 @@ def nonce() -> int:
 
 def gather_rows(world, watchdog, row: list[int], doing: str) -> list[list[int]]:
     """Every rank's ``row`` (same length everywhere), in rank order, via one all_gather over WORLD."""
-    mine = torch.tensor(row, dtype=torch.int64, device=world.device)
+    group = world.control_group
+    mine = torch.tensor(row, dtype=torch.int64, device="cpu" if group is not None else world.device)
     rows = [torch.empty_like(mine) for _ in range(world.size)]
-    watchdog.wait(dist.all_gather(rows, mine, async_op=True), doing)
-    return torch.stack(rows).tolist()          # one host sync: the check decides on host
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    watchdog.wait(work, doing, host=True, on_host=group is not None)
+    return torch.stack(rows).tolist()          # the check decides on host
 
 
 class _StoreKeys(Future):

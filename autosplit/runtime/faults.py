@@ -112,15 +112,16 @@ class Watchdog:
             self._abort()
             raise RankFailure(f"{self.where} stopped: {cause}")
 
-    def wait(self, handle, doing: str, host: bool = False) -> None:
+    def wait(self, handle, doing: str, host: bool = False, on_host: bool = False) -> None:
         """Wait for ``handle`` (a torch.distributed Work or a Future), at most timeout_s, watching
         for failures of other ranks.  ``host``: the caller reads the result on the host next (on
-        NCCL the wait is otherwise deferred; see the module docstring)."""
+        NCCL the wait is otherwise deferred; see the module docstring).  ``on_host``: the work is a
+        gloo one even though the job runs NCCL (the world's control group)."""
         if handle is None:
             return
         if isinstance(handle, Future):
             return self._until(handle.done, doing, lambda: handle.result())
-        if self.polled:
+        if self.polled and not on_host:
             try:
                 handle.wait()                       # stream ordering only; returns at once
             except Exception as exc:
@@ -131,6 +132,8 @@ class Watchdog:
             return
         if handle.is_completed():
             return self._until(lambda: True, doing, handle.wait)
+        if self._waiter is None:
+            self._waiter = SerialThread("autosplit-wait")
         future = self._waiter.submit(handle.wait)
         return self._until(future.done, doing, future.result)
 

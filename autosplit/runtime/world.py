@@ -40,6 +40,7 @@ class World:
     coord: Coord
     device_mesh: DeviceMesh = field(repr=False)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    control_group: object = field(default=None, repr=False)   # gloo over WORLD when the backend is NCCL
 
     def group(self, axis: str):
         return self.device_mesh.get_group(axis)
@@ -96,6 +97,10 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     shape = MeshShape.parse(mesh, world_size=size)
     dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
     device_mesh = init_device_mesh(device.type, dims, mesh_dim_names=LAYOUT_ORDER)
+    # The agreement checks exchange a few integers on the host at the start of every call; on NCCL a
+    # CPU (gloo) group does it, so reading them never waits for the GPU's queue (no device sync).
+    control = dist.new_group(backend="gloo") if backend == "nccl" else None
     rank = dist.get_rank()
     return World(rank=rank, size=size, device=device, backend=backend, mesh=shape,
-                 coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s)
+                 coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,
+                 control_group=control)
