@@ -6,8 +6,9 @@ Terms:
   microbatch    -- replica batch / num_microbatches rows; the plan is built for its shape.
   local params  -- the parameters of the stages this rank runs (shared with the user's model object,
                    under the original names); ``parameters()`` yields only these.
-  owner         -- the pipeline rank whose stages hold a parameter; ``full_state_dict`` broadcasts
-                   each parameter from its owner over the pp axis.
+Collaborators, one idea each: executor.py (the schedule), data_parallel.py (dp buckets),
+loss_scaler.py, buffers.py, state_dict.py (full state dicts), call_gate.py / agreement.py (ranks
+agree), faults.py (bounded waits), params.py (parameter order and adoption).
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
 from autosplit.runtime.loss_check import checked_loss, loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
+from autosplit.runtime.params import adopt_parameters, graph_order_params
 from autosplit.runtime.profile import agreed_profile
+from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
 from autosplit.tp.collectives import bind_axis_groups, reduce_grad
 
@@ -91,7 +94,7 @@ class ParallelModule:
         modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
         if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
             for old, new in zip(self.raw_modules, modules):
-                _adopt_parameters(old, new)
+                adopt_parameters(old, new)
         self.raw_modules = modules
         bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
@@ -304,52 +307,13 @@ class ParallelModule:
         self.watchdog.wait(work, "predict broadcast", host=True)
         return result
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    def _owners(self) -> dict[str, int]:
-        owners = {}
-        for s, module in enumerate(self.plan.modules):
-            for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
-                owners.setdefault(name, s % self.world.mesh.pp)
-        return owners
-
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
-        local = {}
-        for m in self.raw_modules:
-            local.update(dict(m.named_parameters()))
-            local.update(dict(m.named_buffers()))
-        return local
-
-    def _gather_shards(self, name: str, tensor: torch.Tensor, full_shape) -> torch.Tensor:
-        info = self._sharded()[name]
-        group = self.world.group("tp")
-        parts = [torch.empty_like(tensor) for _ in range(self.world.mesh.tp)]
-        work = dist.all_gather(parts, tensor.detach().contiguous(), group=group, async_op=True)
-        self.watchdog.wait(work, f"full_state_dict gather of {name}", host=True)
-        full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)
-        for part, index in zip(parts, info.indices):
-            full.index_copy_(info.dim, index.to(tensor.device), part)
-        return full
-
+    # ---- checkpoints (runtime/state_dict.py) ---------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (full shapes, CPU tensors), identical on every rank."""
         self._enter("full_state_dict")       # before planning: a lazy plan may communicate
         self._require_plan("full_state_dict()")
         self._agree()
-        owners, local, sharded = self._owners(), self._local_tensors(), self._sharded()
-        result = {}
-        for name, tensor in self.model.state_dict().items():
-            if name in local and name in sharded:
-                buf = self._gather_shards(name, local[name], tensor.shape)
-            elif name in local:
-                buf = local[name].detach().clone()
-            else:
-                buf = tensor.detach().to(self.world.device).clone()
-            if name in owners and self.world.mesh.pp > 1:
-                src = self.world.rank_at(pp=owners[name])
-                work = dist.broadcast(buf, src=src, group=self.world.group("pp"), async_op=True)
-                self.watchdog.wait(work, f"full_state_dict broadcast of {name}", host=True)
-            result[name] = buf.cpu()
-        return result
+        return gather_full_state_dict(self.model, self.plan, self.raw_modules, self.world, self.watchdog)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the original model's state dict (full shapes) on every rank; then every rank checks
@@ -358,16 +322,7 @@ class ParallelModule:
         own = self.model.state_dict()
         if state_dict_problem(state_dict, own):      # unreachable after the gate; kept for direct callers
             raise AutosplitError(state_dict_problem(state_dict, own))
-        local, sharded = (self._local_tensors(), self._sharded()) if self.plan is not None else ({}, {})
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(state_dict[name])
-                if name in local:
-                    value = state_dict[name]
-                    if name in sharded:
-                        info = sharded[name]
-                        value = value.index_select(info.dim, info.indices[self.tp_rank])
-                    local[name].copy_(value)
+        load_into(self.model, state_dict, self.plan, self.raw_modules, self.tp_rank)
         self._params_agreed = False           # the whole model was just replaced: compare it again
         self._agree()
 
@@ -388,29 +343,3 @@ class ParallelModule:
             return
         check_agreement(self.world, self.watchdog, self.plan, self.model, not self._params_agreed, error)
         self._agreed, self._params_agreed = self.plan, True
-
-
-def _adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:
-    """Put ``old``'s Parameter objects into ``new`` under the same names (shapes are the same)."""
-    for name, param in old.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        setattr(new.get_submodule(owner) if owner else new, leaf, param)
-
-
-def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) in the order the graph first uses them: the same on every rank that runs
-    the same graph, whatever order its module registered them in (tp ranks build theirs differently)."""
-    params, seen = dict(module.named_parameters()), set()
-    out = []
-    for node in module.graph.nodes:
-        if node.op == "get_attr":
-            names = [node.target]
-        elif node.op == "call_module":
-            names = [f"{node.target}.{n}" for n, _ in module.get_submodule(node.target).named_parameters()]
-        else:
-            continue
-        for name in names:
-            if name in params and name not in seen:
-                seen.add(name)
-                out.append((name, params[name]))
-    return out

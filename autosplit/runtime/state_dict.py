@@ -1,0 +1,78 @@
+"""The original model's full state dict, from and to one rank's stage shards.
+
+Terms:
+  owner   -- the pipeline rank whose stages hold a parameter or buffer; ``gather_full_state_dict``
+             broadcasts each tensor from its owner over the pp axis.
+  sharded -- a tensor split over tp (``plan.tp_plan.sharded``: the dim, and each tp rank's indices
+             along it); gathered from the tp ranks and put back in place by those indices.
+  local   -- the tensors of the stages this rank runs, under the original names.
+Every wait goes through the Watchdog and is read on the host (``host=True``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _sharded(plan) -> dict:
+    return plan.tp_plan.sharded if plan is not None and plan.tp_plan is not None else {}
+
+
+def local_tensors(modules: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    local = {}
+    for m in modules:
+        local.update(dict(m.named_parameters()))
+        local.update(dict(m.named_buffers()))
+    return local
+
+
+def _owners(plan) -> dict[str, int]:
+    owners = {}
+    for s, module in enumerate(plan.modules):
+        for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+            owners.setdefault(name, s % plan.mesh.pp)
+    return owners
+
+
+def _gather_shards(world, watchdog, info, name: str, tensor: torch.Tensor, full_shape) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(world.mesh.tp)]
+    work = dist.all_gather(parts, tensor.detach().contiguous(), group=world.group("tp"), async_op=True)
+    watchdog.wait(work, f"full_state_dict gather of {name}", host=True)
+    full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)
+    for part, index in zip(parts, info.indices):
+        full.index_copy_(info.dim, index.to(tensor.device), part)
+    return full
+
+
+def gather_full_state_dict(model, plan, modules, world, watchdog) -> dict[str, torch.Tensor]:
+    """``model.state_dict()``'s keys and full shapes, CPU tensors, the same on every rank."""
+    owners, local, sharded = _owners(plan), local_tensors(modules), _sharded(plan)
+    result = {}
+    for name, tensor in model.state_dict().items():
+        if name in local and name in sharded:
+            buf = _gather_shards(world, watchdog, sharded[name], name, local[name], tensor.shape)
+        elif name in local:
+            buf = local[name].detach().clone()
+        else:
+            buf = tensor.detach().to(world.device).clone()
+        if name in owners and world.mesh.pp > 1:
+            src = world.rank_at(pp=owners[name])
+            work = dist.broadcast(buf, src=src, group=world.group("pp"), async_op=True)
+            watchdog.wait(work, f"full_state_dict broadcast of {name}", host=True)
+        result[name] = buf.cpu()
+    return result
+
+
+def load_into(model, state_dict: dict[str, torch.Tensor], plan, modules, tp_rank: int) -> None:
+    """Copy a full state dict into ``model`` and into this rank's stage tensors (its tp slice of each
+    sharded one); the keys and shapes were checked by the caller."""
+    local, sharded = (local_tensors(modules), _sharded(plan)) if plan is not None else ({}, {})
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state_dict[name])
+            if name in local:
+                value = state_dict[name]
+                if name in sharded:
+                    info = sharded[name]
+                    value = value.index_select(info.dim, info.indices[tp_rank])
+                local[name].copy_(value)
