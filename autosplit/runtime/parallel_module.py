@@ -51,8 +51,9 @@ class ParallelModule:
             raise AutosplitError(f"checkpoint={checkpoint!r}: expected None, 'stage' or 'block'")
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
-        if loss_fn_problem(loss_fn):
-            raise AutosplitError(loss_fn_problem(loss_fn))
+        problem = loss_fn_problem(loss_fn)
+        if problem:
+            raise AutosplitError(problem)
         self.model, self.world, self.loss_fn = model, world, loss_fn
         self.num_microbatches, self.schedule, self.chunks_per_rank = num_microbatches, schedule, chunks_per_rank
         self.tp_mode, self.autocast, self.checkpoint = tp_mode, autocast, checkpoint
@@ -64,6 +65,7 @@ class ParallelModule:
         self.plan, self.buckets, self.provisional = None, None, False
         self.partial_params: list = []
         self.raw_modules: list = []
+        self._buffer_sync: BufferSync | None = None
         self.profile = None
         if example_input is not None:
             self._build(example_input)
@@ -232,7 +234,7 @@ class ParallelModule:
         (runtime/buffers.py), so replicas never drift and ``full_state_dict`` agrees everywhere."""
         if self.dp_size == 1:
             return
-        if getattr(self, "_buffer_sync", None) is None or self._buffer_sync.modules is not self.raw_modules:
+        if self._buffer_sync is None or self._buffer_sync.modules is not self.raw_modules:
             self._buffer_sync = BufferSync(self.raw_modules, self.world.group("dp"), self.world.rank_at(dp=0),
                                            self.watchdog)
         self._buffer_sync.sync()
@@ -319,9 +321,9 @@ class ParallelModule:
         """Load the original model's state dict (full shapes) on every rank; then every rank checks
         that all ranks loaded the same values."""
         self._enter("load_full_state_dict", state_dict)
-        own = self.model.state_dict()
-        if state_dict_problem(state_dict, own):      # unreachable after the gate; kept for direct callers
-            raise AutosplitError(state_dict_problem(state_dict, own))
+        problem = state_dict_problem(state_dict, self.model.state_dict())
+        if problem:                          # unreachable after the gate; kept for direct callers
+            raise AutosplitError(problem)
         load_into(self.model, state_dict, self.plan, self.raw_modules, self.tp_rank)
         self._params_agreed = False           # the whole model was just replaced: compare it again
         self._agree()
