@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from autosplit.errors import AutosplitError
 
-from .actions import RECV_B, RECV_F, Action, B, F, Group, Item
+from .actions import RECV_B, RECV_F, SEND_F, Action, B, F, Group, Item
 from .generate import Schedule, build_schedule
-from .lower import lower
+from .lower import flatten, lower
 from .timing import ScheduleDeadlock, dependencies
 
 
@@ -96,12 +96,8 @@ def simulate(schedule_or_lowered: Schedule | dict[int, list[Item]],
     else:
         lists = schedule_or_lowered
         if num_stages is None:
-            num_stages = 1 + max((a.stage for acts in lists.values() for a in _actions(acts)), default=0)
+            num_stages = 1 + max((a.stage for acts in lists.values() for a in flatten(acts)), default=0)
     return _Sim(lists, num_stages).run()
-
-
-def _actions(items: list[Item]) -> list[Action]:
-    return [a for item in items for a in (item.actions if isinstance(item, Group) else (item,))]
 
 
 class _Posted:
@@ -117,7 +113,7 @@ class _Sim:
         if sorted(lists) != list(range(self.pp)):
             raise AutosplitError(f"lists are keyed by ranks {sorted(lists)}; expected 0..{self.pp - 1}")
         for rank, items in lists.items():
-            for a in _actions(items):
+            for a in flatten(items):
                 if a.stage % self.pp != rank:
                     raise AutosplitError(f"{a} is in rank {rank}'s list but stage {a.stage} lives on "
                                          f"rank {a.stage} % {self.pp} = {a.stage % self.pp}")
@@ -125,7 +121,7 @@ class _Sim:
         self.lists = {r: [Group((it,)) if isinstance(it, Action) and not it.is_compute else it for it in items]
                       for r, items in lists.items()}
         self.num_stages = num_stages
-        self.recvs = [{a for a in _actions(items) if a.kind.is_recv} for _, items in sorted(lists.items())]
+        self.recvs = [{a for a in flatten(items) if a.kind.is_recv} for _, items in sorted(lists.items())]
         self.pos = [0] * self.pp
         self.queue: list[deque[_Posted]] = [deque() for _ in range(self.pp)]
         self.ran: dict[Action, int] = {}        # compute -> step it ran in
@@ -144,7 +140,7 @@ class _Sim:
         sends: dict[tuple[int, int], list[Action]] = {}
         recvs: dict[tuple[int, int], list[Action]] = {}
         for r, items in self.lists.items():
-            for a in _actions(items):
+            for a in flatten(items):
                 if not a.is_compute:
                     peer = a.peer_stage % self.pp
                     book = sends if a.kind.is_send else recvs
@@ -182,7 +178,7 @@ class _Sim:
         """A send is only matchable once the compute producing its tensor has run."""
         if not a.kind.is_send:
             return True
-        producer = Action(a.stage, F if a.kind.name == "SEND_F" else B, a.microbatch)
+        producer = Action(a.stage, F if a.kind is SEND_F else B, a.microbatch)
         return self.ran.get(producer, t) < t
 
     def _communicate(self, t: int) -> bool:
@@ -264,7 +260,7 @@ class _Sim:
         if queued:
             return f"{need} that rank {p} has queued behind {self.queue[p][0].group}"
         items = self.lists[p][self.pos[p]:]
-        if need not in _actions(items):
+        if need not in flatten(items):
             if need.is_compute and need in self.ran:
                 return f"{need}, which ran"
             return f"{need} that rank {p}'s list does not hold (after its current position)"
