@@ -3,12 +3,36 @@
 Public API (see README.md and the API contract):
   autosplit.compile(model, mesh=(pp, tp, dp), example_input=x, ...) -> Plan      (offline, pure)
   autosplit.parallelize(model, mesh=(pp, tp, dp), loss_fn=..., ...)              (inside torchrun)
-"""
-from autosplit.compiler import compile
-from autosplit.errors import AutosplitError, PlanError, TraceError
-from autosplit.mesh import MeshShape
-from autosplit.parallelize import parallelize
-from autosplit.plan import Plan
 
-__all__ = ["compile", "parallelize", "Plan", "MeshShape", "AutosplitError", "PlanError", "TraceError"]
+The public names load on first use (PEP 562): ``import autosplit.cost_model`` or
+``import autosplit.passes`` must not pull in the compiler, let alone the runtime and its process
+groups (``tests/test_layering.py`` checks each layer alone).
+"""
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "compile": "autosplit.compiler",
+    "parallelize": "autosplit.runtime.parallelize",
+    "Plan": "autosplit.plan",
+    "MeshShape": "autosplit.mesh",
+    "AutosplitError": "autosplit.errors",
+    "PlanError": "autosplit.errors",
+    "TraceError": "autosplit.errors",
+}
+
+__all__ = list(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'autosplit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value            # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

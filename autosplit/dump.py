@@ -16,11 +16,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from autosplit.plan import Plan
+if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
+    from autosplit.plan import Plan
 
 
 def _shape(node: fx.Node) -> str:

@@ -16,12 +16,14 @@ A Plan is pure: building one needs no process group and no GPU.  The runtime int
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from autosplit.dump import dump_plan
 from autosplit.errors import RankError
 from autosplit.mesh import MeshShape
+from autosplit.report import plan_dict, summary_table
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,9 @@ class Plan:
         return max(ours) / (sum(ours) / len(ours)), "n/a" if base is None else max(base) / (sum(base) / len(base))
 
     def summary(self) -> str:
-        from autosplit.report import summary_table
         return summary_table(self)
 
     def to_dict(self) -> dict:
-        from autosplit.report import plan_dict
         return plan_dict(self)
 
     def to_json(self) -> str:
@@ -122,11 +122,4 @@ class Plan:
 
     def dump(self, directory) -> list[str]:
         """Write per-rank code, a graph drawing per stage, plan.json, summary.txt, schedule.txt."""
-        from autosplit.dump import dump_plan
         return dump_plan(self, directory)
-
-
-def stage_info_dict(stage: StageInfo) -> dict:
-    d = asdict(stage)
-    d["time"] = stage.time
-    return d

@@ -5,7 +5,11 @@ predicted peak per stage (MiB/GiB), "boundary" lists the tensors a stage sends t
 """
 from __future__ import annotations
 
-from autosplit.plan import Plan, stage_info_dict
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
+    from autosplit.plan import Plan, StageInfo
 
 
 def _bytes(n: float) -> str:
@@ -66,6 +70,12 @@ def summary_table(plan: Plan) -> str:
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
     return "\n".join([head, *lines, *foot])
+
+
+def stage_info_dict(stage: StageInfo) -> dict:
+    d = asdict(stage)
+    d["time"] = stage.time
+    return d
 
 
 def plan_dict(plan: Plan) -> dict:

@@ -296,7 +296,7 @@ def run_rank(rank: int, args) -> dict:
 def collective_phases(step, n: int) -> dict:
     """Time spent in autosplit's tensor-parallel collectives (wrapped by name) over ``n`` steps."""
     import torch.distributed as dist
-    from autosplit.tp import collectives
+    from autosplit.runtime import tp_collectives as collectives
     totals = {"all_reduce": [0.0, 0], "all_gather": [0.0, 0]}
     saved = {}
     for name in totals:

@@ -13,7 +13,7 @@ A group of one rank communicates nothing: 0 s.
 """
 from __future__ import annotations
 
-from autosplit.cost_model.device import get_profile
+from autosplit.cost_model.profiles import get_profile
 from autosplit.passes.shape_prop import tensor_bytes
 
 

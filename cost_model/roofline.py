@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from autosplit.cost_model.device import get_profile
+from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.flops import NodeCost, node_cost
 
 

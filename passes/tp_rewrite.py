@@ -30,7 +30,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autosplit.passes.tp_layout import index_set
 from autosplit.passes.tp_regions import Region, find_regions, params_used
-from autosplit.tp import collectives as C
+from autosplit.tp import ops as C
 from autosplit.tp.layers import LocalMultiheadAttention, column_linear, row_linear
 
 AXIS = "tp"

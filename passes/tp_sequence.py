@@ -11,7 +11,7 @@ Terms (see tp_rewrite.py for spec, region, partial grads):
 Rewrite: each region's ``all_reduce`` becomes ``reduce_scatter`` along tokens, each ``copy_to_axis``
 of a sharded tensor becomes ``all_gather``, and any other consumer of a sharded tensor (the head's
 pooling) gets a ``gather`` first (whose backward only slices: the head's gradient is whole).
-Parameters of sharded-domain ops see only their rank's tokens, so they join the partial-grad list.  Token counts that do not divide by tp are padded (collectives.py).
+Parameters of sharded-domain ops see only their rank's tokens, so they join the partial-grad list.  Token counts that do not divide by tp are padded (autosplit/tp/ops.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autosplit.errors import AutosplitError
 from autosplit.passes.tp_regions import op_name, params_used
-from autosplit.tp import collectives as C
+from autosplit.tp import ops as C
 
 AXIS, TOKENS = "tp", 1
 _LOCAL_MODULES = (nn.LayerNorm, nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU)

@@ -196,7 +196,7 @@ def mixed_precision():
 
 def count_tp_collectives(name: str, microbatches: int = 2, **kw):
     """Collectives per transformer block and microbatch, forward and backward, in one training step."""
-    from autosplit.tp.collectives import COUNTS
+    from autosplit.runtime.tp_collectives import COUNTS
     torch.manual_seed(0)
     model = VARIANTS[name]()
     depth = len([m for m in model.modules() if type(m).__name__ in ("Block", "EncoderBlock", "HandBlock")])
@@ -204,7 +204,7 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
                                example_input=torch.randn(2, 3, 32, 32), **kw)
     x, y = _data(1, 2 * microbatches)
     COUNTS.clear()
-    from autosplit.tp import collectives
+    from autosplit.runtime import tp_collectives as collectives
     reduced = []                     # (tensor given to the all-reduce, tensor reduced) per call
     original = collectives.dist.all_reduce
     collectives.dist.all_reduce = lambda t, *a, **k: reduced.append(t) or original(t, *a, **k)

@@ -37,7 +37,7 @@ from autosplit.runtime.params import adopt_parameters, graph_order_params
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
-from autosplit.tp.collectives import bind_axis_groups, reduce_grad
+from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
 
 class ParallelModule:

@@ -20,10 +20,9 @@ Terms:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from autosplit.tp.collectives import _group
+from autosplit.tp import ops
 
 _GOLDEN = 0x9E3779B97F4A7C15          # odd 64-bit constant: (seed, rank) -> well-separated seeds
 
@@ -63,7 +62,7 @@ class TpRandom(nn.Module):
         if device.type == "meta":
             return self._call(args, kwargs)
         seed = int(torch.randint(0, 2**62, (1,)).item())        # one draw of the default CPU stream
-        rank = dist.get_rank(_group(self.axis))
+        rank = ops.axis_rank(self.axis)
         devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):

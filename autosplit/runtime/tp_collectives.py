@@ -1,21 +1,10 @@
-"""Collectives over a mesh axis as autograd-correct functions that appear as nodes in stage graphs.
+"""The runtime half of tensor-parallel collectives: process groups, waits and autograd functions.
 
-Terms:
-  axis      -- a mesh axis name ("tp"); a graph names the axis, not a process group, so plans stay
-               pure.  The runtime binds each axis to its process group with ``bind_axis_groups``.
-  copy      -- Megatron's "f": identity forward, all-reduce of the gradient backward.  Placed where a
-               replicated activation feeds column-parallel layers.
-  all_reduce-- Megatron's "g": sum of partial results forward, identity backward.
-  all_gather / reduce_scatter / local_slice -- along a tensor dim (the token dim in sequence
-               parallelism); each one's backward is another of them.  ``all_gather`` feeds
-               column-parallel layers, whose input gradients are partial sums (so its backward
-               reduce-scatters); ``gather`` feeds replicated ops, whose gradients are already whole
-               (so its backward only slices).  ``full`` is the unsharded size
-               of that dim: when it does not divide by n, shards are ceil(full / n) long and the last
-               rank's is padded with zeros (padding never reaches the unsharded tensor).
-  counters  -- ``COUNTS[(name, "fwd"|"bwd")]`` counts calls, so tests can check the communication
-               per block is Megatron's minimum.
-On meta tensors every collective only computes its output's shape (used while planning).
+Terms: see autosplit/tp/ops.py (the graph vocabulary: axis, copy, all_reduce, all_gather, gather,
+reduce_scatter, local_slice).  ``bind_axis_groups`` tells the ops which process group each axis
+means and installs this module as their backend; every wait goes through the Watchdog.
+  counters -- ``COUNTS[(name, "fwd"|"bwd")]`` counts calls, so tests can check the communication per
+              block is Megatron's minimum.
 """
 from __future__ import annotations
 
@@ -23,7 +12,9 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from autosplit.tp import ops
+from autosplit.tp.ops import pad, shard
 
 _GROUPS: dict[str, object] = {}
 _WATCHDOG = [None]
@@ -31,9 +22,11 @@ COUNTS: Counter = Counter()
 
 
 def bind_axis_groups(groups: dict[str, object], watchdog=None) -> None:
-    """Tell the collectives which process group each axis name means (called by the runtime)."""
+    """Tell the collectives which process group each axis name means, and make this module the ops'
+    backend (called by the runtime when it builds a rank's stages)."""
     _GROUPS.update(groups)
     _WATCHDOG[0] = watchdog
+    ops.bind(_Backend())
 
 
 def _group(axis: str):
@@ -48,18 +41,6 @@ def _wait(work, what: str) -> None:
         _WATCHDOG[0].wait(work, what)
     else:
         work.wait()
-
-
-def _pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    extra = -x.shape[dim] % n
-    if not extra:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
-    return F.pad(x, pad)
-
-
-def _shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
-    return _pad(x, dim, n).chunk(n, dim=dim)[rank].contiguous()
 
 
 def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -85,11 +66,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     group = _group(axis)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) == "nccl":
-        chunks = _pad(x, dim, n).movedim(dim, 0).contiguous()
+        chunks = pad(x, dim, n).movedim(dim, 0).contiguous()
         out = torch.empty_like(chunks.chunk(n)[0])
         _wait(dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True), f"reduce_scatter over {axis}")
         return out.movedim(0, dim).contiguous()
-    return _shard(_all_reduce(x.clone(), axis), dim, n, rank)     # gloo has no reduce_scatter
+    return shard(_all_reduce(x.clone(), axis), dim, n, rank)     # gloo has no reduce_scatter
 
 
 class _Copy(torch.autograd.Function):
@@ -143,7 +124,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _shard(grad, ctx.dim, ctx.n, ctx.rank), None, None, None
+        return shard(grad, ctx.dim, ctx.n, ctx.rank), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -165,7 +146,7 @@ class _Slice(torch.autograd.Function):
         group = _group(axis)
         ctx.dim, ctx.axis, ctx.full = dim, axis, x.shape[dim]
         COUNTS[("local_slice", "fwd")] += 1
-        return _shard(x, dim, dist.get_world_size(group), dist.get_rank(group))
+        return shard(x, dim, dist.get_world_size(group), dist.get_rank(group))
 
     @staticmethod
     def backward(ctx, grad):
@@ -179,47 +160,18 @@ def reduce_grad(grad: torch.Tensor, axis: str) -> torch.Tensor:
     return _all_reduce(grad, axis)
 
 
-def copy_to_axis(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """Replicated activation entering column-parallel layers: identity forward, all-reduce backward."""
-    return x if x.device.type == "meta" else _Copy.apply(x, axis)
 
 
-def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """Partial sums -> replicated: all-reduce forward, identity backward."""
-    return x.clone() if x.device.type == "meta" else _AllReduce.apply(x, axis)
+class _Backend:
+    """What ``autosplit.tp.ops`` calls on real tensors."""
 
+    @staticmethod
+    def axis_rank(axis: str) -> int:
+        return dist.get_rank(_group(axis))
 
-def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
-    """Shard(dim) over n ranks -> replicated, ``full`` long: all-gather forward, reduce-scatter backward."""
-    if x.device.type == "meta":
-        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
-    return _AllGather.apply(x, dim, axis, full)
-
-
-def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
-    """Shard(dim) -> replicated for replicated consumers (a classifier head): all-gather forward; the
-    gradient is already whole on every rank, so the backward only keeps this rank's slice."""
-    if x.device.type == "meta":
-        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
-    return _Gather.apply(x, dim, axis, full)
-
-
-def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
-    """Partial sums -> Shard(dim) over n ranks: reduce-scatter forward, all-gather backward."""
-    if x.device.type == "meta":
-        return _shard(x, dim, n, 0).clone()
-    return _ReduceScatter.apply(x, dim, axis)
-
-
-def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
-    """Replicated -> Shard(dim) over n ranks: this rank's slice forward, all-gather backward."""
-    if x.device.type == "meta":
-        return _shard(x, dim, n, 0).clone()
-    return _Slice.apply(x, dim, axis)
-
-
-# What each costs, forward and backward, for the cost model (which reads ``comm_kind``).
-for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_reduce", None)),
-                   (all_gather, ("all_gather", "reduce_scatter")), (reduce_scatter, ("reduce_scatter", "all_gather")),
-                   (local_slice, (None, "all_gather")), (gather, ("all_gather", None))):
-    _fn.comm_kind = _kind
+    copy_to_axis = staticmethod(_Copy.apply)
+    all_reduce = staticmethod(_AllReduce.apply)
+    all_gather = staticmethod(_AllGather.apply)
+    gather = staticmethod(_Gather.apply)
+    reduce_scatter = staticmethod(_ReduceScatter.apply)
+    local_slice = staticmethod(_Slice.apply)

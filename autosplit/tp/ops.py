@@ -1,0 +1,103 @@
+"""Tensor-parallel collectives as graph vocabulary: the op targets the tensor-parallel passes insert.
+
+Terms:
+  axis    -- a mesh axis name ("tp"); a graph names the axis, not a process group, so plans stay pure.
+  copy    -- Megatron's "f": identity forward, all-reduce of the gradient backward.  Placed where a
+             replicated activation feeds column-parallel layers.
+  all_reduce -- Megatron's "g": sum of partial results forward, identity backward.
+  all_gather / reduce_scatter / local_slice -- along a tensor dim (the token dim in sequence
+             parallelism); each one's backward is another of them.  ``all_gather`` feeds
+             column-parallel layers, whose input gradients are partial sums (so its backward
+             reduce-scatters); ``gather`` feeds replicated ops, whose gradients are already whole (so
+             its backward only slices).  ``full`` is the unsharded size of that dim: when it does not
+             divide by n, shards are ceil(full / n) long and the last rank's is padded with zeros
+             (padding never reaches the unsharded tensor).
+  backend -- what runs an op on real tensors: the runtime binds one (autosplit/runtime/
+             tp_collectives.py: process groups and autograd functions).  On meta tensors every op only
+             computes its output's shape, which is all planning needs, so this module imports no
+             runtime and no process group.
+  comm_kind -- on each op, (forward, backward) collective kinds, read by the cost model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_BACKEND: list = [None]
+
+
+def bind(backend) -> None:
+    """Install the runtime's implementation (called by autosplit/runtime/tp_collectives.py)."""
+    _BACKEND[0] = backend
+
+
+def _backend():
+    if _BACKEND[0] is None:
+        raise RuntimeError("this stage runs tensor-parallel collectives, but no process group is bound to "
+                           "its axis: run stage modules under autosplit.parallelize")
+    return _BACKEND[0]
+
+
+def axis_rank(axis: str) -> int:
+    """This process's rank along ``axis`` (from the runtime's binding)."""
+    return _backend().axis_rank(axis)
+
+
+def pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to a multiple of n."""
+    extra = -x.shape[dim] % n
+    if not extra:
+        return x
+    widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return F.pad(x, widths)
+
+
+def shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``x`` split n ways along ``dim`` (padded first)."""
+    return pad(x, dim, n).chunk(n, dim=dim)[rank].contiguous()
+
+
+def copy_to_axis(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Replicated activation entering column-parallel layers: identity forward, all-reduce backward."""
+    return x if x.device.type == "meta" else _backend().copy_to_axis(x, axis)
+
+
+def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Partial sums -> replicated: all-reduce forward, identity backward."""
+    return x.clone() if x.device.type == "meta" else _backend().all_reduce(x, axis)
+
+
+def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
+    """Shard(dim) over n ranks -> replicated, ``full`` long: all-gather forward, reduce-scatter backward."""
+    if x.device.type == "meta":
+        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
+    return _backend().all_gather(x, dim, axis, full)
+
+
+def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
+    """Shard(dim) -> replicated for replicated consumers (a classifier head): all-gather forward; the
+    gradient is already whole on every rank, so the backward only keeps this rank's slice."""
+    if x.device.type == "meta":
+        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
+    return _backend().gather(x, dim, axis, full)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
+    """Partial sums -> Shard(dim) over n ranks: reduce-scatter forward, all-gather backward."""
+    if x.device.type == "meta":
+        return shard(x, dim, n, 0).clone()
+    return _backend().reduce_scatter(x, dim, axis)
+
+
+def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
+    """Replicated -> Shard(dim) over n ranks: this rank's slice forward, all-gather backward."""
+    if x.device.type == "meta":
+        return shard(x, dim, n, 0).clone()
+    return _backend().local_slice(x, dim, axis)
+
+
+# What each costs, forward and backward, for the cost model (which reads ``comm_kind``).
+for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_reduce", None)),
+                   (all_gather, ("all_gather", "reduce_scatter")), (reduce_scatter, ("reduce_scatter", "all_gather")),
+                   (local_slice, (None, "all_gather")), (gather, ("all_gather", None))):
+    _fn.comm_kind = _kind
