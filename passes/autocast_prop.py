@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosplit.errors import AutosplitError
 from autosplit.passes.infra import MetaPass
+from autosplit.passes.shape_prop import run_on_zeros
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -85,9 +86,7 @@ class _FakeInterpreter(fx.Interpreter):
             # A leaf that branches on tensor values cannot run on fake tensors: run it once on zeros on
             # the CPU under CPU autocast (its op lists can differ from CUDA's for this one module).
             with unset_fake_temporarily(), autocast_state("cpu", self.dtype):
-                zeros = tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor)
-                                 else x, (tuple(args), dict(kwargs)))
-                out = _to_meta(module(*zeros[0], **zeros[1]))
+                out = _to_meta(run_on_zeros(module, args, kwargs))
             return self.fake(out)
 
     def run_node(self, n: fx.Node):

@@ -29,6 +29,14 @@ def to_meta(value):
     return tree_map(one, value)
 
 
+def run_on_zeros(module: torch.nn.Module, args, kwargs):
+    """``module``'s real output on CPU zeros of the inputs' shapes and dtypes: for a leaf that
+    branches on tensor values and so cannot run on meta or fake tensors."""
+    zeros = tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
+                     (tuple(args), dict(kwargs)))
+    return module(*zeros[0], **zeros[1])
+
+
 class _MetaInterpreter(fx.Interpreter):
     def get_attr(self, target, args, kwargs):
         return to_meta(super().get_attr(target, args, kwargs))
@@ -41,10 +49,7 @@ class _MetaInterpreter(fx.Interpreter):
         except Exception:
             if any(t.device.type == "meta" for t in module.state_dict().values()):
                 raise
-            # A leaf that branches on tensor values cannot run on meta: run it once on zeros.
-            zeros = tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
-                             (tuple(args), dict(kwargs)))
-            return to_meta(module(*zeros[0], **zeros[1]))
+            return to_meta(run_on_zeros(module, args, kwargs))
 
     def run_node(self, n: fx.Node):
         try:

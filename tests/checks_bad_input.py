@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import autosplit
+from tests.dist_checks import error_of
 from tests.models import VARIANTS
 
 TIMEOUT_S = 20
@@ -38,53 +39,45 @@ def _pm(mesh=(2, 1, 1), microbatches=2, example_rows: int | None = 2, seed: int 
                                  example_input=example, timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
 
 
-def _try(fn, *args) -> str | None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _result(error, pm=None) -> dict:
     return {"error": error, "ok_after": pm.step(*_batch(4)) if pm is not None else None}
 
 
 # ---- parallelize arguments (raised on every rank without communicating) ------------------------
 def mesh_product():
-    return _result(_try(_pm, (2, 1, 2)))
+    return _result(error_of(_pm, (2, 1, 2)))
 
 
 def dp_leftover():
-    return _result(_try(_pm, (3, 1, -1)))
+    return _result(error_of(_pm, (3, 1, -1)))
 
 
 def mesh_axis_zero():
-    return _result(_try(_pm, (0, 1, 2)))
+    return _result(error_of(_pm, (0, 1, 2)))
 
 
 def mesh_not_three():
-    return _result(_try(_pm, (2, 1)))
+    return _result(error_of(_pm, (2, 1)))
 
 
 def timeout_zero():
-    return _result(_try(lambda: _pm(timeout_s=0)))
+    return _result(error_of(lambda: _pm(timeout_s=0)))
 
 
 def timeout_negative():
-    return _result(_try(lambda: _pm(timeout_s=-5.0)))
+    return _result(error_of(lambda: _pm(timeout_s=-5.0)))
 
 
 def microbatches_zero():
-    return _result(_try(lambda: _pm(microbatches=0)))
+    return _result(error_of(lambda: _pm(microbatches=0)))
 
 
 def bad_schedule():
-    return _result(_try(lambda: _pm(schedule="zigzag")))
+    return _result(error_of(lambda: _pm(schedule="zigzag")))
 
 
 def loss_reduction_none():
-    return _result(_try(lambda: _pm(loss_fn=torch.nn.CrossEntropyLoss(reduction="none"))))
+    return _result(error_of(lambda: _pm(loss_fn=torch.nn.CrossEntropyLoss(reduction="none"))))
 
 
 class _TupleOut(torch.nn.Module):
@@ -103,127 +96,127 @@ class _DictOut(_TupleOut):
 
 
 def tuple_output():
-    return _result(_try(lambda: _pm(model=_model(cls=_TupleOut))))
+    return _result(error_of(lambda: _pm(model=_model(cls=_TupleOut))))
 
 
 def dict_output():
-    return _result(_try(lambda: _pm(model=_model(cls=_DictOut))))
+    return _result(error_of(lambda: _pm(model=_model(cls=_DictOut))))
 
 
 # ---- step / predict arguments --------------------------------------------------------------------
 def labels_rows_everywhere():
     pm = _pm()
     x, _ = _batch(4)
-    return _result(_try(pm.step, x, torch.randint(0, 10, (2,))), pm)
+    return _result(error_of(pm.step, x, torch.randint(0, 10, (2,))), pm)
 
 
 def labels_rows_one_rank():
     pm = _pm()
     x, y = _batch(4, label_rows=2 if _rank() == 1 else 4)
-    return _result(_try(pm.step, x, y), pm)
+    return _result(error_of(pm.step, x, y), pm)
 
 
 def images_not_tensor():
     pm = _pm()
-    return _result(_try(pm.step, "images", torch.zeros(4, dtype=torch.long)), pm)
+    return _result(error_of(pm.step, "images", torch.zeros(4, dtype=torch.long)), pm)
 
 
 def indivisible_one_rank():
     pm = _pm()
-    return _result(_try(pm.step, *_batch(5 if _rank() == 1 else 4)), pm)
+    return _result(error_of(pm.step, *_batch(5 if _rank() == 1 else 4)), pm)
 
 
 def shape_one_rank_after_first_step():
     pm = _pm()
     pm.step(*_batch(4))
-    return _result(_try(pm.step, *_batch(8 if _rank() == 1 else 4)), pm)
+    return _result(error_of(pm.step, *_batch(8 if _rank() == 1 else 4)), pm)
 
 
 def lazy_plans_differ_in_batch():
     pm = _pm(example_rows=None)
-    return _result(_try(pm.step, *_batch(8 if _rank() == 1 else 4)), None)
+    return _result(error_of(pm.step, *_batch(8 if _rank() == 1 else 4)), None)
 
 
 def predict_bad_dtype_one_rank():
     pm = _pm()
     x, _ = _batch(4)
-    return _result(_try(pm.predict, x.double() if _rank() == 1 else x), pm)
+    return _result(error_of(pm.predict, x.double() if _rank() == 1 else x), pm)
 
 
 # ---- calls that only some ranks make ---------------------------------------------------------------
 def clip_on_one_rank():
     pm = _pm()
     pm.step(*_batch(4))
-    error = _try(pm.clip_grad_norm_, 1.0) if _rank() == 1 else _try(pm.step, *_batch(4))
+    error = error_of(pm.clip_grad_norm_, 1.0) if _rank() == 1 else error_of(pm.step, *_batch(4))
     return _result(error, pm)
 
 
 def predict_while_step():
     pm = _pm()
     x, y = _batch(4)
-    return _result(_try(pm.predict, x) if _rank() == 0 else _try(pm.step, x, y), pm)
+    return _result(error_of(pm.predict, x) if _rank() == 0 else error_of(pm.step, x, y), pm)
 
 
 def full_state_dict_on_one_rank():
     pm = _pm()
-    error = _try(pm.full_state_dict) if _rank() == 0 else _try(pm.step, *_batch(4))
+    error = error_of(pm.full_state_dict) if _rank() == 0 else error_of(pm.step, *_batch(4))
     return _result(error, pm)
 
 
 def clip_max_norm_differs():
     pm = _pm()
     pm.step(*_batch(4))
-    return _result(_try(pm.clip_grad_norm_, 2.0 if _rank() == 1 else 1.0), pm)
+    return _result(error_of(pm.clip_grad_norm_, 2.0 if _rank() == 1 else 1.0), pm)
 
 
 def clip_bad_max_norm():
     pm = _pm()
     pm.step(*_batch(4))
-    return _result(_try(pm.clip_grad_norm_, -1.0), pm)
+    return _result(error_of(pm.clip_grad_norm_, -1.0), pm)
 
 
 # ---- ranks that planned different jobs or hold different models -----------------------------------
 def microbatches_differ():
     one = _rank() == 1
     pm = _pm(microbatches=4 if one else 2, example_rows=1 if one else 2)
-    return _result(_try(pm.step, *_batch(4)))
+    return _result(error_of(pm.step, *_batch(4)))
 
 
 def schedule_differs():
     pm = _pm(schedule="gpipe" if _rank() == 1 else "1f1b")
-    return _result(_try(pm.step, *_batch(4)))
+    return _result(error_of(pm.step, *_batch(4)))
 
 
 def seeds_differ_dp():
     pm = _pm(mesh=(1, 1, 2), seed=1 if _rank() == 1 else 0)
-    return _result(_try(pm.step, *_batch(4)))
+    return _result(error_of(pm.step, *_batch(4)))
 
 
 def seeds_differ_pp():
     pm = _pm(seed=7 if _rank() == 1 else 0)
-    return _result(_try(pm.step, *_batch(4)))
+    return _result(error_of(pm.step, *_batch(4)))
 
 
 def load_missing_keys_one_rank():
     pm = _pm()
     state = {"nope": torch.zeros(1)} if _rank() == 1 else _model(0).state_dict()
-    return _result(_try(pm.load_full_state_dict, state), pm)
+    return _result(error_of(pm.load_full_state_dict, state), pm)
 
 
 def load_different_values():
     pm = _pm()
-    return _result(_try(pm.load_full_state_dict, _model(5 if _rank() == 1 else 0).state_dict()))
+    return _result(error_of(pm.load_full_state_dict, _model(5 if _rank() == 1 else 0).state_dict()))
 
 
 def load_not_a_dict():
     pm = _pm()
-    return _result(_try(pm.load_full_state_dict, [1, 2]), pm)
+    return _result(error_of(pm.load_full_state_dict, [1, 2]), pm)
 
 
 # ---- mistakes found while running (leave the ranks unusable: fresh pool) ----------------------------
 def loss_not_scalar():
     pm = _pm(loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"))
-    return _result(_try(pm.step, *_batch(4)))
+    return _result(error_of(pm.step, *_batch(4)))
 
 
 def run_case(name: str) -> dict:
@@ -273,4 +266,4 @@ def measure_check_cost(steps: int = 40, mesh=(2, 1, 1)) -> dict:
 def plan_fails_on_one_rank():
     """Rank 1 cannot plan (a memory budget nothing fits in) at its first step; rank 0 can."""
     pm = _pm(example_rows=None, **({"memory_budget": 1.0} if _rank() == 1 else {}))
-    return _result(_try(pm.step, *_batch(4)))
+    return _result(error_of(pm.step, *_batch(4)))

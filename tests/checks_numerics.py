@@ -11,12 +11,8 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.runtime import call_gate
+from tests.dist_checks import batches
 from tests.models import VARIANTS
-
-
-def _data(steps: int, batch: int, seed: int = 1, classes: int = 7):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(steps, batch, 3, 32, 32, generator=g), torch.randint(0, classes, (steps, batch), generator=g)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -32,7 +28,7 @@ def accumulate_tp_dp(name: str, mesh=(1, 2, 2), micro_steps: int = 3, updates: i
     torch.manual_seed(0)
     model = VARIANTS[name]()
     ref = copy.deepcopy(model)
-    xs, ys = _data(micro_steps * updates, batch)
+    xs, ys = batches(micro_steps * updates, batch)
     dp = mesh[2]
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=2,
                                example_input=xs[0, : batch // dp // 2], **kw)
@@ -95,7 +91,7 @@ def fp16_training(mesh=(2, 1, 2), steps: int = 6, poison_step: int = 2, lr: floa
     torch.manual_seed(0)
     model = VARIANTS["timm_cls"]()
     ref = copy.deepcopy(model)
-    xs, ys = _data(steps, batch)
+    xs, ys = batches(steps, batch)
     poison = [False]
 
     def loss_fn(out, y):
@@ -180,7 +176,7 @@ def buffers_under_dp(mesh, steps: int = 3, batch: int = 8, m: int = 2, lr: float
     torch.manual_seed(0)
     model = ConvBN()
     ref = copy.deepcopy(model)
-    xs, ys = _data(steps, batch)
+    xs, ys = batches(steps, batch)
     dp = mesh[2]
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=m, example_input=xs[0, : batch // dp // m])
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
@@ -218,7 +214,7 @@ def eval_mode(mesh, drop_path: float = 0.0, batch: int = 4, **kw):
     torch.manual_seed(0)
     model = dropout_vit(drop_path)
     ref = copy.deepcopy(model).eval()
-    x = _data(1, batch)[0][0]
+    x = batches(1, batch)[0][0]
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=2, example_input=x[: batch // 2], **kw)
     with torch.no_grad():
         want = ref(x)
@@ -251,7 +247,7 @@ def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4):
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Dropout) and m.p > 0:
             m.register_forward_hook(hook(name))
-    xs, ys = _data(1, batch)
+    xs, ys = batches(1, batch)
     pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
                                example_input=xs[0, : batch // 2], sequence_parallel=sequence_parallel)
     pm.train()
@@ -267,7 +263,7 @@ def checkpoint_replays_tp_dropout(checkpoint, sequence_parallel: bool = False, s
     torch.manual_seed(0)
     model = timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
                                           mlp_ratio=2, num_classes=10, attn_drop_rate=0.3, proj_drop_rate=0.3)
-    xs, ys = _data(steps, batch)
+    xs, ys = batches(steps, batch)
     pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
                                example_input=xs[0, : batch // 2], checkpoint=checkpoint,
                                sequence_parallel=sequence_parallel)

@@ -10,7 +10,7 @@ import autosplit
 from tests.models import VARIANTS
 
 
-def _data(steps: int, batch: int, seed: int = 1):
+def batches(steps: int, batch: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     xs = torch.randn(steps, batch, 3, 32, 32, generator=g)
     ys = torch.randint(0, 7, (steps, batch), generator=g)
@@ -35,7 +35,7 @@ def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, mic
     """Losses and full_state_dict after `steps` SGD steps vs single-device training (max abs diffs)."""
     torch.manual_seed(0)
     model = VARIANTS[name]()
-    xs, ys = _data(steps, batch)
+    xs, ys = batches(steps, batch)
     ref_losses, ref_state = reference_training(model, xs, ys, lr)
     dp = mesh[2] if mesh[2] > 0 else dist.get_world_size() // (mesh[0] * mesh[1])
     example = None if lazy else xs[0, : batch // dp // microbatches]
@@ -117,7 +117,7 @@ def _setup(mesh=(2, 1, 2), microbatches=2, batch=8, seed=0, **kw):
     dp = mesh[2]
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches,
                                example_input=torch.randn(batch // dp // microbatches, 3, 32, 32), **kw)
-    xs, ys = _data(3, batch)
+    xs, ys = batches(3, batch)
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
     return pm, ref, xs, ys, rows
 
@@ -202,7 +202,7 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
     depth = len([m for m in model.modules() if type(m).__name__ in ("Block", "EncoderBlock", "HandBlock")])
     pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=microbatches,
                                example_input=torch.randn(2, 3, 32, 32), **kw)
-    x, y = _data(1, 2 * microbatches)
+    x, y = batches(1, 2 * microbatches)
     COUNTS.clear()
     from autosplit.runtime import tp_collectives as collectives
     reduced = []                     # (tensor given to the all-reduce, tensor reduced) per call

@@ -9,7 +9,7 @@ Terms:
                  an id all ranks know (rank 0's nonce) without a counter that could drift.  Drawn from
                  a private random generator: the user's torch / random seeds are not touched.
   texts       -- on the error path only, readable descriptions that ranks share through the store,
-                 under keys named by the exchange id; waited on through the Watchdog like a Work.
+                 under keys named by the exchange id; waited on with ``Watchdog.until`` (same deadline).
   stable hash -- a 63-bit hash of a string, the same in every process (unlike Python's ``hash``).
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -43,25 +42,11 @@ def gather_rows(world, watchdog, row: list[int], doing: str) -> list[list[int]]:
     return torch.stack(rows).tolist()          # the check decides on host
 
 
-class _StoreKeys(Future):
-    """A Future that is done when every key is in the store, so Watchdog.wait bounds the wait."""
-
-    def __init__(self, store, keys: list[str]):
-        super().__init__()
-        self.store, self.keys = store, keys
-
-    def done(self) -> bool:
-        return self.store.check(self.keys)
-
-    def result(self, timeout=None):
-        return None
-
-
 def share_texts(world, watchdog, exchange_id: int, text: str, doing: str) -> list[str]:
     """Every rank's ``text``, in rank order; all ranks must call this with the same exchange_id."""
     keys = [f"autosplit/texts/{exchange_id:x}/{r}" for r in range(world.size)]
     world.store.set(keys[world.rank], text)
-    watchdog.wait(_StoreKeys(world.store, keys), doing)
+    watchdog.until(lambda: world.store.check(keys), doing)
     return [world.store.get(k).decode() for k in keys]
 
 
