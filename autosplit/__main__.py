@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (default 2,1,1)")
     plan.add_argument("--batch", type=int, default=8, help="microbatch size (default 8)")
     plan.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
-    plan.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    plan.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
     plan.add_argument("--chunks-per-rank", type=int, default=1)
     plan.add_argument("--microbatches", type=int, default=None)
     plan.add_argument("--device", default="h100", help="cost model: h100, h200, a100 or cpu (measured here)")

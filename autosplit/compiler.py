@@ -30,11 +30,10 @@ from autosplit.passes.split_stages import SplitStages
 from autosplit.passes.tp_rewrite import shard_tensor_parallel
 from autosplit.passes.tp_sequence import apply_sequence_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
-from autosplit.schedule import check_schedule
+from autosplit.schedule import SCHEDULES, check_schedule, placement_of
 from autosplit.segment_costs import CHECKPOINTS, OPTIMIZER_FACTOR, SegmentCosts, comm_time
 from autosplit.trace import trace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TP_MODES = ("1d", "2d")
 AUTOCAST = (None, torch.bfloat16, torch.float16)
 
@@ -50,9 +49,12 @@ def _check_args(model, mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_
     validate.positive_int("chunks_per_rank", chunks_per_rank)
     if schedule == "interleaved" and chunks_per_rank < 2:
         raise AutosplitError(f"schedule='interleaved' needs chunks_per_rank >= 2 (got {chunks_per_rank})")
-    if schedule == "1f1b" and chunks_per_rank != 1:
-        raise AutosplitError(f"schedule='1f1b' runs one chunk per rank (got chunks_per_rank="
-                             f"{chunks_per_rank}); use schedule='interleaved' for several")
+    if schedule in ("1f1b", "zb-h1") and chunks_per_rank != 1:
+        raise AutosplitError(f"schedule={schedule!r} runs one chunk per rank (got chunks_per_rank="
+                             f"{chunks_per_rank}); use schedule='interleaved' or 'zb-v' for several")
+    if schedule == "zb-v" and chunks_per_rank != 2:
+        raise AutosplitError(f"schedule='zb-v' runs two chunks per rank in a V (rank r holds stages r and "
+                             f"2*pp-1-r); got chunks_per_rank={chunks_per_rank}, use 2")
     if num_microbatches is not None:
         validate.positive_int("num_microbatches", num_microbatches,
                               f" (or None for 2 * pp = {2 * mesh.pp})")
@@ -81,9 +83,9 @@ def _segments(nodes: list[fx.Node], cuts: list[Cut]) -> list[list[fx.Node]]:
     return segments
 
 
-def _in_flight(result, pp: int, chunks: int) -> list[int]:
+def _in_flight(result, place) -> list[int]:
     """Microbatches whose activations each stage holds at the schedule's peak (from the simulator)."""
-    return [max(1, -(-result.peak_activations[s % pp] // chunks)) for s in range(pp * chunks)]
+    return [max(1, -(-result.peak_activations[place.rank(s)] // place.v)) for s in range(place.num_stages)]
 
 
 def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str = "1d",
@@ -120,7 +122,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     num_microbatches = 2 * mesh.pp if num_microbatches is None else num_microbatches
     n_stages = mesh.pp * chunks_per_rank
     simulated = check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank)  # proves it deadlock-free
-    in_flight = _in_flight(simulated, mesh.pp, chunks_per_rank)
+    place = placement_of(schedule, mesh.pp, chunks_per_rank)
+    in_flight = _in_flight(simulated, place)
 
     gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaves, concrete_args)
     if autocast is not None:
@@ -149,7 +152,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 num_microbatches=num_microbatches, device=profile.name,
                 example_shapes=[tuple(x.shape) for x in inputs],
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
-                stages=_stage_infos(layers, mesh, split, seg, bounds),
+                stages=_stage_infos(layers, mesh, split, seg, bounds, place),
                 equal_layer_times=None if baseline is None else stage_costs(baseline, seg.time, seg.out_time),
                 equal_layer_bounds=baseline,
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
@@ -206,7 +209,8 @@ def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     return infos
 
 
-def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds) -> list[StageInfo]:
+def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds,
+                 place) -> list[StageInfo]:
     all_nodes = [n for s in seg.segments for n in s]
     by_name = {n.name: n for n in all_nodes}
     result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
@@ -220,7 +224,7 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
         param_bytes = sum(p.numel() * p.element_size() for p in params.values())
         kept, recompute = seg.activations(bounds[s - 1] + 1 if s else 0, bounds[s])
         infos.append(StageInfo(
-            index=s, pp_rank=s % mesh.pp, chunk=s // mesh.pp,
+            index=s, pp_rank=place.rank(s), chunk=place.chunk(s),
             layers=layers_label(layers, [n for n in shown if n.meta["stage"] == s], shown),
             nodes=[n.name for n in nodes], params=list(params), n_params=sum(p.numel() for p in params.values()),
             param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd + seg.recompute_time(nodes),

@@ -75,7 +75,8 @@ def dump_plan(plan: Plan, directory) -> list[str]:
         for t in range(plan.mesh.tp):
             rank_dir = os.path.join(directory, f"pp{r}_tp{t}")
             os.makedirs(rank_dir, exist_ok=True)
-            for module, stage in zip(plan.stage_modules(r, t), plan.stages[r::plan.mesh.pp]):
+            stages = [plan.stages[s] for s in plan.placement.stages(r)]
+            for module, stage in zip(plan.stage_modules(r, t), stages):
                 header = f"# stage {stage.index} (pp rank {r}, chunk {stage.chunk}, tp rank {t}): {stage.layers}\n"
                 _write(os.path.join(rank_dir, f"stage{stage.index}.py"), header + annotated_code(module), written)
     for s, module in enumerate(plan.modules):

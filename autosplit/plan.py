@@ -1,8 +1,9 @@
 """The Plan: what autosplit decided, as plain data, plus the per-stage GraphModules that carry it out.
 
 Terms:
-  stage  -- global pipeline stage s; chunk c of pipeline rank r is stage ``c * pp + r`` (looped
-            placement, as in Megatron's interleaved schedule).
+  stage  -- global pipeline stage s; which stage chunk c of pipeline rank r runs is the schedule's
+            placement (``plan.placement``): looped ``c * pp + r`` (Megatron's interleaved schedule),
+            or zb-v's V (rank r holds stages r and 2*pp-1-r).
   layers -- a readable summary of the module paths a stage covers ("blocks.0-3, blocks.4.attn").
   memory -- predicted peak bytes of one stage on its rank: parameters, gradients and two optimizer
             moments (4 x parameter bytes), plus the activations kept for backward times the number of
@@ -24,6 +25,7 @@ from autosplit.dump import dump_plan
 from autosplit.errors import RankError
 from autosplit.mesh import MeshShape
 from autosplit.report import plan_dict, summary_table
+from autosplit.schedule.placement import Placement, placement_of
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,18 @@ class Plan:
     def n_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def placement(self) -> Placement:
+        """Which stage each (pipeline rank, chunk) runs: the schedule's placement."""
+        return placement_of(self.schedule, self.mesh.pp, self.chunks_per_rank)
+
     def stage_modules(self, pp_rank: int, tp_rank: int = 0) -> list[fx.GraphModule]:
         """The GraphModules pipeline rank ``pp_rank`` runs, one per chunk, in stage order."""
         for name, rank, size in (("pp_rank", pp_rank, self.mesh.pp), ("tp_rank", tp_rank, self.mesh.tp)):
             if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
                 axis = name.removesuffix("_rank")
                 raise RankError(f"stage_modules: {name}={rank!r} is outside 0..{size - 1} ({axis}={size})")
-        return [self._module(c * self.mesh.pp + pp_rank, tp_rank) for c in range(self.chunks_per_rank)]
+        return [self._module(s, tp_rank) for s in self.placement.stages(pp_rank)]
 
     def _module(self, stage: int, tp_rank: int) -> fx.GraphModule:
         if tp_rank == 0:

@@ -3,7 +3,8 @@
 Terms:
   bucket -- a group of this rank's parameters (about ``bucket_bytes``, in reverse registration order,
             roughly the order backward produces their gradients), reduced as one flat tensor.
-  armed  -- a stage is armed just before its final backward of the step (its last microbatch);
+  armed  -- a stage is armed just before its final backward of the step (its last microbatch; with a
+            split backward, its last W, when every other gradient of the stage is already complete);
             from then on each parameter's post-accumulate-grad hook means "this gradient is final",
             and a bucket whose gradients are all final is all-reduced at once, asynchronously, while
             the rest of the backward runs.  Buckets with unused parameters are launched at ``finish``.
@@ -68,9 +69,14 @@ class GradBuckets:
                 current, size = [], 0
         return buckets + ([_Bucket(current)] if current else [])
 
-    def arm(self, stage: int) -> None:
+    def arm(self, stage: int, final=()) -> None:
+        """From now on the stage's gradients are final as they arrive; ``final``: parameters whose
+        gradients are already complete (a split backward's last W writes only the weights)."""
         if self.enabled:
             self.armed.add(stage)
+            for p in final:
+                if id(p) in self.where:
+                    self._hook(p)
 
     def _hook(self, p: torch.nn.Parameter) -> None:
         stage, bucket = self.where[id(p)]

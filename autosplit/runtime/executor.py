@@ -1,8 +1,8 @@
 """Interpret one pipeline rank's lowered schedule: computes, and communication groups, in order.
 
 Terms:
-  lowered list -- this rank's schedule (autosplit.schedule.lower): F / B of (stage, microbatch) and
-                  Groups of SEND_F / RECV_F / SEND_B / RECV_B.  The executor does what the list says,
+  lowered list -- this rank's schedule (autosplit.schedule.lower): F / B (or F / I / W) of
+                  (stage, microbatch) and Groups of SEND_F / RECV_F / SEND_B / RECV_B.  The executor does what the list says,
                   in order: it posts each group when it reaches it (without waiting), and waits for a
                   receive only inside the compute that consumes it.  Where a group sits, and so what
                   overlaps what, is the lowering's decision, made so that NCCL cannot deadlock.
@@ -12,9 +12,19 @@ Terms:
   outbox       -- tensors a stage produced for the next SEND of them.
   loss scale   -- each microbatch's loss is multiplied by 1/m (and by the fp16 scaler's factor), so
                   the gradients are those of the replica batch's mean loss.
+  I / W        -- zero-bubble schedules: I is B with the split GEMMs' weight gradients deferred
+                  (autosplit/weight_grad.py, under the key (stage, microbatch)); W computes them and
+                  adds them into .grad.
+  armed        -- ``on_last_backward(stage, final)`` tells the dp buckets that the stage's gradients
+                  are final from now on: just before its last B, or, with I / W, just before its last
+                  W (every I of the stage ran by then), with ``final`` the stage's parameters that W
+                  does not write (their gradients were complete at the last I).
+  placement    -- which stage each (rank, chunk) runs and where a peer stage lives: the plan's
+                  (``plan.placement``: looped, or zb-v's V).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -23,8 +33,9 @@ import torch.distributed as dist
 from autosplit.runtime.faults import RankFailure
 from autosplit.runtime.p2p import Posted, make_transport, tag
 from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
+from autosplit.weight_grad import DEFERRED
 
-F, B = ActionKind.F, ActionKind.B
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
 class PipelineExecutor:
@@ -33,13 +44,16 @@ class PipelineExecutor:
         self.world, self.plan, self.loss_fn, self.watchdog = world, plan, loss_fn, watchdog
         pp, r = plan.mesh.pp, world.coord.pp
         self.pp, self.n_stages, self.m = pp, plan.n_stages, plan.num_microbatches
-        self.modules = {c * pp + r: mod for c, mod in enumerate(modules)}
+        self.place = plan.placement
+        self.modules = {self.place.stage(r, c): mod for c, mod in enumerate(modules)}
         self.train_items = lower(build_schedule(plan.schedule, pp, self.m, plan.chunks_per_rank))[r]
-        self.predict_items = lower(forward_schedule("gpipe", pp, self.m, plan.chunks_per_rank))[r]
-        self.last_b = {s: max(a.microbatch for a in self.train_items if a.is_compute and a.kind is B
-                              and a.stage == s) for s in self.modules}
+        self.predict_items = lower(forward_schedule("gpipe", pp, self.m, plan.chunks_per_rank,
+                                                    placement=self.place.kind))[r]
+        # the compute after which a stage's gradients are final: its last B, or its last W
+        computes = [a for a in self.train_items if a.is_compute and a.kind in (B, W)]
+        self.last_grad = {s: [a for a in computes if a.stage == s][-1] for s in self.modules}
         self.autocast_dtype = autocast_dtype
-        self.on_last_backward = on_last_backward or (lambda stage: None)
+        self.on_last_backward = on_last_backward or (lambda stage, final=(): None)
         self.transport = make_transport(world.backend, world.group("pp")) if pp > 1 else None
         if self.transport is not None and world.backend == "nccl":
             # NCCL's first operation on a communicator must involve all of its ranks (see
@@ -58,11 +72,13 @@ class PipelineExecutor:
         self.posted: list[Posted] = []
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, torch.Tensor] = {}
+        DEFERRED.clear()                  # nothing a failed earlier step queued may reach this one
+        run_compute = {F: self._forward, B: self._backward, I: self._backward, W: self._weight_grad}
         for item in self.train_items if train else self.predict_items:
             if isinstance(item, Group):
                 self._guarded(item, self._post)
             else:
-                self._guarded(item, self._forward if item.kind is F else self._backward)
+                self._guarded(item, run_compute[item.kind])
         for posted in self.posted:     # sends not yet known done; their buffers live until then
             self._guarded(posted.what, lambda _: posted.wait(self.watchdog))
         total = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.world.device)
@@ -88,7 +104,7 @@ class PipelineExecutor:
         """Post every transfer of ``group`` as one group of the transport (see the module docstring)."""
         ops, received = [], []
         for a in group.actions:
-            peer = self.world.rank_at(pp=a.peer_stage % self.pp)
+            peer = self.world.rank_at(pp=self.place.rank(a.peer_stage))
             direction = 0 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) else 1
             receiver = a.peer_stage if a.kind.is_send else a.stage
             if a.kind.is_send:
@@ -150,17 +166,19 @@ class PipelineExecutor:
         self.saved[(s, i)] = (inputs, loss * self.loss_scale)
 
     def _backward(self, a: Action) -> None:
+        """B, or I: the same backward, with the split GEMMs' weight gradients deferred to W."""
         s, i = a.stage, a.microbatch
         inputs, outputs = self.saved.pop((s, i))
-        if i == self.last_b[s]:
+        if a == self.last_grad[s]:
             self.on_last_backward(s)
-        if s == self.n_stages - 1:
-            outputs.backward()
-        else:
-            grads = self._take(self.inbox_b, (s, i))
-            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with DEFERRED.collecting((s, i)) if a.kind is I else contextlib.nullcontext():
+            if s == self.n_stages - 1:
+                outputs.backward()
+            else:
+                grads = self._take(self.inbox_b, (s, i))
+                pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if s == 0:
             return
         input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
@@ -168,6 +186,16 @@ class PipelineExecutor:
             self.inbox_b[(s - 1, i)] = input_grads
         else:
             self.outbox[(s, i, 1)] = input_grads
+
+    def _weight_grad(self, a: Action) -> None:
+        """W: the weight gradients I deferred for (stage, microbatch), added into .grad."""
+        key = (a.stage, a.microbatch)
+        if a == self.last_grad[a.stage]:
+            # every other gradient of the stage is complete: all its I ran (each before its W), and
+            # its other W's ran; only the weights this W writes are still to come
+            written = {id(w) for w in DEFERRED.weights(key)}
+            self.on_last_backward(a.stage, [p for p in self.modules[a.stage].parameters() if id(p) not in written])
+        DEFERRED.run(key)        # on the tensors the forward saw (already in the autocast dtype)
 
     def _autocast(self):
         if self.autocast_dtype is None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.passes.split_backward import split_weight_gemms
 from autosplit.passes.tp_random import fork_sharded_random
 from autosplit.runtime.agreement import check_agreement
 from autosplit.runtime.buffers import BufferSync
@@ -37,6 +38,7 @@ from autosplit.runtime.params import adopt_parameters, graph_order_params
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
+from autosplit.schedule import SPLIT_BACKWARD
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
 
@@ -97,13 +99,15 @@ class ParallelModule:
         if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
             for old, new in zip(self.raw_modules, modules):
                 adopt_parameters(old, new)
+        if self.schedule in SPLIT_BACKWARD:     # I / W schedules: weight gradients deferred to W
+            modules = [split_weight_gemms(m)[0] for m in modules]
         self.raw_modules = modules
         bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
         self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
-        stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
+        stages = self.plan.placement.stages(self.pp_rank)
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
             # partial-grad params are reduced over dp by _reduce_partial_grads, after their tp sum
             partial_ids = {id(p) for p in self.partial_params}
@@ -300,7 +304,7 @@ class ParallelModule:
         self._plan_for(xs[0])
         _, outs = self.executor.run(xs, None, train=False)
         self._sync_buffers()                  # a forward in training mode may update BatchNorm statistics
-        last = self.world.rank_at(pp=(self.plan.n_stages - 1) % self.world.mesh.pp)
+        last = self.world.rank_at(pp=self.plan.placement.rank(self.plan.n_stages - 1))
         info = self.plan.stages[-1].outputs[0]
         result = torch.cat(outs) if outs else torch.empty(
             (info.shape[0] * self.num_microbatches, *info.shape[1:]), dtype=getattr(torch, info.dtype),

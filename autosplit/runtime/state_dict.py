@@ -30,7 +30,7 @@ def _owners(plan) -> dict[str, int]:
     owners = {}
     for s, module in enumerate(plan.modules):
         for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
-            owners.setdefault(name, s % plan.mesh.pp)
+            owners.setdefault(name, plan.placement.rank(s))
     return owners
 
 

@@ -1,7 +1,8 @@
 """Pipeline schedules as data: generate compute-only lists, lower them, simulate them.
 
-Terms: ``pp`` pipeline ranks, ``v`` chunks per rank, ``m`` microbatches; global stage ``s = c*pp + r``
-is chunk ``c`` of rank ``r`` (looped placement).  See each module's docstring for the rest.
+Terms: ``pp`` pipeline ranks, ``v`` chunks per rank, ``m`` microbatches; which global stage chunk ``c``
+of rank ``r`` runs is the schedule's placement (placement.py: looped ``c*pp + r``, or zb-v's V).
+See each module's docstring for the rest.
 
     sched = build_schedule("interleaved", pp=4, num_microbatches=8, chunks_per_rank=2)
     lists = lower(sched)                  # rank -> [Action | Group]: computes, and groups of SEND_*/RECV_*
@@ -9,12 +10,14 @@ is chunk ``c`` of rank ``r`` (looped placement).  See each module's docstring fo
     print(result.format_grid(), result.idle_fraction)
 """
 from .actions import Action, ActionKind, Group, Item, parse_item
-from .generate import SCHEDULES, Schedule, build_schedule, forward_schedule
+from .generate import SCHEDULES, SPLIT_BACKWARD, Schedule, build_schedule, forward_schedule
 from .lower import flatten, lower
+from .placement import Placement, placement_of
 from .simulate import SimResult, check_schedule, simulate
 from .timing import ScheduleDeadlock
 
 __all__ = [
-    "Action", "ActionKind", "Group", "Item", "parse_item", "SCHEDULES", "Schedule", "build_schedule",
+    "Action", "ActionKind", "Group", "Item", "parse_item", "SCHEDULES", "SPLIT_BACKWARD", "Schedule",
+    "build_schedule", "Placement", "placement_of",
     "forward_schedule", "lower", "flatten", "ScheduleDeadlock", "SimResult", "check_schedule", "simulate",
 ]

@@ -2,10 +2,13 @@
 
 Terms:
   stage      -- a global pipeline stage ``s``; stage ``s`` sends activations to ``s+1`` and gradients
-                to ``s-1``.  With ``pp`` pipeline ranks and looped placement, stage ``s`` is chunk
-                ``s // pp`` of rank ``s % pp``.
+                to ``s-1``.  Which rank holds it is the schedule's placement (placement.py).
   microbatch -- index ``i`` of a microbatch within one optimizer step, ``0 <= i < m``.
   F, B       -- compute: forward / backward of one stage on one microbatch (one time step each).
+  I, W       -- the backward split in two (zero-bubble schedules): I computes the gradient of the
+                stage's input (and the cheap parameter gradients: biases, norms) and hands it on;
+                W computes the weight gradients I queued for that (stage, microbatch).  A schedule
+                uses either B or I and W for every (stage, microbatch); W comes after its I.
   SEND_F     -- stage ``s`` sends its output activation of microbatch ``i`` to stage ``s+1``.
   RECV_F     -- stage ``s`` receives its input activation of microbatch ``i`` from stage ``s-1``.
   SEND_B     -- stage ``s`` sends the gradient of its input for microbatch ``i`` to stage ``s-1``.
@@ -18,7 +21,7 @@ For a communication action, ``stage`` is always the *local* stage (the one sendi
                 they are in flight at the same time, and the group is done when every one of them has
                 met its peer.  Lowered lists hold computes and groups (see lower.py).
 
-The compact text form is ``f"{stage}{kind}{microbatch}"``: ``2F0``, ``1B3``, ``3SEND_F1``; a group is
+The compact text form is ``f"{stage}{kind}{microbatch}"``: ``2F0``, ``1B3``, ``1I3``, ``0W2``, ``3SEND_F1``; a group is
 its actions in brackets, ``[0SEND_F1 0RECV_B0]``.
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Union
 class ActionKind(Enum):
     F = "F"
     B = "B"
+    I = "I"
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -39,7 +44,12 @@ class ActionKind(Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+
+    @property
+    def sends_grad(self) -> bool:
+        """Does this compute produce the gradient of the stage's input (B, or I)?"""
+        return self in (ActionKind.B, ActionKind.I)
 
     @property
     def is_send(self) -> bool:
@@ -50,14 +60,14 @@ class ActionKind(Enum):
         return self in (ActionKind.RECV_F, ActionKind.RECV_B)
 
 
-F, B = ActionKind.F, ActionKind.B
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
 
 # The receive that consumes each send, and vice versa (the peer runs the matching action).
 MATCHING = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
 
-_PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ class Action:
         if found is None:
             raise ValueError(
                 f"cannot parse action {text!r}; expected <stage><kind><microbatch> with kind one of "
-                f"{', '.join(k.name for k in ActionKind)}, e.g. '2F0' or '3SEND_F1'"
+                f"{', '.join(k.name for k in ActionKind)}, e.g. '2F0', '1I3' or '3SEND_F1'"
             )
         stage, kind, microbatch = found.groups()
         return cls(int(stage), ActionKind[kind], int(microbatch))

@@ -1,12 +1,12 @@
-"""Schedule generators: per pipeline rank, the ordered list of compute actions (F and B only).
+"""Schedule generators: per pipeline rank, the ordered list of compute actions (F and B, or F, I, W).
 
 Terms:
   pp     -- number of pipeline ranks.
   v      -- ``chunks_per_rank``: model chunks (stages) held by each rank.
   m      -- ``num_microbatches`` per optimizer step.
-  S      -- ``pp * v`` global stages.  Looped placement (Megatron interleaved): chunk ``c`` of rank
-            ``r`` is global stage ``s = c*pp + r``, so stage ``s`` lives on rank ``s % pp``.
-  chunk-step -- one F (or one B) of one chunk on one microbatch; it takes one time step.
+  S      -- ``pp * v`` global stages, placed on ranks by the schedule's placement (placement.py):
+            looped (chunk ``c`` of rank ``r`` is stage ``c*pp + r``) for all but zb-v, which uses V.
+  chunk-step -- one F (or one B, I or W) of one chunk on one microbatch; it takes one time step.
   warmup / steady / cooldown -- the forwards a rank runs before its first backward, the
             alternating one-forward-one-backward middle, and the backwards left at the end.
 
@@ -36,8 +36,11 @@ from dataclasses import dataclass, field
 from autosplit.errors import AutosplitError
 
 from .actions import Action, B, F
+from .placement import Placement, placement_of
+from .zero_bubble import zb_h1, zb_v
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "zb-v")      # schedules whose backward is split into I and W
 
 
 @dataclass
@@ -47,13 +50,20 @@ class Schedule:
     num_microbatches: int
     chunks_per_rank: int
     actions: dict[int, list[Action]] = field(default_factory=dict)
+    placement_kind: str | None = None      # None: the placement the schedule's name implies
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks_per_rank
 
+    @property
+    def placement(self) -> Placement:
+        if self.placement_kind is not None:
+            return Placement(self.pp, self.chunks_per_rank, self.placement_kind)
+        return placement_of(self.name, self.pp, self.chunks_per_rank)
+
     def stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.pp + rank
+        return self.placement.stage(rank, chunk)
 
     def __str__(self) -> str:
         rows = [f"{self.name} pp={self.pp} m={self.num_microbatches} v={self.chunks_per_rank}"]
@@ -64,29 +74,45 @@ class Schedule:
 def build_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1) -> Schedule:
     """Compute-only action lists for schedule ``name`` (one of ``SCHEDULES``)."""
     validate(name, pp, num_microbatches, chunks_per_rank)
-    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
-    actions = {r: make(r, pp, num_microbatches, chunks_per_rank) for r in range(pp)}
+    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": zb_h1, "zb-v": zb_v}[name]
+    place = placement_of(name, pp, chunks_per_rank)
+    actions = {r: make(r, pp, num_microbatches, chunks_per_rank, place) for r in range(pp)}
     return Schedule(name, pp, num_microbatches, chunks_per_rank, actions)
 
 
-def forward_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1) -> Schedule:
-    """Schedule ``name`` with its backwards left out: the forward-only lists ``predict`` runs."""
-    full = build_schedule(name, pp, num_microbatches, chunks_per_rank)
-    forwards = {r: [a for a in acts if a.kind is F] for r, acts in full.actions.items()}
-    return Schedule(f"{name} (forward only)", pp, num_microbatches, chunks_per_rank, forwards)
+def forward_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: int = 1,
+                     placement: str | None = None) -> Schedule:
+    """Schedule ``name`` with its backwards left out: the forward-only lists ``predict`` runs.
+
+    Args:
+        placement: "looped" or "v" to run ``name``'s forward order on another schedule's placement
+            (``predict`` of a zb-v plan runs GPipe's forwards on the V); None: ``name``'s own.
+    """
+    kind = placement or placement_of(name, pp, chunks_per_rank).kind
+    validate(name, pp, num_microbatches, chunks_per_rank, check_chunks=placement is None)
+    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": zb_h1, "zb-v": zb_v}[name]
+    place = Placement(pp, chunks_per_rank, kind)
+    forwards = {r: [a for a in make(r, pp, num_microbatches, chunks_per_rank, place) if a.kind is F]
+                for r in range(pp)}
+    return Schedule(f"{name} (forward only)", pp, num_microbatches, chunks_per_rank, forwards, kind)
 
 
-def validate(name: str, pp: int, m: int, v: int) -> None:
+def validate(name: str, pp: int, m: int, v: int, check_chunks: bool = True) -> None:
     """Raise AutosplitError (a ValueError) naming the arithmetic if the schedule cannot be built."""
     if name not in SCHEDULES:
         raise AutosplitError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
     for label, value in (("pp", pp), ("num_microbatches", m), ("chunks_per_rank", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise AutosplitError(f"{label} must be an integer >= 1, got {value!r}")
-    if name == "1f1b" and v != 1:
+    if not check_chunks:
+        return
+    if name in ("1f1b", "zb-h1") and v != 1:
         raise AutosplitError(
-            f"1f1b schedule needs chunks_per_rank == 1, got {v}; "
-            f"use schedule 'interleaved' for chunks_per_rank >= 2")
+            f"{name} schedule needs chunks_per_rank == 1, got {v}; "
+            f"use schedule 'interleaved' or 'zb-v' for chunks_per_rank >= 2")
+    if name == "zb-v" and v != 2:
+        raise AutosplitError(f"zb-v schedule needs chunks_per_rank == 2 (rank r holds stages r and 2*pp-1-r), "
+                             f"got {v}")
     if name == "gpipe" and v > 1 and m < pp:
         raise AutosplitError(
             f"gpipe with chunks_per_rank({v}) > 1 needs num_microbatches({m}) >= pp({pp}); "
@@ -101,21 +127,21 @@ def validate(name: str, pp: int, m: int, v: int) -> None:
                 f"rank 0 waits for chunk 0 to come round the loop; use num_microbatches >= {pp}")
 
 
-def _gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    forwards = [Action(c * pp + rank, F, i) for c in range(v) for i in range(m)]
-    backwards = [Action(c * pp + rank, B, i) for c in reversed(range(v)) for i in range(m)]
+def _gpipe(rank: int, pp: int, m: int, v: int, place: Placement) -> list[Action]:
+    forwards = [Action(place.stage(rank, c), F, i) for c in range(v) for i in range(m)]
+    backwards = [Action(place.stage(rank, c), B, i) for c in reversed(range(v)) for i in range(m)]
     return forwards + backwards
 
 
-def _one_f_one_b(rank: int, pp: int, m: int, v: int) -> list[Action]:
+def _one_f_one_b(rank: int, pp: int, m: int, v: int, place: Placement) -> list[Action]:
     forwards = [Action(rank, F, i) for i in range(m)]
     backwards = [Action(rank, B, i) for i in range(m)]
     return _fill_drain(forwards, backwards, warmup=min(pp - rank - 1, m))
 
 
-def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    forwards = [Action(c * pp + rank, F, i) for c, i in _chunk_order(pp, m, v, reverse=False)]
-    backwards = [Action(c * pp + rank, B, i) for c, i in _chunk_order(pp, m, v, reverse=True)]
+def _interleaved(rank: int, pp: int, m: int, v: int, place: Placement) -> list[Action]:
+    forwards = [Action(place.stage(rank, c), F, i) for c, i in _chunk_order(pp, m, v, reverse=False)]
+    backwards = [Action(place.stage(rank, c), B, i) for c, i in _chunk_order(pp, m, v, reverse=True)]
     warmup = min((pp - rank - 1) * 2 + (v - 1) * len(microbatch_groups(pp, m)[0]), v * m)
     return _fill_drain(forwards, backwards, warmup)
 

@@ -1,12 +1,13 @@
 """The lowering pass: add point-to-point communication, fused into groups, to compute-only schedules.
 
 Terms:
-  compute-only list -- a rank's ordered F/B actions, as ``generate.build_schedule`` makes them.
+  compute-only list -- a rank's ordered F/B (or F/I/W) actions, as ``generate.build_schedule`` makes them.
   lowered list      -- the same computes with communication groups (``actions.Group``) between them.
   edge              -- activation flow stage ``s`` -> ``s+1`` (forward) or gradient flow
                        ``s+1`` -> ``s`` (backward), for one microbatch.
-  local hand-off    -- an edge whose two stages live on the same rank (only when pp == 1); the value
-                       stays in memory, so no communication action is emitted for it.
+  local hand-off    -- an edge whose two stages live on the same rank (pp == 1, or stages pp-1 and pp
+                       under the V placement); the value stays in memory, so no communication
+                       action is emitted for it.
   slot              -- the gap between two consecutive computes of one rank.
 
 Why groups, and where.  NCCL runs one rank's point-to-point groups in the order they were posted, one
@@ -25,10 +26,11 @@ any of step t is needed: no ordering cycle can form, whatever the real compute t
 this gives exactly torch's fused pairs.  ``simulate`` re-checks every schedule under NCCL's rules.
 
 Pass contract.
-  requires: every list is compute-only (F and B); each action's stage is in ``[0, S)`` and lives on
-            the rank whose list holds it (``stage % pp == rank``); each microbatch is in ``[0, m)``;
-            every (stage, microbatch) has exactly one F and, unless the schedule is forward-only (no
-            B at all), exactly one B, and the F comes first.
+  requires: every list is compute-only (F and B, or F, I and W); each action's stage is in ``[0, S)``
+            and lives on the rank whose list holds it (the schedule's placement); each microbatch is in
+            ``[0, m)``; every (stage, microbatch) has exactly one F and, unless the schedule is
+            forward-only (no backward at all), exactly one B or exactly one I and one W (one kind of
+            backward for the whole schedule); F comes before B / I, and I before its W.
   ensures:  the compute actions keep their order; for every cross-rank edge there is exactly one
             send on the producer's rank, in the slot right after the producing compute, and exactly
             one receive on the consumer's rank, in its slot at the producing compute's step, which
@@ -42,7 +44,7 @@ from collections import Counter, defaultdict
 
 from autosplit.errors import AutosplitError
 
-from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Group, Item
+from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Group, I, Item, W
 from .generate import Schedule
 from .timing import compute_steps
 
@@ -50,18 +52,18 @@ from .timing import compute_steps
 def lower(schedule: Schedule) -> dict[int, list[Item]]:
     """Per rank, ``schedule.actions`` with communication groups inserted (see the module contract)."""
     check_requires(schedule)
-    pp, S = schedule.pp, schedule.num_stages
-    steps = compute_steps(schedule.actions, S)
+    S, place = schedule.num_stages, schedule.placement
+    steps = compute_steps(schedule.actions, S, place)
     # slots[r][k]: (step, order, action) in the slot before compute k of rank r (k == len: after the last)
     slots = {r: defaultdict(list) for r in schedule.actions}
     position = {a: k for acts in schedule.actions.values() for k, a in enumerate(acts)}
     rank_steps = {r: [steps[a] for a in acts] for r, acts in schedule.actions.items()}
     for producer in position:
         for send_kind, recv_kind, consumer_stage in _edges(producer, S):
-            if consumer_stage % pp == producer.stage % pp:
+            src, dst = place.rank(producer.stage), place.rank(consumer_stage)
+            if src == dst:
                 continue                                          # local hand-off
             t, i = steps[producer], producer.microbatch
-            src, dst = producer.stage % pp, consumer_stage % pp
             slots[src][position[producer] + 1].append((t, 0, Action(producer.stage, send_kind, i)))
             # the consumer's slot after its last compute at or before step t
             slots[dst][bisect_right(rank_steps[dst], t)].append((t, 1, Action(consumer_stage, recv_kind, i)))
@@ -87,6 +89,8 @@ def _edges(producer: Action, num_stages: int) -> list[tuple]:
     s = producer.stage
     if producer.kind is F:
         return [(SEND_F, RECV_F, s + 1)] if s < num_stages - 1 else []
+    if producer.kind is W:
+        return []                                   # weight gradients stay on the rank
     return [(SEND_B, RECV_B, s - 1)] if s > 0 else []
 
 
@@ -97,7 +101,7 @@ def flatten(items: list[Item]) -> list[Action]:
 
 def check_requires(schedule: Schedule) -> None:
     """Raise AutosplitError naming the first action that breaks the pass's ``requires``."""
-    pp, S, m = schedule.pp, schedule.num_stages, schedule.num_microbatches
+    pp, S, m, place = schedule.pp, schedule.num_stages, schedule.num_microbatches, schedule.placement
     if sorted(schedule.actions) != list(range(pp)):
         raise AutosplitError(f"schedule has lists for ranks {sorted(schedule.actions)}; expected 0..{pp - 1}")
     seen: Counter[tuple[int, object, int]] = Counter()
@@ -110,13 +114,17 @@ def check_requires(schedule: Schedule) -> None:
                 raise AutosplitError(
                     f"{where}: stage must be in [0, {S}) = pp({pp}) * chunks_per_rank"
                     f"({schedule.chunks_per_rank}) and microbatch in [0, {m})")
-            if a.stage % pp != rank:
-                raise AutosplitError(
-                    f"{where}: stage {a.stage} lives on rank {a.stage} % {pp} = {a.stage % pp}, not {rank}")
-            if a.kind is B and seen[(a.stage, F, a.microbatch)] == 0:
-                raise AutosplitError(f"{where}: B before the F of stage {a.stage} microbatch {a.microbatch}")
+            if place.rank(a.stage) != rank:
+                raise AutosplitError(f"{where}: {place.describe(a.stage)}, not {rank}")
+            before = {B: F, I: F, W: I}.get(a.kind)
+            if before is not None and seen[(a.stage, before, a.microbatch)] == 0:
+                raise AutosplitError(f"{where}: {a.kind.name} before the {before.name} of stage {a.stage} "
+                                     f"microbatch {a.microbatch}")
             seen[(a.stage, a.kind, a.microbatch)] += 1
-    kinds = (F, B) if any(kind is B for _, kind, _ in seen) else (F,)    # no B at all: forward-only
+    kinds = {k for _, k, _ in seen}
+    if B in kinds and kinds & {I, W}:
+        raise AutosplitError("schedule mixes B with I / W; a schedule splits every backward or none")
+    kinds = (F,) + ((B,) if B in kinds else (I, W) if kinds & {I, W} else ())   # no backward: forward-only
     for s in range(S):
         for i in range(m):
             for kind in kinds:

@@ -1,8 +1,8 @@
 """A discrete-time simulator of lowered schedules under NCCL's rules: proves a schedule finishes, counts idle.
 
 Terms:
-  step      -- one unit of time.  Each compute action (F or B of one chunk) takes exactly one step
-               on its rank; communication takes zero time.
+  step      -- one unit of time.  Each compute action (F, B, I or W of one chunk) takes exactly one
+               step on its rank; communication takes zero time.
   host      -- a rank's program counter; it runs the rank's lowered list strictly in order: it *posts*
                each group (without waiting for it) and runs each compute once the compute is ready.
   queue     -- per rank, the posted groups not yet done, in posting order.  As on NCCL, where one
@@ -13,8 +13,8 @@ Terms:
                complete on their own.  A send can only match once the compute that produces it ran.
   done      -- a group is done (and leaves the queue) when every one of its actions is matched.
   ready     -- a compute is ready once its data dependencies ran in an *earlier* step (F(s, i) needs
-               F(s-1, i); B(s, i) needs F(s, i) and, unless s is the last stage, B(s+1, i)) and the
-               group holding the receive that feeds it is done.  So an F at step t on stage s lets
+               F(s-1, i); B(s, i) needs F(s, i) and, unless s is the last stage, B(s+1, i); I the same
+               with I; W(s, i) needs I(s, i)) and the group holding the receive that feeds it is done.  So an F at step t on stage s lets
                stage s+1 run F at step t+1, whether on another rank or on the same rank.
   in one step, first every queue makes what progress it can (matching repeats until nothing changes),
                then each host posts the groups at its position, runs at most one ready compute, and
@@ -27,12 +27,16 @@ Terms:
                (checked before the run).
   busy / idle -- steps in which a rank did / did not run a compute.  ``idle_fraction`` is the total
                idle rank-steps over ``steps * pp``.
-  in flight -- on one rank, the (stage, microbatch) pairs whose F ran and whose B has not: the
-               activations that rank must hold.  ``peak_activations[r]`` is its maximum over time.
+  in flight -- on one rank, the (stage, microbatch) pairs whose F ran and whose B (or I) has not:
+               the activations that rank must hold.  ``peak_activations[r]`` is its maximum over time.
+  pending W -- the (stage, microbatch) pairs whose I ran and whose W has not: each holds the inputs
+               and output gradients of its weight GEMMs.  ``peak_pending_w[r]`` is its maximum.
+  placement -- which rank holds each stage (placement.py); a Schedule brings its own.
 
 Grid format (``SimResult.format_grid``): a header row ``step  rank 0  rank 1 ...``, then one row per
 step holding, per rank, the compute it ran in compact action form (``2F0`` = stage 2 forward of
-microbatch 0, ``1B3`` = stage 1 backward of microbatch 3) or ``.`` when idle.
+microbatch 0, ``1B3`` = stage 1 backward of microbatch 3, ``1I3`` / ``0W2`` its input / weight
+halves) or ``.`` when idle.
 """
 from __future__ import annotations
 
@@ -41,9 +45,10 @@ from dataclasses import dataclass
 
 from autosplit.errors import AutosplitError
 
-from .actions import RECV_B, RECV_F, SEND_F, Action, B, F, Group, Item
+from .actions import RECV_B, RECV_F, SEND_F, Action, B, F, Group, I, Item, W
 from .generate import Schedule, build_schedule
 from .lower import flatten, lower
+from .placement import Placement
 from .timing import ScheduleDeadlock, dependencies
 
 
@@ -53,6 +58,7 @@ class SimResult:
     busy: list[int]                 # compute steps per rank
     grid: list[list[str | None]]    # grid[t][r]: compute label rank r ran at step t, or None
     peak_activations: list[int]     # per rank, max (stage, microbatch) pairs in flight
+    peak_pending_w: list[int] = None  # per rank, max (stage, microbatch) pairs with I done, W not
 
     @property
     def pp(self) -> int:
@@ -85,19 +91,24 @@ def check_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: i
 
 
 def simulate(schedule_or_lowered: Schedule | dict[int, list[Item]],
-             num_stages: int | None = None) -> SimResult:
+             num_stages: int | None = None, placement: Placement | None = None) -> SimResult:
     """Run every rank's lowered list together, one step at a time (see the module docstring).
 
-    A ``Schedule`` is lowered first.  A dict maps rank -> lowered list; ``num_stages`` defaults to
-    one more than the largest stage in it.
+    Args:
+        schedule_or_lowered: a ``Schedule`` (lowered first), or a dict rank -> lowered list.
+        num_stages: for a dict; defaults to one more than the largest stage in it.
+        placement: for a dict; defaults to the looped placement.
     """
     if isinstance(schedule_or_lowered, Schedule):
-        lists, num_stages = lower(schedule_or_lowered), schedule_or_lowered.num_stages
+        sched = schedule_or_lowered
+        lists, num_stages, placement = lower(sched), sched.num_stages, sched.placement
     else:
         lists = schedule_or_lowered
         if num_stages is None:
             num_stages = 1 + max((a.stage for acts in lists.values() for a in flatten(acts)), default=0)
-    return _Sim(lists, num_stages).run()
+        if placement is None:
+            placement = Placement(len(lists), -(-num_stages // max(len(lists), 1)))
+    return _Sim(lists, num_stages, placement).run()
 
 
 class _Posted:
@@ -108,26 +119,29 @@ class _Posted:
 
 
 class _Sim:
-    def __init__(self, lists: dict[int, list[Item]], num_stages: int):
-        self.pp = len(lists)
+    def __init__(self, lists: dict[int, list[Item]], num_stages: int, placement: Placement):
+        self.pp, self.place = len(lists), placement
         if sorted(lists) != list(range(self.pp)):
             raise AutosplitError(f"lists are keyed by ranks {sorted(lists)}; expected 0..{self.pp - 1}")
         for rank, items in lists.items():
             for a in flatten(items):
-                if a.stage % self.pp != rank:
-                    raise AutosplitError(f"{a} is in rank {rank}'s list but stage {a.stage} lives on "
-                                         f"rank {a.stage} % {self.pp} = {a.stage % self.pp}")
+                if placement.rank(a.stage) != rank:
+                    raise AutosplitError(f"{a} is in rank {rank}'s list but {placement.describe(a.stage)}")
         # a bare communication action is a group of one
         self.lists = {r: [Group((it,)) if isinstance(it, Action) and not it.is_compute else it for it in items]
                       for r, items in lists.items()}
         self.num_stages = num_stages
         self.recvs = [{a for a in flatten(items) if a.kind.is_recv} for _, items in sorted(lists.items())]
+        # the gradient a SEND_B carries comes from B, or from I in a split-backward schedule
+        self.grad_kind = I if any(a.kind is I for items in lists.values() for a in flatten(items)) else B
         self.pos = [0] * self.pp
         self.queue: list[deque[_Posted]] = [deque() for _ in range(self.pp)]
         self.ran: dict[Action, int] = {}        # compute -> step it ran in
         self.received: dict[Action, int] = {}   # receive -> step its group finished
         self.inflight = [0] * self.pp
         self.peak = [0] * self.pp
+        self.pending_w = [0] * self.pp
+        self.peak_w = [0] * self.pp
         self.busy = [0] * self.pp
 
     def _finished(self) -> bool:
@@ -142,7 +156,7 @@ class _Sim:
         for r, items in self.lists.items():
             for a in flatten(items):
                 if not a.is_compute:
-                    peer = a.peer_stage % self.pp
+                    peer = self.place.rank(a.peer_stage)
                     book = sends if a.kind.is_send else recvs
                     book.setdefault((r, peer) if a.kind.is_send else (peer, r), []).append(a)
         for pair in sorted(set(sends) | set(recvs)):
@@ -171,14 +185,14 @@ class _Sim:
             t += 1
         while grid and not any(grid[-1]):  # trailing steps of communication only
             grid.pop()
-        return SimResult(len(grid), self.busy, grid, self.peak)
+        return SimResult(len(grid), self.busy, grid, self.peak, self.peak_w)
 
     # ---- the queues ----------------------------------------------------------------------------
     def _can_match(self, a: Action, t: int) -> bool:
         """A send is only matchable once the compute producing its tensor has run."""
         if not a.kind.is_send:
             return True
-        producer = Action(a.stage, F if a.kind is SEND_F else B, a.microbatch)
+        producer = Action(a.stage, F if a.kind is SEND_F else self.grad_kind, a.microbatch)
         return self.ran.get(producer, t) < t
 
     def _communicate(self, t: int) -> bool:
@@ -190,7 +204,7 @@ class _Sim:
                     continue
                 head = self.queue[r][0]
                 for a in sorted(head.waiting, key=str):
-                    peer = self.queue[a.peer_stage % self.pp]
+                    peer = self.queue[self.place.rank(a.peer_stage)]
                     other = a.matching()
                     if peer and other in peer[0].waiting and self._can_match(a, t) and self._can_match(other, t):
                         head.waiting.discard(a)
@@ -224,17 +238,21 @@ class _Sim:
 
     def _account(self, r: int, a: Action) -> None:
         self.busy[r] += 1
-        self.inflight[r] += 1 if a.kind is F else -1
+        self.inflight[r] += 1 if a.kind is F else -1 if a.kind.sends_grad else 0
         self.peak[r] = max(self.peak[r], self.inflight[r])
+        self.pending_w[r] += 1 if a.kind is I else -1 if a.kind is W else 0
+        self.peak_w[r] = max(self.peak_w[r], self.pending_w[r])
 
-    def _feed(self, a: Action) -> Action:
-        """The receive that would bring ``a`` its input (activation for F, gradient for B)."""
+    def _feed(self, a: Action) -> Action | None:
+        """The receive that would bring ``a`` its input (activation for F, gradient for B / I)."""
+        if a.kind is W:
+            return None
         return Action(a.stage, RECV_F if a.kind is F else RECV_B, a.microbatch)
 
     def _missing(self, a: Action, t: int) -> list[Action]:
         missing = [d for d in dependencies(a, self.num_stages) if self.ran.get(d, t) >= t]
         feed = self._feed(a)
-        if feed in self.recvs[a.stage % self.pp] and feed not in self.received:
+        if feed is not None and feed in self.recvs[self.place.rank(a.stage)] and feed not in self.received:
             missing.append(feed)
         return missing
 
@@ -255,7 +273,7 @@ class _Sim:
                f"sends):\n  " + "\n  ".join(lines)
 
     def _where(self, need: Action) -> str:
-        p = need.stage % self.pp
+        p = self.place.rank(need.stage)
         queued = [q.group for q in self.queue[p] if need in q.waiting]
         if queued:
             return f"{need} that rank {p} has queued behind {self.queue[p][0].group}"

@@ -1,17 +1,20 @@
 """Unit-time timing of a compute-only schedule: the step at which each compute would run.
 
 Terms:
-  step  -- one unit of time; every compute (F or B of one chunk on one microbatch) takes one step.
+  step  -- one unit of time; every compute (F, B, I or W of one chunk on one microbatch) takes one step.
   ready -- a compute runs at the first step after its data dependencies ran (F(s, i) needs F(s-1, i);
-           B(s, i) needs F(s, i) and, unless s is the last stage, B(s+1, i)), on whichever rank they
-           ran, and after the computes before it in its rank's list.  Communication is free here.
+           B(s, i) needs F(s, i) and, unless s is the last stage, B(s+1, i); I likewise with I(s+1, i);
+           W(s, i) needs I(s, i)), on whichever rank they ran, and after the computes before it in its
+           rank's list.  Communication is free here.
+  placement -- which rank holds each stage (placement.py); only the messages need it here.
 
 The lowering pass uses these steps to place each transfer (see lower.py); the simulator then checks
 the lowered lists under NCCL's rules, where communication is no longer free of ordering.
 """
 from __future__ import annotations
 
-from .actions import Action, B, F
+from .actions import Action, ActionKind, F, W
+from .placement import Placement
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -23,11 +26,14 @@ def dependencies(a: Action, num_stages: int) -> list[Action]:
     s, i = a.stage, a.microbatch
     if a.kind is F:
         return [Action(s - 1, F, i)] if s > 0 else []
-    deps = [Action(s, F, i)]
-    return deps + [Action(s + 1, B, i)] if s < num_stages - 1 else deps
+    if a.kind is W:
+        return [Action(s, ActionKind.I, i)]
+    deps = [Action(s, F, i)]                       # B or I: the stage's forward, the next stage's B / I
+    return deps + [Action(s + 1, a.kind, i)] if s < num_stages - 1 else deps
 
 
-def compute_steps(lists: dict[int, list[Action]], num_stages: int) -> dict[Action, int]:
+def compute_steps(lists: dict[int, list[Action]], num_stages: int,
+                  placement: Placement | None = None) -> dict[Action, int]:
     """The step each compute of ``lists`` (rank -> compute-only list) runs at; raises
     ScheduleDeadlock naming every stuck rank when the lists' order makes some compute wait forever."""
     pos = {r: 0 for r in lists}
@@ -40,15 +46,14 @@ def compute_steps(lists: dict[int, list[Action]], num_stages: int) -> dict[Actio
                 ran.append(acts[pos[r]])
                 pos[r] += 1
         if not ran:
-            raise ScheduleDeadlock(_explain(lists, pos, steps, num_stages))
+            raise ScheduleDeadlock(_explain(lists, pos, steps, num_stages, placement or Placement(len(lists))))
         for a in ran:
             steps[a] = t
         t += 1
     return steps
 
 
-def _explain(lists, pos, steps, num_stages) -> str:
-    pp = len(lists)
+def _explain(lists, pos, steps, num_stages, placement: Placement) -> str:
     lines = []
     for r, acts in sorted(lists.items()):
         if pos[r] == len(acts):
@@ -58,7 +63,7 @@ def _explain(lists, pos, steps, num_stages) -> str:
         for d in dependencies(a, num_stages):
             if d in steps:
                 continue
-            p = d.stage % pp
+            p = placement.rank(d.stage)
             at = lists[p][pos[p]] if pos[p] < len(lists[p]) else "its end"
             held = d in lists[p][pos[p]:]
             needs.append(f"{d} that rank {p} has not reached (it is at {at})" if held else
