@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate
 from torch import nn
 
 from autosplit import validate
+from autosplit.cost_model.weight_grad import split_backward_time
 from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
 from autosplit.errors import AutosplitError
 from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
@@ -27,6 +28,7 @@ from autosplit.passes.cut_points import Cut, find_cuts
 from autosplit.passes.partition import balanced_bounds, stage_costs, torchtitan_bounds
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
 from autosplit.passes.split_stages import SplitStages
+from autosplit.passes.split_backward import weight_gemm_nodes
 from autosplit.passes.tp_rewrite import shard_tensor_parallel
 from autosplit.passes.tp_sequence import apply_sequence_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
@@ -216,6 +218,7 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
     result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
     by_name["output"] = result if isinstance(result, fx.Node) else all_nodes[-1]
     shown = [n for n in all_nodes if _visible(n)]     # labels skip Identity, Dropout(p=0), views
+    gemms = set(weight_gemm_nodes(all_nodes[0].graph.owning_module))
     infos = []
     for s, module in enumerate(split.stages):
         nodes = [n for n in all_nodes if n.meta.get("stage") == s]
@@ -233,5 +236,5 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
             memory_bytes=OPTIMIZER_FACTOR * param_bytes + seg.in_flight[s] * kept + recompute,
             inputs=_tensor_infos([by_name[n] for n in split.inputs[s]]),
             outputs=_tensor_infos([by_name[n] for n in split.outputs[s]]),
-            recompute_bytes=recompute))
+            recompute_bytes=recompute, w_time=split_backward_time(nodes, gemms, seg.profile)[1]))
     return infos

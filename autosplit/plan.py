@@ -55,6 +55,7 @@ class StageInfo:
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
     recompute_bytes: int = 0      # alive while one microbatch's backward recomputes (checkpointing)
+    w_time: float = 0.0           # the part of bwd_time a split backward defers to W (zb-h1, zb-v)
 
     @property
     def time(self) -> float:

@@ -62,6 +62,10 @@ def summary_table(plan: Plan) -> str:
         what = "its inputs" if plan.checkpoint == "stage" else "the tensors entering each layer"
         foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
                     f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
+    if plan.schedule in ("zb-h1", "zb-v"):
+        foot.append(f"{plan.schedule}: backward split into I (input gradient) and W (weight gradients, deferred "
+                    f"to fill the bubble); W ms per stage (part of bwd ms): "
+                    + ", ".join(f"{s.w_time * 1e3:.3f}" for s in plan.stages))
     if plan.tp_plan is not None:
         tp = plan.tp_plan
         foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "

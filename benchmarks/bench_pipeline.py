@@ -6,6 +6,11 @@ embed_dim=192, depth=12, num_heads=3, num_classes=10) on a batch of 64 in 8 micr
   1f1b         -- torch ``Schedule1F1B`` (one stage per rank) vs autosplit ``schedule="1f1b"``, mesh (2,1,1)
   interleaved  -- torch ``ScheduleInterleaved1F1B`` (stages r and r+2 on rank r) vs autosplit
                   ``schedule="interleaved", chunks_per_rank=2``
+  zero bubble  -- autosplit ``schedule="zb-h1"`` (one stage per rank) and ``schedule="zb-v"`` (two chunks
+                  per rank in a V: stages r and 3-r), against torch ``Schedule1F1B`` (the targets:
+                  zb-h1 <= 0.95, zb-v <= 0.92 of its step) and torch's own zero-bubble schedules
+                  ``ScheduleInterleavedZeroBubble`` (stages r and r+2) and ``ScheduleZBVZeroBubble``
+                  (stages r and 3-r), on the same hand split as torch's other schedules.
   single rank  -- the whole model in one process on one thread: one step on the full batch, and one
                   step as 8 microbatches of gradient accumulation (the other rank idles in a barrier);
                   also the accumulation step on both ranks at once (both cores busy, no pipeline), to
@@ -53,7 +58,7 @@ LR = 0.01
 VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3, num_classes=10)
 
 PIPELINE = ("ours_1f1b", "torch_1f1b", "ours_interleaved", "torch_interleaved", "ours_1f1b_equal",
-            "ours_interleaved_equal")
+            "ours_interleaved_equal", "ours_zbh1", "ours_zbv", "torch_interleaved_zb", "torch_zbv")
 SINGLE = ("single_full", "single_accum", "single_accum_both")
 EXTRA = ("ours_1f1b_plainwait",)       # not run by default: --configs ...,ours_1f1b_plainwait
 LABELS = {
@@ -63,6 +68,10 @@ LABELS = {
     "torch_interleaved": "torch ScheduleInterleaved1F1B (2 stages/rank)",
     "ours_1f1b_equal": "autosplit 1f1b on torch's cut",
     "ours_interleaved_equal": "autosplit interleaved on torch's cut",
+    "ours_zbh1": "autosplit zb-h1",
+    "ours_zbv": "autosplit zb-v (2 chunks/rank, V)",
+    "torch_interleaved_zb": "torch ScheduleInterleavedZeroBubble (2 stages/rank)",
+    "torch_zbv": "torch ScheduleZBVZeroBubble (2 stages/rank, V)",
     "ours_1f1b_plainwait": "autosplit 1f1b, Watchdog.wait replaced by work.wait()",
     "single_full": "single rank, full batch of 64",
     "single_accum": "single rank, 8 x 8 gradient accumulation",
@@ -199,11 +208,13 @@ def _patch(timer: PhaseTimer) -> list:
         (executor.PipelineExecutor, "_forward", "forward"),
         (executor.PipelineExecutor, "_finish_forward", "forward"),
         (executor.PipelineExecutor, "_backward", "backward"),
+        (executor.PipelineExecutor, "_weight_grad", "backward"),
         (executor.PipelineExecutor, "_post", "post"),
         (faults.Watchdog, "wait", lambda self, work, doing, **k: "loss all-reduce" if "all-reduce" in doing else "wait"),
         (parallel_module.ParallelModule, "_global_mean", "loss all-reduce"),
         (tstage._PipelineStageBase, "forward_one_chunk", "forward"),
         (tstage._PipelineStageBase, "backward_one_chunk", "backward"),
+        (tstage._PipelineStageBase, "backward_weight_one_chunk", "backward"),
         (tsched._PipelineSchedule, "_maybe_compute_loss", "forward"),
         (tsched, "_batch_p2p", "post"),
         (dist.Work, "wait", lambda *a, **k: None if timer.inside("wait") or timer.inside("loss all-reduce")
@@ -240,7 +251,8 @@ def run_rank(rank: int, args) -> dict:
     from datetime import timedelta
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     import autosplit
 
@@ -268,7 +280,8 @@ def run_rank(rank: int, args) -> dict:
 
     # autosplit ------------------------------------------------------------------------------
     for name, schedule, chunks in (("ours_1f1b", "1f1b", 1), ("ours_interleaved", "interleaved", 2),
-                                   ("ours_1f1b_equal", "1f1b", 1), ("ours_interleaved_equal", "interleaved", 2)):
+                                   ("ours_1f1b_equal", "1f1b", 1), ("ours_interleaved_equal", "interleaved", 2),
+                                   ("ours_zbh1", "zb-h1", 1), ("ours_zbv", "zb-v", 2)):
         if name not in args.configs:
             continue
         bounds = None
@@ -309,20 +322,23 @@ def run_rank(rank: int, args) -> dict:
     # examples of the boundary tensors; requires_grad=True tells torch that a gradient flows back through it
     act = torch.zeros(mb, (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1, VIT["embed_dim"], requires_grad=True)
     logits = torch.zeros(mb, VIT["num_classes"], requires_grad=True)
-    for name, n_stages in (("torch_1f1b", WORLD), ("torch_interleaved", 2 * WORLD)):
+    for name, n_stages, kind in (("torch_1f1b", WORLD, Schedule1F1B),
+                                 ("torch_interleaved", 2 * WORLD, ScheduleInterleaved1F1B),
+                                 ("torch_interleaved_zb", 2 * WORLD, ScheduleInterleavedZeroBubble),
+                                 ("torch_zbv", 2 * WORLD, ScheduleZBVZeroBubble)):
         if name not in args.configs:
             continue
         model = copy.deepcopy(base)
         pieces = _pieces(model, n_stages)
-        local = list(range(rank, n_stages, WORLD))       # looped placement: rank r holds r, r+W, ...
+        # looped placement: rank r holds r, r+W, ...; ZBV's V: rank r holds r and 2W-1-r
+        local = [rank, 2 * WORLD - 1 - rank] if name == "torch_zbv" else list(range(rank, n_stages, WORLD))
         stages = [PipelineStage(pieces[s], s, n_stages, cpu,
                                 input_args=(x[:mb] if s == 0 else act,),
                                 output_args=(logits if s == n_stages - 1 else act,)) for s in local]
         if n_stages == WORLD:
-            sched = Schedule1F1B(stages[0], MICROBATCHES, loss_fn=torch.nn.CrossEntropyLoss(), scale_grads=True)
+            sched = kind(stages[0], MICROBATCHES, loss_fn=torch.nn.CrossEntropyLoss(), scale_grads=True)
         else:
-            sched = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=torch.nn.CrossEntropyLoss(),
-                                            scale_grads=True)
+            sched = kind(stages, MICROBATCHES, loss_fn=torch.nn.CrossEntropyLoss(), scale_grads=True)
         params = [p for s in local for p in pieces[s].parameters()]
         opt = torch.optim.SGD(params, lr=LR)
         has_first, has_last = 0 in local, (n_stages - 1) in local
@@ -527,6 +543,7 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
                 paired = statistics.median(a / b for a, b in zip(series[ours], series[theirs]))
                 lines.append(f"| {sched}: {LABELS[ours].replace('autosplit ' + sched, 'autosplit')} / torch, median "
                              f"of per-round ratios | {paired:.3f} | <= 0.90 |")
+    lines += zero_bubble_rows(st, series, fl)
     if "ours_1f1b_plainwait" in series and "ours_1f1b" in series:
         paired = statistics.median(a / b for a, b in zip(series["ours_1f1b_plainwait"], series["ours_1f1b"]))
         lines.append(f"| 1f1b: plain `work.wait()` / `Watchdog.wait`, median of per-round ratios | {paired:.3f} | |")
@@ -559,6 +576,29 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
     lines.append("")
     lines.append(END)
     return "\n".join(lines) + "\n"
+
+
+ZB_TARGETS = {"ours_zbh1": 0.95, "ours_zbv": 0.92}    # of torch Schedule1F1B's step (issue 11)
+
+
+def zero_bubble_rows(st: dict, series: dict, fl: dict) -> list[str]:
+    """Zero-bubble rows of the comparison table: each against torch's 1F1B (the targets) and against
+    torch's own zero-bubble schedule of the same placement."""
+    rows = []
+    for ours, target in ZB_TARGETS.items():
+        for theirs in ("torch_1f1b", "ours_1f1b", "torch_interleaved_zb" if ours == "ours_zbh1" else "torch_zbv"):
+            if ours not in st or theirs not in st:
+                continue
+            goal = f"<= {target:.2f}" if theirs == "torch_1f1b" else ""
+            paired = statistics.median(a / b for a, b in zip(series[ours], series[theirs]))
+            rows.append(f"| {LABELS[ours]} / {LABELS[theirs]} (median step) | "
+                        f"{st[ours]['median'] / st[theirs]['median']:.3f} | {goal} |")
+            rows.append(f"| {LABELS[ours]} / {LABELS[theirs]}, median of per-round ratios | {paired:.3f} | {goal} |")
+    for name in ("ours_zbh1", "ours_zbv", "torch_interleaved_zb", "torch_zbv"):
+        if fl.get(name) is not None and fl.get("reference") is not None:
+            rows.append(f"| {LABELS[name]}: first-step loss, abs(- whole model) | {abs(fl[name] - fl['reference']):.2e} "
+                        f"| < 1e-4 |")
+    return rows
 
 
 def phase_table(per_rank: list[dict]) -> list[str]:

@@ -83,6 +83,13 @@ def _function_split(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
     return None
 
 
+def weight_gemm_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` that ``split_weight_gemms`` splits (for the cost model's I / W prices)."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_module" and _module_split(gm.get_submodule(n.target)) is not None
+            or n.op == "call_function" and _function_split(gm, n) is not None]
+
+
 def split_weight_gemms(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """A copy of ``gm`` whose weight GEMMs defer their weight gradient (see the module docstring).
 

@@ -1,0 +1,50 @@
+"""Prices of the two halves of a split backward: I (input gradient) and W (weight gradients).
+
+Terms:
+  weight GEMM -- a node whose weight gradient a zero-bubble schedule defers to W (which nodes: the
+                 caller passes them, from ``passes/split_backward.weight_gemm_nodes``).
+  W           -- per weight GEMM, one GEMM with the forward's FLOPs (dW = dY^T X is as large as
+                 Y = X W^T), reading the saved input and the output gradient and writing dW:
+                 roofline time of those FLOPs and bytes, plus one op overhead.
+  I           -- the rest of the backward: every node's backward time minus its W.
+
+With the cost model's backward of 2 x forward for GEMMs, a weight GEMM's backward splits evenly
+into I and W; norms, attention and pointwise ops stay whole in I.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from autosplit.cost_model.flops import node_cost
+from autosplit.cost_model.profiles import get_profile
+from autosplit.cost_model.roofline import op_time, output_dtype
+
+
+def _bytes(val) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(val) if isinstance(t, torch.Tensor))
+
+
+def weight_grad_time(node: fx.Node, profile) -> float:
+    """Seconds of the W GEMM of one weight GEMM node (see the module docstring)."""
+    p = get_profile(profile)
+    cost = node.meta.get("cost") or node_cost(node, node.graph.owning_module)
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    traffic = _bytes(x) + 2 * _bytes(node.meta.get("val")) + cost.param_bytes   # X, dY read; dW written
+    return max(cost.fwd_flops / p.flops_for(output_dtype(node)), traffic / p.mem_bandwidth) + p.op_overhead
+
+
+def split_backward_time(nodes: Iterable[fx.Node], gemms: set[fx.Node], profile) -> tuple[float, float]:
+    """(I s, W s) of ``nodes``' backward when the ``gemms`` among them defer their weight gradient."""
+    i_time = w_time = 0.0
+    for n in nodes:
+        if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
+            continue
+        cost = n.meta.get("cost") or node_cost(n, n.graph.owning_module)
+        bwd = op_time(cost, output_dtype(n), profile)[1]
+        w = min(weight_grad_time(n, profile), bwd) if n in gemms else 0.0
+        i_time, w_time = i_time + bwd - w, w_time + w
+    return i_time, w_time
