@@ -8,6 +8,11 @@ Terms:
                  zero-bubble schedule) the weight gradient is computed and returned at once, as usual.
   key         -- (stage, microbatch): the executor sets it around one I (``DEFERRED.collecting``)
                  and runs its W later (``DEFERRED.run``).
+  eager       -- a B (not a zero-bubble I) under tensor parallelism collects too, with ``eager=True``:
+                 its weight gradients may run as soon as a collective is in flight
+                 (``run_while_communicating``: the tensor-parallel backward all-reduce / reduce-scatter
+                 of an entry's input gradient overlaps the weight-gradient GEMMs queued before it,
+                 as Megatron's async grad all-reduce does); whatever is left runs at the end of B.
   accumulate  -- W hands each weight gradient to autograd as the gradient of the parameter leaf
                  (``torch.autograd.backward([w], [g])``), so it is *added* into ``.grad`` exactly as a
                  fused backward would add it (tied or reused weights add up, ``.grad`` views of the dp
@@ -34,17 +39,26 @@ class DeferredWeightGrads:
     """Weight-gradient work queued by I, run by W; one per process (``DEFERRED``)."""
 
     def __init__(self):
-        self.key = None
+        self.key, self.eager = None, False
         self.pending: dict = {}       # key -> [(weight, fn() -> gradient)]
+        self.overlapped = 0           # weight gradients run while a collective was in flight (a count)
 
     @contextlib.contextmanager
-    def collecting(self, key):
-        """Split GEMMs whose backward runs inside this block defer their weight gradient to ``key``."""
-        previous, self.key = self.key, key
+    def collecting(self, key, eager: bool = False):
+        """Split GEMMs whose backward runs inside this block defer their weight gradient to ``key``;
+        ``eager``: they may run while a collective is in flight (B), not only at the key's W (I)."""
+        previous, self.key, self.eager = (self.key, self.eager), key, eager
         try:
             yield
         finally:
-            self.key = previous
+            self.key, self.eager = previous
+
+    def run_while_communicating(self) -> None:
+        """Called by a backward collective after it launched and before it waits: in an eager key,
+        compute the weight gradients queued so far (they overlap the communication)."""
+        if self.key is not None and self.eager:
+            self.overlapped += len(self.pending.get(self.key, []))
+            self.run(self.key)
 
     def defer(self, weight: torch.Tensor, compute) -> None:
         self.pending.setdefault(self.key, []).append((weight, compute))
@@ -72,7 +86,7 @@ class DeferredWeightGrads:
     def clear(self) -> None:
         """Drop everything queued (after a failed step, so nothing stale is applied later)."""
         self.pending.clear()
-        self.key = None
+        self.key, self.eager = None, False
 
 
 DEFERRED = DeferredWeightGrads()

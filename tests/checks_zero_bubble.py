@@ -47,11 +47,11 @@ VARIANTS.setdefault("shared_weight", SharedWeightViT)
 
 
 def train_with_deferral(name: str, mesh, schedule: str, microbatches: int, **kw) -> dict:
-    """``train_matches_single_device`` for a zero-bubble schedule, also counting the weight gradients
-    W actually computed (so a pass that split nothing cannot pass) and the dp buckets that launched
-    before the step's end (so arming at the last W keeps the overlap)."""
+    """``train_matches_single_device``, also counting the weight gradients the split GEMMs deferred (so
+    a pass that split nothing cannot pass), those run while a tp backward collective was in flight,
+    and the dp buckets that launched before the step's end (arming at the last W keeps the overlap)."""
     counted = {"deferred": 0, "early": []}
-    run = DEFERRED.run
+    run, overlapped = DEFERRED.run, DEFERRED.overlapped
 
     def counting_run(key):
         counted["deferred"] += len(DEFERRED.pending.get(key, []))
@@ -71,4 +71,5 @@ def train_with_deferral(name: str, mesh, schedule: str, microbatches: int, **kw)
     finally:
         DEFERRED.run = run
         GradBuckets.finish = original_finish
-    return {**result, **counted}
+    # weight gradients computed while a tp backward collective was in flight
+    return {**result, **counted, "overlapped": DEFERRED.overlapped - overlapped}

@@ -233,3 +233,12 @@ def test_cost_model_prices_i_and_w():
     i_time, w_time = split_backward_time([fc], {fc}, "h100")
     assert i_time + w_time == pytest.approx(bwd) and w_time == pytest.approx(fwd, rel=0.5)
     assert split_backward_time([fc], set(), "h100") == (pytest.approx(bwd), 0.0)
+
+
+@pytest.mark.parametrize("name,kw", [("tp_timm", {}), ("tp_torchvision", {"sequence_parallel": True})])
+def test_tp_backward_overlaps_weight_grads(pool2, name, kw):
+    """1F1B under tp: the entries' input-gradient all-reduce (reduce-scatter under sequence parallelism)
+    is in flight while the queued weight-gradient GEMMs run; training still equals single-device."""
+    results = pool2.run(Z.train_with_deferral, name, (1, 2, 1), "1f1b", 2, **kw)
+    _check(results, name)
+    assert all(r["overlapped"] > 0 for r in results), [r["overlapped"] for r in results]

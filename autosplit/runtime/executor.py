@@ -24,7 +24,6 @@ Terms:
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -171,7 +170,9 @@ class PipelineExecutor:
         inputs, outputs = self.saved.pop((s, i))
         if a == self.last_grad[s]:
             self.on_last_backward(s)
-        with DEFERRED.collecting((s, i)) if a.kind is I else contextlib.nullcontext():
+        # B collects eagerly: under tp its split GEMMs' weight gradients overlap the backward
+        # collectives (runtime/tp_collectives.py) and the rest run right after; I leaves them to W
+        with DEFERRED.collecting((s, i), eager=a.kind is B):
             if s == self.n_stages - 1:
                 outputs.backward()
             else:
@@ -179,6 +180,8 @@ class PipelineExecutor:
                 pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if a.kind is B:
+            DEFERRED.run((s, i))
         if s == 0:
             return
         input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]

@@ -39,6 +39,7 @@ from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
 from autosplit.schedule import SPLIT_BACKWARD
+from autosplit.runtime import tp_collectives
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
 
@@ -99,7 +100,9 @@ class ParallelModule:
         if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
             for old, new in zip(self.raw_modules, modules):
                 adopt_parameters(old, new)
-        if self.schedule in SPLIT_BACKWARD:     # I / W schedules: weight gradients deferred to W
+        # I / W schedules defer weight gradients to W; under tp, B overlaps them with the backward
+        # all-reduce / reduce-scatter of the entries' input gradients (runtime/tp_collectives.py)
+        if self.schedule in SPLIT_BACKWARD or self.world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD:
             modules = [split_weight_gemms(m)[0] for m in modules]
         self.raw_modules = modules
         bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)

@@ -5,9 +5,20 @@ reduce_scatter, local_slice).  ``bind_axis_groups`` tells the ops which process 
 means and installs this module as their backend; every wait goes through the Watchdog.
   counters -- ``COUNTS[(name, "fwd"|"bwd")]`` counts calls, so tests can check the communication per
               block is Megatron's minimum.
+  overlap  -- the backward of ``copy_to_axis`` (all-reduce of an entry's input gradient) and of
+              ``all_gather`` (its reduce-scatter) launch the collective, let the weight-gradient GEMMs
+              queued so far run (``DEFERRED.run_while_communicating``, autosplit/weight_grad.py), then
+              wait: Megatron's async gradient all-reduce.  Every tp rank runs the same backward, so
+              the collectives keep one order on every rank of the group (NCCL-safe); the GEMMs in
+              between communicate nothing.  ``OVERLAP_BACKWARD = False`` (before building the
+              ParallelModule) keeps the fused backward, for measuring what the overlap hides.
+  EXPOSED  -- seconds the calling thread spent waiting in tp collectives: ``EXPOSED["input_grad"]``
+              for the entries' input-gradient collectives (the ones the overlap hides), ``"other"``
+              for the rest: the communication nothing hid.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -15,10 +26,13 @@ import torch.distributed as dist
 
 from autosplit.tp import ops
 from autosplit.tp.ops import pad, shard
+from autosplit.weight_grad import DEFERRED
 
 _GROUPS: dict[str, object] = {}
 _WATCHDOG = [None]
 COUNTS: Counter = Counter()
+EXPOSED: Counter = Counter()
+OVERLAP_BACKWARD = True
 
 
 def bind_axis_groups(groups: dict[str, object], watchdog=None) -> None:
@@ -36,11 +50,23 @@ def _group(axis: str):
     return _GROUPS[axis]
 
 
-def _wait(work, what: str) -> None:
+def _wait(work, what: str, kind: str = "other") -> None:
+    t0 = time.perf_counter()
     if _WATCHDOG[0] is not None:
         _WATCHDOG[0].wait(work, what)
     else:
         work.wait()
+    EXPOSED[kind] += time.perf_counter() - t0
+
+
+def _all_reduce_overlapped(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """``_all_reduce`` of a backward gradient, with the queued weight-gradient GEMMs run while it is in
+    flight (see *overlap* in the module docstring)."""
+    x = x.contiguous()
+    work = dist.all_reduce(x, group=_group(axis), async_op=True)
+    DEFERRED.run_while_communicating()
+    _wait(work, f"all_reduce over {axis}", "input_grad")
+    return x
 
 
 def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -62,15 +88,21 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str, full: int) -> torch.Tensor
     return torch.cat(parts, dim=dim).narrow(dim, 0, full)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False) -> torch.Tensor:
+    """``backward``: an entry's input gradient; the queued weight-gradient GEMMs overlap it."""
     group = _group(axis)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) == "nccl":
         chunks = pad(x, dim, n).movedim(dim, 0).contiguous()
         out = torch.empty_like(chunks.chunk(n)[0])
-        _wait(dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True), f"reduce_scatter over {axis}")
+        work = dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True)
+        if backward:
+            DEFERRED.run_while_communicating()
+        _wait(work, f"reduce_scatter over {axis}", "input_grad" if backward else "other")
         return out.movedim(0, dim).contiguous()
-    return shard(_all_reduce(x.clone(), axis), dim, n, rank)     # gloo has no reduce_scatter
+    if backward:                                                 # gloo has no reduce_scatter
+        return shard(_all_reduce_overlapped(x.clone(), axis), dim, n, rank)
+    return shard(_all_reduce(x.clone(), axis), dim, n, rank)
 
 
 class _Copy(torch.autograd.Function):
@@ -83,7 +115,7 @@ class _Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         COUNTS[("copy", "bwd")] += 1
-        return _all_reduce(grad, ctx.axis), None
+        return _all_reduce_overlapped(grad, ctx.axis), None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -111,7 +143,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         COUNTS[("all_gather", "bwd")] += 1          # runs a reduce-scatter
-        return _reduce_scatter(grad, ctx.dim, ctx.axis), None, None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.axis, backward=True), None, None, None
 
 
 class _Gather(torch.autograd.Function):
