@@ -91,7 +91,7 @@ def plan_dict(plan: Plan) -> dict:
         "unknown_ops": plan.unknown_ops,
         "tensor_parallel": None if plan.tp_plan is None else {
             "tp": plan.tp_plan.tp, "regions": plan.tp_plan.regions, "notes": plan.tp_plan.notes,
-            "sharded": {k: {"dim": v.dim, "full_shape": list(v.full_shape)} for k, v in plan.tp_plan.sharded.items()},
+            "sharded": {k: {"dims": v.dims, "full_shape": list(v.full_shape)} for k, v in plan.tp_plan.sharded.items()},
             "partial_grads": sorted(plan.tp_plan.partial_grads)},
         "stages": [stage_info_dict(s) for s in plan.stages],
         "nodes": [_node_dict(n) for n in plan.graph.graph.nodes],

@@ -3,8 +3,8 @@
 Terms:
   owner   -- the pipeline rank whose stages hold a parameter or buffer; ``gather_full_state_dict``
              broadcasts each tensor from its owner over the pp axis.
-  sharded -- a tensor split over tp (``plan.tp_plan.sharded``: the dim, and each tp rank's indices
-             along it); gathered from the tp ranks and put back in place by those indices.
+  sharded -- a tensor split over tp (``plan.tp_plan.sharded``: autosplit/tp/shards.py's ShardedParam,
+             each tp rank's indices along the split dims); gathered from the tp ranks and put back in place by those indices.
   local   -- the tensors of the stages this rank runs, under the original names.
 Every wait goes through the Watchdog and is read on the host (``host=True``).
 """
@@ -39,8 +39,8 @@ def _gather_shards(world, watchdog, info, name: str, tensor: torch.Tensor, full_
     work = dist.all_gather(parts, tensor.detach().contiguous(), group=world.group("tp"), async_op=True)
     watchdog.wait(work, f"full_state_dict gather of {name}", host=True)
     full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)
-    for part, index in zip(parts, info.indices):
-        full.index_copy_(info.dim, index.to(tensor.device), part)
+    for rank, part in enumerate(parts):
+        info.place(full, part, rank)
     return full
 
 
@@ -73,6 +73,5 @@ def load_into(model, state_dict: dict[str, torch.Tensor], plan, modules, tp_rank
             if name in local:
                 value = state_dict[name]
                 if name in sharded:
-                    info = sharded[name]
-                    value = value.index_select(info.dim, info.indices[tp_rank])
+                    value = sharded[name].select(value, tp_rank)
                 local[name].copy_(value)
