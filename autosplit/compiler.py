@@ -9,6 +9,7 @@ Nothing here allocates a weight: parameters may live on the meta device.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from autosplit import validate
 from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
+from autosplit.cost_model.comm import linear_2d_time
 from autosplit.errors import AutosplitError
 from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
@@ -27,6 +29,7 @@ from autosplit.passes.cut_points import Cut, find_cuts
 from autosplit.passes.partition import balanced_bounds, stage_costs, torchtitan_bounds
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
 from autosplit.passes.split_stages import SplitStages
+from autosplit.passes.tp2d import shard_2d
 from autosplit.passes.tp_rewrite import shard_tensor_parallel
 from autosplit.passes.tp_sequence import apply_sequence_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
@@ -36,6 +39,7 @@ from autosplit.trace import trace
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TP_MODES = ("1d", "2d")
+LINEAR_2D_FORMS = ("allgather", "summa")
 AUTOCAST = (None, torch.bfloat16, torch.float16)
 
 
@@ -43,9 +47,15 @@ def _check_args(model, mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_
                 autocast, checkpoint, sequence_parallel) -> None:
     validate.model(model)
     validate.one_of("tp_mode", tp_mode, TP_MODES)
-    if tp_mode == "2d" and mesh.tp > 1:
-        raise AutosplitError(f"tp_mode='2d' (SUMMA) is not in this release yet; use tp_mode='1d' "
-                             f"(Megatron), which supports tp={mesh.tp}")
+    if tp_mode == "2d":
+        q = math.isqrt(mesh.tp)
+        if q * q != mesh.tp:
+            raise AutosplitError(f"tp_mode='2d' arranges tp ranks in a q x q grid, so tp must be a perfect square; "
+                                 f"tp={mesh.tp} is not (nearest squares: {q * q} = {q}x{q} and {(q + 1) ** 2} = "
+                                 f"{q + 1}x{q + 1})")
+        if sequence_parallel and mesh.tp > 1:
+            raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='2d' already splits "
+                                 "every activation over both tp axes (batch over tp_row, channels over tp_col)")
     validate.one_of("schedule", schedule, SCHEDULES)
     validate.positive_int("chunks_per_rank", chunks_per_rank)
     if schedule == "interleaved" and chunks_per_rank < 2:
@@ -91,7 +101,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             device="h100", memory_budget: float | str | None = None, leaf_modules: Sequence = (),
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
             sequence_parallel: bool = False, autocast: torch.dtype | None = None,
-            checkpoint: str | None = None) -> Plan:
+            checkpoint: str | None = None, tp_2d_form: str = "auto") -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
@@ -108,6 +118,9 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
         autocast: None, torch.bfloat16 or torch.float16: plan for training under ``torch.autocast``
             (matmuls at the half-precision peak, activations and boundaries in the dtype autocast gives).
         checkpoint: None, "stage" or "block": plan for activation recomputation (memory and time).
+        tp_2d_form: with tp_mode="2d", how each linear multiplies its blocks: "allgather" (gather the
+            activation over tp_col and the weight over tp_row, one GEMM), "summa" (q broadcast steps,
+            smaller transient buffers) or "auto" (whichever the cost model prices lower, per layer).
     """
     mesh = MeshShape.parse(mesh)
     _check_args(model, mesh, tp_mode, schedule, chunks_per_rank, num_microbatches, autocast, checkpoint,
@@ -122,7 +135,9 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     simulated = check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank)  # proves it deadlock-free
     in_flight = _in_flight(simulated, mesh.pp, chunks_per_rank)
 
-    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaves, concrete_args)
+    validate.one_of("tp_2d_form", tp_2d_form, ("auto",) + LINEAR_2D_FORMS)
+    form = _form_chooser(tp_2d_form, math.isqrt(mesh.tp), profile)
+    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaves, concrete_args, tp_mode, form)
     if autocast is not None:
         AutocastDtypeProp(inputs, autocast, profile.device_type)(gm)
     annotate = AnnotateCosts()
@@ -158,7 +173,19 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 checkpoint=checkpoint, layer_end_segments=layer_ends)
 
 
-def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args):
+def _form_chooser(choice: str, q: int, profile):
+    """fn(node, x_val, w_shape) -> the 2D linear form: the user's, or the one the cost model prices lower."""
+    def form(node, x, w_shape):
+        if choice != "auto":
+            return choice
+        x_bytes = tensor_bytes(x) / (q * q)                        # the (B/q, ..., in/q) block
+        w_bytes = math.prod(w_shape) * x.element_size() / (q * q)  # the (out/q, in/q) block
+        times = {f: sum(linear_2d_time(x_bytes, w_bytes, q, f, profile)) for f in LINEAR_2D_FORMS}
+        return min(LINEAR_2D_FORMS, key=times.get)
+    return form
+
+
+def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args, tp_mode="1d", form=None):
     """Traced, shape-annotated graph; with tp > 1 rewritten for tensor parallelism (local shapes of
     tp rank 0) together with the TensorParallelPlan that builds the other ranks' modules."""
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
@@ -168,6 +195,11 @@ def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concre
         for n in gm.graph.nodes:
             n.meta["spec"] = {"tp": Replicate()}     # one placement per sharding axis (dp splits rows only)
         return gm, None
+    if tp_mode == "2d":
+        tp_plan = shard_2d(gm, math.isqrt(tp), form)
+        gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
+        _shape_prop(gm, inputs)
+        return gm, tp_plan
     tp_plan = shard_tensor_parallel(gm, tp)
     if sequence_parallel:
         apply_sequence_parallel(gm, tp_plan)

@@ -37,6 +37,7 @@ from autosplit.runtime.params import adopt_parameters, graph_order_params
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
+from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
 
@@ -98,7 +99,8 @@ class ParallelModule:
             for old, new in zip(self.raw_modules, modules):
                 adopt_parameters(old, new)
         self.raw_modules = modules
-        bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
+        axes = ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)
+        bind_axis_groups({a: self.world.group(a) for a in axes}, self.watchdog)
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]

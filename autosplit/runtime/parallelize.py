@@ -27,7 +27,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
     ``device`` defaults to the GPU's built-in profile, or on CPU to this machine measured by rank 0.
     Every rank must build ``model`` identically (same seed) before calling this.
     """
-    world = init_world(mesh, timeout_s)
+    world = init_world(mesh, timeout_s, tp_mode)
     return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), num_microbatches, schedule,
                           chunks_per_rank, tp_mode, example_input, autocast=autocast, checkpoint=checkpoint,
                           bucket_bytes=int(bucket_mb * 2**20), compile_options=compile_options)
