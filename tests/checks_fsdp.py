@@ -54,7 +54,8 @@ def adamw_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, micr
         loss_diff = max(loss_diff, abs(loss - ref_loss.item()))
     sharded = [isinstance(p, DTensor) for p in pm.parameters()]
     return {"loss_diff": loss_diff, "param_diff": _max_diff(pm.full_state_dict(), ref.state_dict()),
-            "sharded": sum(sharded), "params": len(sharded), "norms": norms, "plan_dp_shard": pm.plan.dp_shard}
+            "sharded": sum(sharded), "params": len(sharded), "norms": norms, "plan_dp_shard": pm.plan.dp_shard,
+            "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}
 
 
 def accumulate_and_predict(name: str, mesh, micro_steps: int = 2, batch: int = 8, **kw):

@@ -55,14 +55,43 @@ def check_dp_shard(dp_shard) -> None:
 
 
 def _structure(raw: fx.GraphModule, model, checkpoint: str | None, granularity: str):
-    """The module the executor calls for ``raw``, and the names of its layer units ("layer" only)."""
+    """The module the executor calls for ``raw``, and its layer units ("layer" only): lists of modules
+    that FSDP shards together."""
     if granularity == "stage":
         return checkpointed(raw, model, checkpoint), []
     split, names = split_layers(raw, model)
     if checkpoint == "block":   # as checkpoint_blocks; the Checkpointed wrapper is the unit (torchtitan's order)
         for name in names:
             setattr(split, name, Checkpointed(getattr(split, name)))
-    return (Checkpointed(split) if checkpoint == "stage" else split), names
+    return (Checkpointed(split) if checkpoint == "stage" else split), _layer_units(split, names)
+
+
+def _layer_units(split: torch.nn.Module, layers: list[str]) -> list[list[torch.nn.Module]]:
+    """One unit per layer run, except where FSDP's rule (each parameter in exactly one unit) forbids:
+    runs that read the same parameter share a unit, and a run holding a parameter that the split's root
+    also reads (split_module keeps ``get_attr`` reads in the root and passes them in; tensor-parallel
+    row biases are read that way) stays in the root's unit."""
+    runs = [name for name, _ in split.named_children() if name.startswith("submod_")]
+    group = {name: name for name in [*runs, ""]}        # "": the root's own attributes
+
+    def find(name):
+        while group[name] != name:
+            name = group[name]
+        return name
+    owner: dict[int, str] = {}
+    holders = [(name, split.get_submodule(name)) for name in runs]
+    holders += [("", m) for name, m in split.named_children() if name not in runs]
+    for name, module in holders:
+        for p in module.parameters():
+            if id(p) in owner and find(owner[id(p)]) != find(name):
+                a, b = find(name), find(owner[id(p)])
+                group[a if b == "" else b] = b if b == "" else a
+            owner.setdefault(id(p), name)
+    members: dict[str, list[str]] = {}
+    for name in runs:
+        if find(name) != "":
+            members.setdefault(find(name), []).append(name)
+    return [[split.get_submodule(n) for n in ms] for ms in members.values() if set(ms) & set(layers)]
 
 
 def _repoint(raw: torch.nn.Module, root: torch.nn.Module, before: dict[str, int]) -> None:
@@ -100,13 +129,13 @@ class StageSharding:
             return self.raw, self.called
         for raw in modules:
             raw = copy.deepcopy(raw)                     # "own copy" (module docstring)
-            root, names = _structure(raw, self.model, self.checkpoint, self.granularity)
+            root, units = _structure(raw, self.model, self.checkpoint, self.granularity)
             before = {n: id(p) for n, p in root.named_parameters(remove_duplicate=False)}
             ignored = {p for n, p in raw.named_parameters() if n in ignored_names}
             # "layer": the layer units reshard after forward (ZeRO-3); the stage root and "stage" units
             # keep their parameters through the step (see "kept").  Inner units first, as FSDP requires.
-            for name in names:
-                fully_shard(root.get_submodule(name), mesh=self.world.device_mesh["dp"],
+            for unit in units:
+                fully_shard(unit if len(unit) > 1 else unit[0], mesh=self.world.device_mesh["dp"],
                             reshard_after_forward=True, mp_policy=self.mp, ignored_params=ignored)
             fully_shard(root, mesh=self.world.device_mesh["dp"], reshard_after_forward=False, mp_policy=self.mp,
                         ignored_params=ignored)
