@@ -20,7 +20,8 @@ from torch import nn
 from autosplit import validate
 from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
 from autosplit.cost_model.comm import linear_2d_time
-from autosplit.errors import AutosplitError
+from autosplit.cost_model.sharding import StageDataParallel, candidates
+from autosplit.errors import AutosplitError, PlanError
 from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
 from autosplit.passes.autocast_prop import AutocastDtypeProp
@@ -101,7 +102,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             device="h100", memory_budget: float | str | None = None, leaf_modules: Sequence = (),
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
             sequence_parallel: bool = False, autocast: torch.dtype | None = None,
-            checkpoint: str | None = None, tp_2d_form: str = "auto") -> Plan:
+            checkpoint: str | None = None, tp_2d_form: str = "auto", dp_shard: bool | str = False) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
@@ -121,6 +122,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
         tp_2d_form: with tp_mode="2d", how each linear multiplies its blocks: "allgather" (gather the
             activation over tp_col and the weight over tp_row, one GEMM), "summa" (q broadcast steps,
             smaller transient buffers) or "auto" (whichever the cost model prices lower, per layer).
+        dp_shard: False (replicated dp), "stage" or "layer" (FSDP2 units over dp; runtime/fsdp.py), or
+            True: "stage" where it fits ``memory_budget``, else "layer" (cost_model/sharding.py).
     """
     mesh = MeshShape.parse(mesh)
     _check_args(model, mesh, tp_mode, schedule, chunks_per_rank, num_microbatches, autocast, checkpoint,
@@ -151,10 +154,24 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     segments = _segments(list(gm.graph.nodes), cuts)
     seg = SegmentCosts(segments, cuts, mesh.tp, profile, in_flight, checkpoint=checkpoint, layers=layers,
                        input_bytes=sum(tensor_bytes(x) for x in inputs))
-    if stage_bounds is not None:
-        bounds = validate.stage_bounds(stage_bounds, n_stages, len(segments))
-    else:
-        bounds = balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, budget)
+    options = candidates(dp_shard, mesh.dp) if mesh.dp > 1 else [None]
+    for sharding in options:        # in order of preference: the first whose cut fits the budget
+        dpc = StageDataParallel(segments, seg.params, layers, mesh.dp, num_microbatches, sharding, profile,
+                                0.5 if autocast is not None else 1.0)
+        def memory(s, a, b, dpc=dpc):          # the dp state as sharded, instead of 4 x parameter bytes
+            return seg.memory(s, a, b) - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes
+        try:
+            if stage_bounds is not None:
+                bounds = validate.stage_bounds(stage_bounds, n_stages, len(segments))
+                if budget is not None and sharding != options[-1] and max(
+                        memory(s, a + 1, b) for s, (a, b) in enumerate(zip([-1, *bounds], bounds))) > budget:
+                    continue
+            else:
+                bounds = balanced_bounds(seg.time, seg.out_time, n_stages, memory, budget)
+            break
+        except PlanError:
+            if sharding == options[-1]:
+                raise
     layer_ends = find_layer_ends(layers, segments)
     baseline = torchtitan_bounds(layer_ends, first_layer_segment(layers, segments) - 1, len(segments), n_stages)
     _assign_stages(segments, bounds)
@@ -164,13 +181,13 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 num_microbatches=num_microbatches, device=profile.name,
                 example_shapes=[tuple(x.shape) for x in inputs],
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
-                stages=_stage_infos(layers, mesh, split, seg, bounds),
+                stages=_stage_infos(layers, mesh, split, seg, bounds, dpc),
                 equal_layer_times=None if baseline is None else stage_costs(baseline, seg.time, seg.out_time),
                 equal_layer_bounds=baseline,
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
                 tp_plan=tp_plan, schedule_grid=simulated.format_grid(),
                 autocast=None if autocast is None else str(autocast).removeprefix("torch."),
-                checkpoint=checkpoint, layer_end_segments=layer_ends)
+                checkpoint=checkpoint, layer_end_segments=layer_ends, dp_shard=sharding)
 
 
 def _form_chooser(choice: str, q: int, profile):
@@ -238,7 +255,8 @@ def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     return infos
 
 
-def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds) -> list[StageInfo]:
+def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds,
+                 dpc: StageDataParallel) -> list[StageInfo]:
     all_nodes = [n for s in seg.segments for n in s]
     by_name = {n.name: n for n in all_nodes}
     result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
@@ -250,7 +268,9 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
         fwd, bwd = graph_time(nodes, seg.profile)
         params = dict(module.named_parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-        kept, recompute = seg.activations(bounds[s - 1] + 1 if s else 0, bounds[s])
+        first = bounds[s - 1] + 1 if s else 0
+        dp = dpc(first, bounds[s], param_bytes)
+        kept, recompute = seg.activations(first, bounds[s])
         infos.append(StageInfo(
             index=s, pp_rank=s % mesh.pp, chunk=s // mesh.pp,
             layers=layers_label(layers, [n for n in shown if n.meta["stage"] == s], shown),
@@ -258,7 +278,8 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
             param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd + seg.recompute_time(nodes),
             comm_time=seg.boundary_time(bounds[s]) + comm_time(nodes, mesh.tp, seg.profile),
             activation_bytes=kept, in_flight=seg.in_flight[s],
-            memory_bytes=OPTIMIZER_FACTOR * param_bytes + seg.in_flight[s] * kept + recompute,
+            memory_bytes=int(dp.memory_bytes) + seg.in_flight[s] * kept + recompute,
+            dp_bytes=int(dp.traffic_bytes), dp_time=dp.time,
             inputs=_tensor_infos([by_name[n] for n in split.inputs[s]]),
             outputs=_tensor_infos([by_name[n] for n in split.outputs[s]]),
             recompute_bytes=recompute))
