@@ -2,12 +2,14 @@
 
 MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
 returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
-allocates no weights.  The plan's summary is printed and the readable dump written to DIR.
+allocates no weights.  The plan's summary is printed and the readable dump written to DIR; the last
+line printed is the path of DIR/report.html, the page to open in a browser.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             files = plan.dump(args.out)
             print(f"wrote {len(files)} files to {args.out}")
+            print(f"report: {os.path.abspath(os.path.join(args.out, 'report.html'))}")
     except AutosplitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
