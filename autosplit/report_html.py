@@ -172,7 +172,7 @@ def _bars(plan: Plan, profile) -> str:
         acts = s.in_flight * s.activation_bytes
         mem = [("model states", s.memory_bytes - acts - s.recompute_bytes, "states"),
                (f"activations ({s.in_flight} in flight)", acts, "acts"), ("recompute", s.recompute_bytes, "recomp")]
-        share = f" = {100 * s.memory_bytes / budget:.2f}% of {_bytes(budget)}" if budget else ""
+        share = f" = {100 * s.memory_bytes / budget:.3g}% of {_bytes(budget)}" if budget else ""
         rows.append([str(s.index),
                      _bar([(f"{k} {v:.3f} ms", v, c) for k, v, c in ms], t_scale * 1e3)
                      + f"<small>{' + '.join(f'{k} {v:.3f}' for k, v, _ in ms)} = {s.time * 1e3:.3f} ms</small>",
