@@ -226,10 +226,11 @@ def _tensor_parallel(tp: dict | None, rows: list[dict]) -> str:
           "-" if r["fwd_ms"] is None else f"{r['fwd_ms']:.4f}", "-" if r["bwd_ms"] is None else f"{r['bwd_ms']:.4f}"]
          for r in rows], "collectives") + "</details>")
     sharded = tp.get("sharded", {})
+    fields = list(dict.fromkeys(f for v in sharded.values() for f in v))   # whatever plan.json records
     out.append(f"<details><summary>{len(sharded)} split parameters; {len(tp.get('partial_grads', []))} "
                f"replicated with partial gradients</summary>" + _table(
-                   ["parameter", "split dim", "full shape"],
-                   [[e(k), str(v.get("dim")), e(str(v.get("full_shape")))] for k, v in sharded.items()])
+                   ["parameter"] + [f.replace("_", " ") for f in fields],
+                   [[e(k)] + [e(json.dumps(v.get(f))) for f in fields] for k, v in sharded.items()])
                + "".join(f"<div>{e(p)}</div>" for p in tp.get("partial_grads", [])) + "</details>")
     return "".join(out)
 
