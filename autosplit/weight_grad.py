@@ -22,6 +22,11 @@ Terms:
                  linear / conv, and runs with autocast off; the backward (which runs without autocast)
                  uses the cast tensors, and autograd casts the gradients back to the parameters' dtype.
 
+Hooks: autograd runs a parameter's post-accumulate-grad hooks even when the backward gave it no
+gradient (the split op returns None for the weight), so during I such a hook does not mean the
+weight's gradient is complete; whoever counts on those hooks (the dp buckets) must start listening
+only after the outer backward, when W is about to run (see runtime/executor.py, *armed*).
+
 The backward runs on autograd's thread for the device (on CUDA not the caller's), which is why the key
 is a plain attribute of the store and not thread-local: the executor sets it before ``backward()``
 and clears it after, and nothing else runs a backward in between.
@@ -160,6 +165,17 @@ class _SplitConv(torch.autograd.Function):
             return (grad_x, weight_grad(), grad_b) + none
         DEFERRED.defer(ctx.weight, weight_grad)
         return (grad_x, None, grad_b) + none
+
+
+def uses_split_ops(module: nn.Module) -> bool:
+    """Does ``module`` (or a submodule, e.g. a checkpointed layer) run a split GEMM?"""
+    for m in module.modules():
+        if isinstance(m, (SplitLinear, SplitConv)):
+            return True
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, torch.fx.Graph) and any(n.target in (split_linear, split_conv) for n in graph.nodes):
+            return True
+    return False
 
 
 def _tuple(value, n: int) -> list[int]:

@@ -8,8 +8,8 @@ Terms:
                  producer gives: Partial -> Replicate is ``all_reduce``; a Replicate activation entering
                  column-parallel layers goes through ``copy_to_axis`` (identity forward, all-reduce of
                  its gradient backward).
-  ShardedParam -- a parameter split across tp ranks: the dim and, per rank, the indices it keeps
-                 (fused qkv rows by heads, not contiguous thirds).
+  ShardedParam -- a parameter split across tp ranks (autosplit/tp/shards.py): per rank, the indices it
+                 keeps along the split dim (fused qkv rows by heads, not contiguous thirds).
   partial grads -- replicated parameters used inside a sharded region (a qk-norm weight): each rank's
                  gradient covers only its heads, so the runtime all-reduces them over tp once per step.
   local root  -- for tp rank t, the modules and parameters the rewritten graph calls, with rank t's
@@ -31,18 +31,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autosplit.passes.tp_layout import index_set
 from autosplit.passes.tp_regions import Region, find_regions, params_used
 from autosplit.tp import ops as C
+from autosplit.tp.shards import ShardedParam
 from autosplit.tp.layers import LocalMultiheadAttention, column_linear, row_linear
 
 AXIS = "tp"
 _VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
-
-
-@dataclass
-class ShardedParam:
-    name: str
-    dim: int
-    full_shape: tuple[int, ...]
-    indices: list[torch.Tensor]          # per tp rank
 
 
 @dataclass
@@ -169,15 +162,15 @@ def _shard_region(gm: fx.GraphModule, region: Region, plan: TensorParallelPlan) 
         rows = _rows(region, e, tp)
         linear = gm.get_submodule(e.target)
         plan.makers[e.target] = lambda r, lin=linear, rows=rows: column_linear(lin, rows[r])
-        plan.sharded[f"{e.target}.weight"] = ShardedParam(f"{e.target}.weight", 0, tuple(linear.weight.shape), rows)
+        plan.sharded[f"{e.target}.weight"] = ShardedParam.along(f"{e.target}.weight", 0, tuple(linear.weight.shape), rows)
         if linear.bias is not None:
-            plan.sharded[f"{e.target}.bias"] = ShardedParam(f"{e.target}.bias", 0, tuple(linear.bias.shape), rows)
+            plan.sharded[f"{e.target}.bias"] = ShardedParam.along(f"{e.target}.bias", 0, tuple(linear.bias.shape), rows)
         e.meta["spec"] = {AXIS: Shard(e.meta["val"].dim() - 1)}
     cols = _cols(region, tp)
     linear = gm.get_submodule(region.exit.target)
     plan.makers[region.exit.target] = lambda r, lin=linear: row_linear(lin, cols[r])
     name = f"{region.exit.target}.weight"
-    plan.sharded[name] = ShardedParam(name, 1, tuple(linear.weight.shape), cols)
+    plan.sharded[name] = ShardedParam.along(name, 1, tuple(linear.weight.shape), cols)
     for n in region.nodes:
         d = region.shard_dim(n)
         n.meta["spec"] = {AXIS: Shard(d) if d is not None else Replicate()}
@@ -213,10 +206,10 @@ def _shard_mha(gm: fx.GraphModule, node: fx.Node, plan: TensorParallelPlan) -> N
     rows = [torch.arange(3 * E).reshape(3, H, D)[:, r * h:(r + 1) * h].reshape(-1) for r in range(tp)]
     cols = [torch.arange(E).reshape(H, D)[r * h:(r + 1) * h].reshape(-1) for r in range(tp)]
     plan.makers[node.target] = lambda r: LocalMultiheadAttention(mha, rows[r], cols[r], h)
-    plan.sharded[f"{node.target}.in_proj_weight"] = ShardedParam(f"{node.target}.in_proj_weight", 0, (3 * E, E), rows)
+    plan.sharded[f"{node.target}.in_proj_weight"] = ShardedParam.along(f"{node.target}.in_proj_weight", 0, (3 * E, E), rows)
     if mha.in_proj_bias is not None:
-        plan.sharded[f"{node.target}.in_proj_bias"] = ShardedParam(f"{node.target}.in_proj_bias", 0, (3 * E,), rows)
-    plan.sharded[f"{node.target}.out_proj.weight"] = ShardedParam(f"{node.target}.out_proj.weight", 1, (E, E), cols)
+        plan.sharded[f"{node.target}.in_proj_bias"] = ShardedParam.along(f"{node.target}.in_proj_bias", 0, (3 * E,), rows)
+    plan.sharded[f"{node.target}.out_proj.weight"] = ShardedParam.along(f"{node.target}.out_proj.weight", 1, (E, E), cols)
     copies: dict = {}
     _insert_copy(gm.graph, node, 0, copies)
     node.args = (node.args[0], node.args[0], node.args[0], *node.args[3:])

@@ -73,3 +73,4 @@ def train_with_deferral(name: str, mesh, schedule: str, microbatches: int, **kw)
         GradBuckets.finish = original_finish
     # weight gradients computed while a tp backward collective was in flight
     return {**result, **counted, "overlapped": DEFERRED.overlapped - overlapped}
+

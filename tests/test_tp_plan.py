@@ -15,12 +15,15 @@ def _plan(name, mesh=(1, 2, 1), **kw):
 
 def test_fused_qkv_is_split_by_heads_not_thirds():
     plan = _plan("tp_timm")                     # width 32, 4 heads of 8: qkv rows are (3, 4, 8)
-    rows = plan.tp_plan.sharded["blocks.0.attn.qkv.weight"].indices
+    rows = [s[0] for s in plan.tp_plan.sharded["blocks.0.attn.qkv.weight"].slices]
     expected0 = torch.cat([torch.arange(0, 16), torch.arange(32, 48), torch.arange(64, 80)])
     assert torch.equal(rows[0], expected0)
     assert torch.equal(rows[1], expected0 + 16)
     cols = plan.tp_plan.sharded["blocks.0.attn.proj.weight"]
-    assert cols.dim == 1 and torch.equal(cols.indices[0], torch.arange(16))
+    assert cols.dims == [1] and torch.equal(cols.slices[0][1], torch.arange(16))
+    assert cols.boxes(1) == [((0, 16), (32, 16), (0, 0))]                  # one contiguous block
+    assert [b[0] for b in plan.tp_plan.sharded["blocks.0.attn.qkv.weight"].boxes(1)] == \
+        [(16, 0), (48, 0), (80, 0)]                                         # q, k, v heads of rank 1
 
 
 def test_local_shapes_and_shape_constants():

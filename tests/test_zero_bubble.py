@@ -242,3 +242,12 @@ def test_tp_backward_overlaps_weight_grads(pool2, name, kw):
     results = pool2.run(Z.train_with_deferral, name, (1, 2, 1), "1f1b", 2, **kw)
     _check(results, name)
     assert all(r["overlapped"] > 0 for r in results), [r["overlapped"] for r in results]
+
+
+def test_tp_overlap_with_dp_buckets(pool4):
+    """tp x dp under 1F1B: autograd fires a weight's post-accumulate hook during the backward that
+    deferred its gradient, so arming the buckets before that backward launched them without the
+    weight gradients (param diff 1e-4, found by test_tp_pp_dp_eight_ranks); they are armed after it."""
+    results = pool4.run(Z.train_with_deferral, "tp_timm", (1, 2, 2), "1f1b", 2)
+    _check(results, "tp_timm")
+    assert all(r["overlapped"] > 0 and sum(r["early"]) > 0 for r in results), results

@@ -49,7 +49,7 @@ def plan_fields(plan) -> dict[str, str]:
     tp = plan.tp_plan
     tp_text = f"{plan.tp_mode}, tp={plan.mesh.tp}"
     if tp is not None:
-        sharded = ", ".join(f"{n}/dim{s.dim}" for n, s in sorted(tp.sharded.items()))
+        sharded = ", ".join(f"{n}/dims{s.dims}" for n, s in sorted(tp.sharded.items()))
         tp_text += f"; sharded {sharded}; partial grads {sorted(tp.partial_grads)}"
     stages = "; ".join(f"stage {s.index}: in [{_tensors(s.inputs)}] out [{_tensors(s.outputs)}]"
                        for s in plan.stages)

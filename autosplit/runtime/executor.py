@@ -2,9 +2,10 @@
 
 Terms:
   lowered list -- this rank's schedule (autosplit.schedule.lower): F / B (or F / I / W) of
-                  (stage, microbatch) and Groups of SEND_F / RECV_F / SEND_B / RECV_B.  The executor does what the list says,
-                  in order: it posts each group when it reaches it (without waiting), and waits for a
-                  receive only inside the compute that consumes it.  Where a group sits, and so what
+                  (stage, microbatch) and Groups of SEND_F / RECV_F / SEND_B / RECV_B.  The
+                  executor does what the list says, in order: it posts each group when it reaches
+                  it (without waiting), and waits for a receive only inside the compute that
+                  consumes it.  Where a group sits, and so what
                   overlaps what, is the lowering's decision, made so that NCCL cannot deadlock.
   inbox        -- tensors a stage will consume: activations (from RECV_F, or handed over locally when
                   stage s+1 lives on this rank) and output gradients (from RECV_B, or local); a
@@ -16,9 +17,11 @@ Terms:
                   (autosplit/weight_grad.py, under the key (stage, microbatch)); W computes them and
                   adds them into .grad.
   armed        -- ``on_last_backward(stage, final)`` tells the dp buckets that the stage's gradients
-                  are final from now on: just before its last B, or, with I / W, just before its last
-                  W (every I of the stage ran by then), with ``final`` the stage's parameters that W
-                  does not write (their gradients were complete at the last I).
+                  are final from now on: just before its last B; or, when the stage runs split GEMMs,
+                  just before the weight gradients of its last B or W run (every I of the stage ran
+                  by then), with ``final`` the stage's parameters those do not write (their gradients
+                  are complete).  Not before: autograd fires a weight's post-accumulate hook during I
+                  although I gave it no gradient (autosplit/weight_grad.py).
   placement    -- which stage each (rank, chunk) runs and where a peer stage lives: the plan's
                   (``plan.placement``: looped, or zb-v's V).
 """
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from autosplit.runtime.faults import RankFailure
 from autosplit.runtime.p2p import Posted, make_transport, tag
 from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
-from autosplit.weight_grad import DEFERRED
+from autosplit.weight_grad import DEFERRED, uses_split_ops
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -51,6 +54,7 @@ class PipelineExecutor:
         # the compute after which a stage's gradients are final: its last B, or its last W
         computes = [a for a in self.train_items if a.is_compute and a.kind in (B, W)]
         self.last_grad = {s: [a for a in computes if a.stage == s][-1] for s in self.modules}
+        self.split = {s: uses_split_ops(mod) for s, mod in self.modules.items()}
         self.autocast_dtype = autocast_dtype
         self.on_last_backward = on_last_backward or (lambda stage, final=(): None)
         self.transport = make_transport(world.backend, world.group("pp")) if pp > 1 else None
@@ -168,7 +172,7 @@ class PipelineExecutor:
         """B, or I: the same backward, with the split GEMMs' weight gradients deferred to W."""
         s, i = a.stage, a.microbatch
         inputs, outputs = self.saved.pop((s, i))
-        if a == self.last_grad[s]:
+        if a == self.last_grad[s] and not self.split[s]:
             self.on_last_backward(s)
         # B collects eagerly: under tp its split GEMMs' weight gradients overlap the backward
         # collectives (runtime/tp_collectives.py) and the rest run right after; I leaves them to W
@@ -181,7 +185,7 @@ class PipelineExecutor:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if a.kind is B:
-            DEFERRED.run((s, i))
+            self._weight_grad(a)        # what the collectives left (arms the stage if last)
         if s == 0:
             return
         input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
@@ -191,9 +195,9 @@ class PipelineExecutor:
             self.outbox[(s, i, 1)] = input_grads
 
     def _weight_grad(self, a: Action) -> None:
-        """W: the weight gradients I deferred for (stage, microbatch), added into .grad."""
+        """W (or the end of a B): the weight gradients deferred for (stage, microbatch), added into .grad."""
         key = (a.stage, a.microbatch)
-        if a == self.last_grad[a.stage]:
+        if a == self.last_grad[a.stage] and (self.split[a.stage] or a.kind is W):
             # every other gradient of the stage is complete: all its I ran (each before its W), and
             # its other W's ran; only the weights this W writes are still to come
             written = {id(w) for w in DEFERRED.weights(key)}

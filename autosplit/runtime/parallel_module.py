@@ -32,6 +32,7 @@ from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
+from autosplit.runtime.fsdp import StageSharding, grad_square
 from autosplit.runtime.loss_check import checked_loss, loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.params import adopt_parameters, graph_order_params
@@ -40,6 +41,7 @@ from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
 from autosplit.schedule import SPLIT_BACKWARD
 from autosplit.runtime import tp_collectives
+from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
 
@@ -66,6 +68,7 @@ class ParallelModule:
         self.gate = CallGate(world, self.watchdog)
         self._agreed, self._params_agreed = None, False     # the plan all ranks agreed on; model checked
         self.plan, self.buckets, self.provisional = None, None, False
+        self.sharding: StageSharding | None = None
         self.partial_params: list = []
         self.raw_modules: list = []
         self._buffer_sync: BufferSync | None = None
@@ -97,20 +100,29 @@ class ParallelModule:
         self.provisional = False
         modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
         modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
-        if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
-            for old, new in zip(self.raw_modules, modules):
-                adopt_parameters(old, new)
         # I / W schedules defer weight gradients to W; under tp, B overlaps them with the backward
-        # all-reduce / reduce-scatter of the entries' input gradients (runtime/tp_collectives.py)
-        if self.schedule in SPLIT_BACKWARD or self.world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD:
+        # all-reduce / reduce-scatter of the entries' input gradients (runtime/tp_collectives.py).
+        # Not under dp_shard: FSDP2 reduce-scatters a module's gradients when its backward ends.
+        overlap = self.world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not self.plan.dp_shard
+        if self.schedule in SPLIT_BACKWARD or overlap:
             modules = [split_weight_gemms(m)[0] for m in modules]
-        self.raw_modules = modules
-        bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
+        stages = self.plan.placement.stages(self.pp_rank)
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
+        if self.plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
+            self.sharding = self.sharding or StageSharding(self.world, self.model, self.plan.dp_shard,
+                                                           self.checkpoint, self.autocast)
+            self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial)
+            self.buckets = self.sharding.grads
+        else:
+            if self.raw_modules:        # a re-plan keeps the parameter objects the optimizer was given
+                for old, new in zip(self.raw_modules, modules):
+                    adopt_parameters(old, new)
+            self.raw_modules = modules
+            self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
+        axes = ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)
+        bind_axis_groups({a: self.world.group(a) for a in axes}, self.watchdog)
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
-        self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
-        stages = self.plan.placement.stages(self.pp_rank)
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
             # partial-grad params are reduced over dp by _reduce_partial_grads, after their tp sum
             partial_ids = {id(p) for p in self.partial_params}
@@ -287,8 +299,9 @@ class ParallelModule:
                 continue
             grads.append(p.grad)
             if name in sharded or self.tp_rank == 0:
-                local += p.grad.detach().double().square().sum()
-        for axis in ("pp", "tp"):
+                local += grad_square(p.grad, count_replicated=self.sharding is None or self.dp_rank == 0)
+        # dp first when sharded (each rank holds a shard of most gradients); every rank runs these in this order
+        for axis in ("dp", "pp", "tp") if self.sharding else ("pp", "tp"):
             work = dist.all_reduce(local, group=self.world.group(axis), async_op=True)
             self.watchdog.wait(work, f"gradient-norm all-reduce over {axis}", host=True)
         norm = math.sqrt(local.item())
@@ -306,6 +319,8 @@ class ParallelModule:
         xs = self._microbatches(inputs, "predict")
         self._plan_for(xs[0])
         _, outs = self.executor.run(xs, None, train=False)
+        if self.sharding:
+            self.sharding.reshard()          # forward only: free the parameters kept for a backward
         self._sync_buffers()                  # a forward in training mode may update BatchNorm statistics
         last = self.world.rank_at(pp=self.plan.placement.rank(self.plan.n_stages - 1))
         info = self.plan.stages[-1].outputs[0]

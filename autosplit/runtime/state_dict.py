@@ -3,15 +3,19 @@
 Terms:
   owner   -- the pipeline rank whose stages hold a parameter or buffer; ``gather_full_state_dict``
              broadcasts each tensor from its owner over the pp axis.
-  sharded -- a tensor split over tp (``plan.tp_plan.sharded``: the dim, and each tp rank's indices
-             along it); gathered from the tp ranks and put back in place by those indices.
+  sharded -- a tensor split over tp (``plan.tp_plan.sharded``: autosplit/tp/shards.py's ShardedParam,
+             each tp rank's indices along the split dims); gathered from the tp ranks and put back in place by those indices.
   local   -- the tensors of the stages this rank runs, under the original names.
-Every wait goes through the Watchdog and is read on the host (``host=True``).
+Every wait goes through the Watchdog and is read on the host (``host=True``).  A tensor sharded over dp
+(``dp_shard``, runtime/fsdp.py) is all-gathered first (``full_value``): the ranks of a dp group own the
+same names and visit them in ``model.state_dict()`` order, so their all-gathers line up.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from autosplit.runtime.fsdp import copy_full_into, full_value
 
 
 def _sharded(plan) -> dict:
@@ -39,8 +43,8 @@ def _gather_shards(world, watchdog, info, name: str, tensor: torch.Tensor, full_
     work = dist.all_gather(parts, tensor.detach().contiguous(), group=world.group("tp"), async_op=True)
     watchdog.wait(work, f"full_state_dict gather of {name}", host=True)
     full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)
-    for part, index in zip(parts, info.indices):
-        full.index_copy_(info.dim, index.to(tensor.device), part)
+    for rank, part in enumerate(parts):
+        info.place(full, part, rank)
     return full
 
 
@@ -50,9 +54,9 @@ def gather_full_state_dict(model, plan, modules, world, watchdog) -> dict[str, t
     result = {}
     for name, tensor in model.state_dict().items():
         if name in local and name in sharded:
-            buf = _gather_shards(world, watchdog, sharded[name], name, local[name], tensor.shape)
+            buf = _gather_shards(world, watchdog, sharded[name], name, full_value(local[name]), tensor.shape)
         elif name in local:
-            buf = local[name].detach().clone()
+            buf = full_value(local[name]).detach().clone()
         else:
             buf = tensor.detach().to(world.device).clone()
         if name in owners and world.mesh.pp > 1:
@@ -73,6 +77,5 @@ def load_into(model, state_dict: dict[str, torch.Tensor], plan, modules, tp_rank
             if name in local:
                 value = state_dict[name]
                 if name in sharded:
-                    info = sharded[name]
-                    value = value.index_select(info.dim, info.indices[tp_rank])
-                local[name].copy_(value)
+                    value = sharded[name].select(value, tp_rank)
+                copy_full_into(local[name], value)

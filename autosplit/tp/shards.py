@@ -1,0 +1,80 @@
+"""Which part of a full parameter each tensor-parallel rank holds, as plain data.
+
+Terms:
+  slice   -- for one tp rank, ``{dim: indices}``: the indices along each listed dim that the rank keeps, in
+             the order it stores them (dims not listed are whole).  1D tensor parallelism lists one dim
+             (fused qkv rows by heads: not contiguous); 2D lists up to two (a linear's output rows by the
+             ``tp_col`` coordinate, its input columns by ``tp_row``).
+  box     -- a contiguous block of the full tensor a rank holds: global offsets, sizes, and where the block
+             sits in the rank's local tensor.  A slice is the product of the contiguous runs of its index
+             lists; sharded checkpoints store boxes (one chunk each, with its global offset).
+  tp rank -- the rank's index in its tensor-parallel group (for 2D, ``row * q + col``).
+
+Pure data: no process group.  The runtime gathers (``place``) and scatters (``select``) with it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ShardedParam:
+    name: str
+    full_shape: tuple[int, ...]
+    slices: list[dict[int, torch.Tensor]]        # per tp rank: dim -> indices kept along dim
+
+    @classmethod
+    def along(cls, name: str, dim: int, full_shape, indices: list[torch.Tensor]) -> "ShardedParam":
+        """Split along one dim: tp rank r keeps ``indices[r]``."""
+        return cls(name, tuple(full_shape), [{dim: i} for i in indices])
+
+    @property
+    def dims(self) -> list[int]:
+        """Tensor dims split on some rank."""
+        return sorted({d for s in self.slices for d in s})
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        s = self.slices[rank]
+        return tuple(len(s[d]) if d in s else n for d, n in enumerate(self.full_shape))
+
+    def select(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s local tensor, cut out of the full one."""
+        for d, index in sorted(self.slices[rank].items()):
+            full = full.index_select(d, index.to(full.device))
+        return full
+
+    def place(self, full: torch.Tensor, local: torch.Tensor, rank: int) -> None:
+        """Write rank ``rank``'s local tensor into its place in ``full`` (in place)."""
+        index = [torch.arange(n, device=full.device) for n in full.shape]
+        for d, ix in self.slices[rank].items():
+            index[d] = ix.to(full.device)
+        grid = [ix.view([-1 if k == d else 1 for k in range(full.dim())]) for d, ix in enumerate(index)]
+        full[tuple(grid)] = local.to(full.dtype)
+
+    def boxes(self, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """(global offsets, sizes, local offsets) of the contiguous blocks rank ``rank`` holds."""
+        runs_per_dim = []
+        for d, n in enumerate(self.full_shape):
+            ix = self.slices[rank].get(d)
+            runs_per_dim.append([(0, n, 0)] if ix is None else _runs(ix.tolist()))
+        out = []
+        for combo in itertools.product(*runs_per_dim):
+            out.append((tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
+        return out
+
+    def describe(self) -> str:
+        """Short text for plan listings: the split dims and the local shape on rank 0."""
+        return f"dims {self.dims} -> {list(self.local_shape(0))} of {list(self.full_shape)}"
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Contiguous ascending runs of ``indices``: (global start, length, local start)."""
+    runs, start = [], 0
+    for k in range(1, len(indices) + 1):
+        if k == len(indices) or indices[k] != indices[k - 1] + 1:
+            runs.append((indices[start], k - start, start))
+            start = k
+    return runs
