@@ -67,6 +67,9 @@ def train_with_deferral(name: str, mesh, schedule: str, microbatches: int, **kw)
     GradBuckets.finish = finish
     try:
         chunks = 2 if schedule == "zb-v" else 1
+        # a fixed device profile: the same cut on every run (a CPU profile measured under load can
+        # move a cut so far that a rank holds no parameters at pp=4)
+        kw.setdefault("device", "h100")
         result = train_matches_single_device(name, mesh, schedule, chunks, microbatches=microbatches, **kw)
     finally:
         DEFERRED.run = run

@@ -29,7 +29,7 @@ CASES = [  # (id, compile overrides, exception type, regex the message must matc
     ("chunks_bool", dict(chunks_per_rank=True), AutosplitError, r"chunks_per_rank=True \(bool\) must be a positive integer"),
     ("chunks_string", dict(chunks_per_rank="2", schedule="interleaved"), AutosplitError, r"chunks_per_rank='2' \(str\) must be a positive integer"),
     ("interleaved_one_chunk", dict(schedule="interleaved"), AutosplitError, r"schedule='interleaved' needs chunks_per_rank >= 2 \(got 1\)"),
-    ("schedule_typo", dict(schedule="1fb1"), AutosplitError, r"schedule='1fb1': expected one of 'gpipe', '1f1b', 'interleaved' \(did you mean '1f1b'\?\)"),
+    ("schedule_typo", dict(schedule="1fb1"), AutosplitError, r"schedule='1fb1': expected one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v' \(did you mean '1f1b'\?\)"),
     ("tp_mode_typo", dict(tp_mode="1D "), AutosplitError, r"tp_mode='1D ': expected one of '1d', '2d'"),
     ("checkpoint_typo", dict(checkpoint="blocks"), AutosplitError, r"checkpoint='blocks': expected one of None, 'stage', 'block' \(did you mean 'block'\?\)"),
     ("autocast_float32", dict(autocast=torch.float32), AutosplitError, r"autocast=torch\.float32: expected None, torch\.bfloat16 or torch\.float16"),
