@@ -6,10 +6,14 @@ Terms:
                  ranks build theirs differently), so collectives over flattened gradients line up.
   adopt       -- a re-plan builds new stage modules; the optimizer was given the old Parameter objects,
                  so the new modules take those objects over (same names, same shapes).
+  materialize -- a model built on the meta device: each rank allocates and initializes only the
+                 tensors of its own stage modules (its tp slices), see autosplit/materialize.py.
 """
 from __future__ import annotations
 
 import torch
+
+from autosplit.materialize import assign
 
 
 def adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:
@@ -36,3 +40,24 @@ def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn
                 seen.add(name)
                 out.append((name, params[name]))
     return out
+
+
+def materialize_local(modules: list[torch.nn.Module], initializer, sharded: dict, tp_rank: int, device) -> int:
+    """Give this rank's stage modules real tensors for their meta ones: each tensor's full value
+    (``autosplit.materialize.Initializer``, one owner module at a time, on the CPU), cut to this tp
+    rank's slice when it is sharded (``ShardedParam.select``), moved to ``device``.  Nothing outside
+    these modules is allocated, so a rank holds its shards plus at most one module's full tensors.
+    Returns the bytes allocated."""
+    holders: dict[str, list[torch.nn.Module]] = {}
+    for m in modules:
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_meta:
+                holders.setdefault(name, []).append(m)
+    allocated = 0
+    for name, full in initializer.values(holders):
+        value = sharded[name].select(full, tp_rank) if name in sharded else full
+        value = value.to(device).contiguous()
+        allocated += value.numel() * value.element_size()
+        for m in holders[name]:
+            assign(m, name, value)
+    return allocated
