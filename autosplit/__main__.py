@@ -1,5 +1,8 @@
 """Command line: ``python -m autosplit plan MODEL --mesh PP,TP,DP --batch N --out DIR``.
 
+``python -m autosplit export CKPT_DIR model.pt`` turns a sharded checkpoint (``pm.save_checkpoint``)
+into a plain state dict that ``model.load_state_dict`` of the unchanged model accepts.
+
 MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
 returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
 allocates no weights.  The plan's summary is printed and the readable dump written to DIR.
@@ -52,12 +55,25 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan for activation recomputation per stage or per block")
     plan.add_argument("--memory-budget", default=None, help="bytes per stage, e.g. 8GiB")
     plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
+    export = sub.add_parser("export", help="write a sharded checkpoint's model as a plain state_dict file")
+    export.add_argument("checkpoint", help="the directory given to pm.save_checkpoint")
+    export.add_argument("out", help="the file to write (torch.save of the state dict)")
     return p
+
+
+def _export(args) -> int:
+    from autosplit.runtime.checkpoint_files import export_state_dict
+    state = export_state_dict(args.checkpoint, args.out)
+    n = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({n:,} elements) to {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "export":
+            return _export(args)
         start = time.perf_counter()
         model = build_model(args.model, args.image_size)
         x = torch.empty(args.batch, *default_input_shape(model, args.image_size), device="meta")
