@@ -5,18 +5,22 @@ into a plain state dict that ``model.load_state_dict`` of the unchanged model ac
 
 MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
 returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
-allocates no weights.  The plan's summary is printed and the readable dump written to DIR.
+allocates no weights.  The plan's summary is printed and the readable dump written to DIR; the last
+line printed is the path of DIR/report.html, the page to open in a browser.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 
 import torch
 
 import autosplit
+from autosplit.cost_model.profiles import get_profile
+from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 
@@ -75,17 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         start = time.perf_counter()
+        profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)
         x = torch.empty(args.batch, *default_input_shape(model, args.image_size), device="meta")
         plan = autosplit.compile(model, mesh=args.mesh, example_input=x, schedule=args.schedule,
                                  chunks_per_rank=args.chunks_per_rank, num_microbatches=args.microbatches,
-                                 device=args.device, autocast=_AUTOCAST.get(args.autocast),
+                                 device=profile, autocast=_AUTOCAST.get(args.autocast),
                                  checkpoint=args.checkpoint, memory_budget=args.memory_budget)
         print(plan.summary())
         print(f"planned in {time.perf_counter() - start:.2f} s")
         if args.out:
-            files = plan.dump(args.out)
+            files = dump_plan(plan, args.out, profile=profile)   # report.html uses the same profile
             print(f"wrote {len(files)} files to {args.out}")
+            print(f"report: {os.path.abspath(os.path.join(args.out, 'report.html'))}")
     except AutosplitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

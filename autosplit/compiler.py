@@ -9,6 +9,7 @@ Nothing here allocates a weight: parameters may live on the meta device.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,9 @@ from torch import nn
 
 from autosplit import validate
 from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
-from autosplit.errors import AutosplitError
+from autosplit.cost_model.comm import linear_2d_time
+from autosplit.cost_model.sharding import StageDataParallel, candidates
+from autosplit.errors import AutosplitError, PlanError
 from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
 from autosplit.passes.autocast_prop import AutocastDtypeProp
@@ -27,6 +30,7 @@ from autosplit.passes.cut_points import Cut, find_cuts
 from autosplit.passes.partition import balanced_bounds, stage_costs, torchtitan_bounds
 from autosplit.passes.shape_prop import MetaShapeProp, tensor_bytes
 from autosplit.passes.split_stages import SplitStages
+from autosplit.passes.tp2d import shard_2d
 from autosplit.passes.tp_rewrite import shard_tensor_parallel
 from autosplit.passes.tp_sequence import apply_sequence_parallel
 from autosplit.plan import Plan, StageInfo, TensorInfo
@@ -36,6 +40,7 @@ from autosplit.trace import trace
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TP_MODES = ("1d", "2d")
+LINEAR_2D_FORMS = ("allgather", "summa")
 AUTOCAST = (None, torch.bfloat16, torch.float16)
 
 
@@ -43,9 +48,15 @@ def _check_args(model, mesh: MeshShape, tp_mode: str, schedule: str, chunks_per_
                 autocast, checkpoint, sequence_parallel) -> None:
     validate.model(model)
     validate.one_of("tp_mode", tp_mode, TP_MODES)
-    if tp_mode == "2d" and mesh.tp > 1:
-        raise AutosplitError(f"tp_mode='2d' (SUMMA) is not in this release yet; use tp_mode='1d' "
-                             f"(Megatron), which supports tp={mesh.tp}")
+    if tp_mode == "2d":
+        q = math.isqrt(mesh.tp)
+        if q * q != mesh.tp:
+            raise AutosplitError(f"tp_mode='2d' arranges tp ranks in a q x q grid, so tp must be a perfect square; "
+                                 f"tp={mesh.tp} is not (nearest squares: {q * q} = {q}x{q} and {(q + 1) ** 2} = "
+                                 f"{q + 1}x{q + 1})")
+        if sequence_parallel and mesh.tp > 1:
+            raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='2d' already splits "
+                                 "every activation over both tp axes (batch over tp_row, channels over tp_col)")
     validate.one_of("schedule", schedule, SCHEDULES)
     validate.positive_int("chunks_per_rank", chunks_per_rank)
     if schedule == "interleaved" and chunks_per_rank < 2:
@@ -91,7 +102,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             device="h100", memory_budget: float | str | None = None, leaf_modules: Sequence = (),
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
             sequence_parallel: bool = False, autocast: torch.dtype | None = None,
-            checkpoint: str | None = None) -> Plan:
+            checkpoint: str | None = None, tp_2d_form: str = "auto", dp_shard: bool | str = False) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
@@ -108,6 +119,11 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
         autocast: None, torch.bfloat16 or torch.float16: plan for training under ``torch.autocast``
             (matmuls at the half-precision peak, activations and boundaries in the dtype autocast gives).
         checkpoint: None, "stage" or "block": plan for activation recomputation (memory and time).
+        tp_2d_form: with tp_mode="2d", how each linear multiplies its blocks: "allgather" (gather the
+            activation over tp_col and the weight over tp_row, one GEMM), "summa" (q broadcast steps,
+            smaller transient buffers) or "auto" (whichever the cost model prices lower, per layer).
+        dp_shard: False (replicated dp), "stage" or "layer" (FSDP2 units over dp; runtime/fsdp.py), or
+            True: "stage" where it fits ``memory_budget``, else "layer" (cost_model/sharding.py).
     """
     mesh = MeshShape.parse(mesh)
     _check_args(model, mesh, tp_mode, schedule, chunks_per_rank, num_microbatches, autocast, checkpoint,
@@ -122,7 +138,9 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     simulated = check_schedule(schedule, mesh.pp, num_microbatches, chunks_per_rank)  # proves it deadlock-free
     in_flight = _in_flight(simulated, mesh.pp, chunks_per_rank)
 
-    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaves, concrete_args)
+    validate.one_of("tp_2d_form", tp_2d_form, ("auto",) + LINEAR_2D_FORMS)
+    form = _form_chooser(tp_2d_form, math.isqrt(mesh.tp), profile)
+    gm, tp_plan = _graph(model, inputs, mesh.tp, sequence_parallel, leaves, concrete_args, tp_mode, form)
     if autocast is not None:
         AutocastDtypeProp(inputs, autocast, profile.device_type)(gm)
     annotate = AnnotateCosts()
@@ -136,10 +154,24 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     segments = _segments(list(gm.graph.nodes), cuts)
     seg = SegmentCosts(segments, cuts, mesh.tp, profile, in_flight, checkpoint=checkpoint, layers=layers,
                        input_bytes=sum(tensor_bytes(x) for x in inputs))
-    if stage_bounds is not None:
-        bounds = validate.stage_bounds(stage_bounds, n_stages, len(segments))
-    else:
-        bounds = balanced_bounds(seg.time, seg.out_time, n_stages, seg.memory, budget)
+    options = candidates(dp_shard, mesh.dp) if mesh.dp > 1 else [None]
+    for sharding in options:        # in order of preference: the first whose cut fits the budget
+        dpc = StageDataParallel(segments, seg.params, layers, mesh.dp, num_microbatches, sharding, profile,
+                                0.5 if autocast is not None else 1.0)
+        def memory(s, a, b, dpc=dpc):          # the dp state as sharded, instead of 4 x parameter bytes
+            return seg.memory(s, a, b) - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes
+        try:
+            if stage_bounds is not None:
+                bounds = validate.stage_bounds(stage_bounds, n_stages, len(segments))
+                if budget is not None and sharding != options[-1] and max(
+                        memory(s, a + 1, b) for s, (a, b) in enumerate(zip([-1, *bounds], bounds))) > budget:
+                    continue
+            else:
+                bounds = balanced_bounds(seg.time, seg.out_time, n_stages, memory, budget)
+            break
+        except PlanError:
+            if sharding == options[-1]:
+                raise
     layer_ends = find_layer_ends(layers, segments)
     baseline = torchtitan_bounds(layer_ends, first_layer_segment(layers, segments) - 1, len(segments), n_stages)
     _assign_stages(segments, bounds)
@@ -149,16 +181,28 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                 num_microbatches=num_microbatches, device=profile.name,
                 example_shapes=[tuple(x.shape) for x in inputs],
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
-                stages=_stage_infos(layers, mesh, split, seg, bounds),
+                stages=_stage_infos(layers, mesh, split, seg, bounds, dpc),
                 equal_layer_times=None if baseline is None else stage_costs(baseline, seg.time, seg.out_time),
                 equal_layer_bounds=baseline,
                 unknown_ops=list(annotate.unknown_ops), bounds=bounds, graph=gm, modules=split.stages,
                 tp_plan=tp_plan, schedule_grid=simulated.format_grid(),
                 autocast=None if autocast is None else str(autocast).removeprefix("torch."),
-                checkpoint=checkpoint, layer_end_segments=layer_ends)
+                checkpoint=checkpoint, layer_end_segments=layer_ends, dp_shard=sharding)
 
 
-def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args):
+def _form_chooser(choice: str, q: int, profile):
+    """fn(node, x_val, w_shape) -> the 2D linear form: the user's, or the one the cost model prices lower."""
+    def form(node, x, w_shape):
+        if choice != "auto":
+            return choice
+        x_bytes = tensor_bytes(x) / (q * q)                        # the (B/q, ..., in/q) block
+        w_bytes = math.prod(w_shape) * x.element_size() / (q * q)  # the (out/q, in/q) block
+        times = {f: sum(linear_2d_time(x_bytes, w_bytes, q, f, profile)) for f in LINEAR_2D_FORMS}
+        return min(LINEAR_2D_FORMS, key=times.get)
+    return form
+
+
+def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concrete_args, tp_mode="1d", form=None):
     """Traced, shape-annotated graph; with tp > 1 rewritten for tensor parallelism (local shapes of
     tp rank 0) together with the TensorParallelPlan that builds the other ranks' modules."""
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
@@ -168,6 +212,11 @@ def _graph(model, inputs, tp: int, sequence_parallel: bool, leaf_modules, concre
         for n in gm.graph.nodes:
             n.meta["spec"] = {"tp": Replicate()}     # one placement per sharding axis (dp splits rows only)
         return gm, None
+    if tp_mode == "2d":
+        tp_plan = shard_2d(gm, math.isqrt(tp), form)
+        gm = fx.GraphModule(tp_plan.local_root(0, gm.graph), gm.graph, type(model).__name__)
+        _shape_prop(gm, inputs)
+        return gm, tp_plan
     tp_plan = shard_tensor_parallel(gm, tp)
     if sequence_parallel:
         apply_sequence_parallel(gm, tp_plan)
@@ -206,7 +255,8 @@ def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     return infos
 
 
-def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds) -> list[StageInfo]:
+def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: SegmentCosts, bounds,
+                 dpc: StageDataParallel) -> list[StageInfo]:
     all_nodes = [n for s in seg.segments for n in s]
     by_name = {n.name: n for n in all_nodes}
     result = all_nodes[-1].args[0]                    # the model's output (the output node's argument)
@@ -218,7 +268,9 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
         fwd, bwd = graph_time(nodes, seg.profile)
         params = dict(module.named_parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-        kept, recompute = seg.activations(bounds[s - 1] + 1 if s else 0, bounds[s])
+        first = bounds[s - 1] + 1 if s else 0
+        dp = dpc(first, bounds[s], param_bytes)
+        kept, recompute = seg.activations(first, bounds[s])
         infos.append(StageInfo(
             index=s, pp_rank=s % mesh.pp, chunk=s // mesh.pp,
             layers=layers_label(layers, [n for n in shown if n.meta["stage"] == s], shown),
@@ -226,7 +278,8 @@ def _stage_infos(layers: list[str], mesh: MeshShape, split: SplitStages, seg: Se
             param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd + seg.recompute_time(nodes),
             comm_time=seg.boundary_time(bounds[s]) + comm_time(nodes, mesh.tp, seg.profile),
             activation_bytes=kept, in_flight=seg.in_flight[s],
-            memory_bytes=OPTIMIZER_FACTOR * param_bytes + seg.in_flight[s] * kept + recompute,
+            memory_bytes=int(dp.memory_bytes) + seg.in_flight[s] * kept + recompute,
+            dp_bytes=int(dp.traffic_bytes), dp_time=dp.time,
             inputs=_tensor_infos([by_name[n] for n in split.inputs[s]]),
             outputs=_tensor_infos([by_name[n] for n in split.outputs[s]]),
             recompute_bytes=recompute))

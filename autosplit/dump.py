@@ -7,6 +7,9 @@ Layout of ``plan.dump(dir)``:
   pp{r}_tp{t}/stage{s}.py         -- the code rank (pp=r, tp=t) runs for stage s, with the original
                                      module path and the local shape beside each line
   stage{s}.dot (.svg)             -- a drawing of stage s (SVG too when Graphviz's `dot` is installed)
+  report.html                     -- all of the above for a browser, in one self-contained file
+                                     (report_html.py): mesh, stages, time and memory bars, the schedule's
+                                     Gantt chart, tensor-parallel collectives, searchable stage code
 
 We write Graphviz text ourselves instead of using torch.fx's FxGraphDrawer because that needs the
 pydot package; the text format is a few lines and `dot` is optional.
@@ -20,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
+
+from autosplit.report_html import render_report
 
 if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
     from autosplit.plan import Plan
@@ -63,7 +68,26 @@ def _write(path: str, text: str, written: list[str]) -> None:
     written.append(path)
 
 
-def dump_plan(plan: Plan, directory) -> list[str]:
+def rank_codes(plan: Plan) -> dict[tuple[int, int, int], str]:
+    """(pp rank, tp rank, stage) -> the annotated code that rank runs for that stage, with a header line."""
+    codes = {}
+    for r in range(plan.mesh.pp):
+        for t in range(plan.mesh.tp):
+            for module, stage in zip(plan.stage_modules(r, t), plan.stages[r::plan.mesh.pp]):
+                header = f"# stage {stage.index} (pp rank {r}, chunk {stage.chunk}, tp rank {t}): {stage.layers}\n"
+                codes[(r, t, stage.index)] = header + annotated_code(module)
+    return codes
+
+
+def dump_plan(plan: Plan, directory, profile=None) -> list[str]:
+    """Write the layout above into ``directory``; returns the paths written (report.html last).
+
+    Args:
+        plan: the Plan to write.
+        directory: created if missing; files already there are overwritten.
+        profile: the DeviceProfile the plan was made with, for report.html's memory budget and
+            communication times (default: the built-in profile ``plan.device`` names, if any).
+    """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     written: list[str] = []
@@ -71,17 +95,16 @@ def dump_plan(plan: Plan, directory) -> list[str]:
     _write(os.path.join(directory, "plan.json"), plan.to_json() + "\n", written)
     _write(os.path.join(directory, "schedule.txt"), plan.schedule_grid + "\n", written)
     dot = shutil.which("dot")
-    for r in range(plan.mesh.pp):
-        for t in range(plan.mesh.tp):
-            rank_dir = os.path.join(directory, f"pp{r}_tp{t}")
-            os.makedirs(rank_dir, exist_ok=True)
-            for module, stage in zip(plan.stage_modules(r, t), plan.stages[r::plan.mesh.pp]):
-                header = f"# stage {stage.index} (pp rank {r}, chunk {stage.chunk}, tp rank {t}): {stage.layers}\n"
-                _write(os.path.join(rank_dir, f"stage{stage.index}.py"), header + annotated_code(module), written)
+    codes = rank_codes(plan)
+    for (r, t, s), code in codes.items():
+        rank_dir = os.path.join(directory, f"pp{r}_tp{t}")
+        os.makedirs(rank_dir, exist_ok=True)
+        _write(os.path.join(rank_dir, f"stage{s}.py"), code, written)
     for s, module in enumerate(plan.modules):
         path = os.path.join(directory, f"stage{s}.dot")
         _write(path, stage_dot(module, f"stage{s}"), written)
         if dot:
             subprocess.run([dot, "-Tsvg", path, "-o", path[:-4] + ".svg"], check=False, timeout=120)
             written.append(path[:-4] + ".svg")
+    _write(os.path.join(directory, "report.html"), render_report(plan, codes, profile), written)
     return written

@@ -53,6 +53,8 @@ class StageInfo:
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
     recompute_bytes: int = 0      # alive while one microbatch's backward recomputes (checkpointing)
+    dp_bytes: int = 0             # data-parallel traffic per step and rank (cost_model/sharding.py)
+    dp_time: float = 0.0          # its predicted seconds per step (not part of ``time``)
 
     @property
     def time(self) -> float:
@@ -81,6 +83,7 @@ class Plan:
     autocast: str | None = None               # "bfloat16" / "float16" when planned for torch.autocast
     checkpoint: str | None = None             # None, "stage" or "block"
     layer_end_segments: list[int] = field(default_factory=list)   # per layer, the segment it ends in
+    dp_shard: str | None = None               # "stage" / "layer": FSDP2 units over dp; None: replicated
     _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property

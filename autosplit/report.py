@@ -62,6 +62,8 @@ def summary_table(plan: Plan) -> str:
         what = "its inputs" if plan.checkpoint == "stage" else "the tensors entering each layer"
         foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
                     f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
+    if plan.mesh.dp > 1:
+        foot.append(_dp_note(plan))
     if plan.tp_plan is not None:
         tp = plan.tp_plan
         foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "
@@ -70,6 +72,17 @@ def summary_table(plan: Plan) -> str:
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
     return "\n".join([head, *lines, *foot])
+
+
+def _dp_note(plan: Plan) -> str:
+    """Data-parallel memory and traffic (cost_model/sharding.py): what ``memory`` counts, per stage."""
+    how = {None: "replicated: memory has 4 x params (parameter, gradient, Adam moments); one all-reduce",
+           "stage": "sharded per stage (dp_shard): memory has 4 x params / dp, plus unsharded parameters and "
+                    "gradients during the step; one all-gather and one reduce-scatter",
+           "layer": "sharded per layer (dp_shard): memory has 4 x params / dp, plus unsharded gradients and "
+                    "two layers' parameters during the step; 2 x microbatches all-gathers, one reduce-scatter"}
+    traffic = ", ".join(f"{_bytes(s.dp_bytes)} {s.dp_time * 1e3:.3f} ms" for s in plan.stages)
+    return f"data parallel (dp={plan.mesh.dp}) {how[plan.dp_shard]} per step; per stage: {traffic}"
 
 
 def stage_info_dict(stage: StageInfo) -> dict:
@@ -85,7 +98,7 @@ def plan_dict(plan: Plan) -> dict:
         "tp_mode": plan.tp_mode, "schedule": plan.schedule, "chunks_per_rank": plan.chunks_per_rank,
         "num_microbatches": plan.num_microbatches, "device": plan.device,
         "example_shapes": [list(s) for s in plan.example_shapes],
-        "autocast": plan.autocast, "checkpoint": plan.checkpoint,
+        "autocast": plan.autocast, "checkpoint": plan.checkpoint, "dp_shard": plan.dp_shard,
         "balance": {"autosplit": ours, "equal_layer_count": None if isinstance(equal, str) else equal,
                     "equal_layer_stage_times": plan.equal_layer_times, "baseline": BASELINE},
         "unknown_ops": plan.unknown_ops,

@@ -47,11 +47,48 @@ def reduce_scatter_time(nbytes: float, n: int, profile) -> float:
     return _ring(1, nbytes, n, profile)
 
 
+def broadcast_time(nbytes: float, n: int, profile) -> float:
+    """Binomial-tree broadcast (or reduce) of ``nbytes`` over ``n`` ranks, pipelined: latency per
+    level, the bytes once."""
+    if n <= 1:
+        return 0.0
+    p = get_profile(profile)
+    return (n - 1).bit_length() * p.link_latency + nbytes / p.link_bandwidth
+
+
+def linear_2d_time(x_bytes: float, w_bytes: float, q: int, form: str, profile) -> tuple[float, float]:
+    """(forward s, backward s) of ``linear_2d`` with local blocks of ``x_bytes`` and ``w_bytes``.
+
+    allgather: forward gathers x over a row and w over a column (each ring, (q-1) blocks per rank);
+      backward re-gathers both and reduce-scatters both gradients.
+    summa: q broadcasts of an x block and q of a w block forward; backward q broadcasts plus q
+      reduces for each of dX and dW.
+    """
+    if q <= 1:
+        return 0.0, 0.0
+    if form == "summa":
+        fwd = q * (broadcast_time(x_bytes, q, profile) + broadcast_time(w_bytes, q, profile))
+        return fwd, 2 * fwd
+    gx, gw = all_gather_time(q * x_bytes, q, profile), all_gather_time(q * w_bytes, q, profile)
+    return gx + gw, 2 * (gx + gw)
+
+
+def axis_size(axis: str, tp: int) -> int:
+    """Ranks on a tensor-parallel axis: tp for "tp"; q = sqrt(tp) for a 2D grid's tp_row / tp_col."""
+    return round(tp ** 0.5) if axis in ("tp_row", "tp_col") else tp
+
+
 def collective_time(node, n: int, profile) -> tuple[float, float]:
-    """(forward s, backward s) of a collective graph node (one with ``target.comm_kind``) over n ranks."""
+    """(forward s, backward s) of a collective graph node (one with ``target.comm_kind``) over n ranks
+    (``n`` is tp; a node on a 2D axis runs over sqrt(tp) of them)."""
     kinds = getattr(node.target, "comm_kind", None)
     if not kinds:
         return 0.0, 0.0
+    if kinds[0] == "linear_2d":
+        x, w = (a.meta.get("val") for a in node.args[:2])
+        return linear_2d_time(tensor_bytes(x), tensor_bytes(w), node.args[4], node.args[5], profile)
+    axis = next((a for a in node.args if isinstance(a, str)), "tp")
+    n = axis_size(axis, n)
     values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
     nbytes = max(tensor_bytes(v) for v in values)          # the unsharded side of the collective
     return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)

@@ -3,22 +3,24 @@
     python examples/plan_vit.py vit_base_patch16_224 --mesh 4,1,1 --batch 8 --out plan_vit_b
 """
 import argparse
+import os
 import time
 
 import timm
 import torch
 
 import autosplit
+from autosplit.schedule import SCHEDULES
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("model", help="timm model name, e.g. vit_tiny_patch16_224 (see timm.list_models('vit*'))")
 p.add_argument("--mesh", default="2,1,1", help="PP,TP,DP")
 p.add_argument("--batch", type=int, default=8, help="microbatch size")
 p.add_argument("--image-size", type=int, default=None, help="default: the model's own")
-p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
 p.add_argument("--chunks-per-rank", type=int, default=1)
 p.add_argument("--microbatches", type=int, default=None, help="default: 2 * pp")
-p.add_argument("--device", default="h100", help="cost model profile: h100, a100 or cpu")
+p.add_argument("--device", default="h100", help="cost model profile: h100, h200, a100 or cpu")
 p.add_argument("--out", default="plan_out", help="directory for the dump")
 args = p.parse_args()
 
@@ -37,3 +39,4 @@ print(f"planned {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params 
       f"{time.perf_counter() - start:.2f} s")
 files = plan.dump(args.out)
 print(f"wrote {len(files)} files to {args.out}: " + ", ".join(sorted({f.split('/')[-1] for f in files})[:8]))
+print(f"report: {os.path.abspath(os.path.join(args.out, 'report.html'))}")

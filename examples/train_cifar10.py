@@ -1,10 +1,11 @@
-"""Train a timm ViT on CIFAR-10 with autosplit (pipeline + data parallel), under torchrun.
+"""Train a timm ViT on CIFAR-10 with autosplit (pipeline, tensor and data parallel), under torchrun.
 
 CPU (gloo), 2 pipeline stages:
     torchrun --standalone --nproc-per-node 2 examples/train_cifar10.py --mesh 2,1,1 --data ./data
 GPUs (NCCL), 2 stages x 2 replicas:
     torchrun --standalone --nproc-per-node 4 examples/train_cifar10.py --mesh 2,1,2 --data ./data --bf16
 No dataset at hand (offline machine): add --synthetic (random CIFAR-shaped images, see SyntheticCIFAR).
+--report DIR writes the plan it trains with (plan.dump: report.html, per-rank code, plan.json).
 
 Data layout: the global batch of --batch images is split over the dp replicas; replica k trains on
 rows [k*B/dp, (k+1)*B/dp).  Every rank of a replica (its pp stages) must see the very same tensors, so
@@ -27,7 +28,10 @@ from torchvision import transforms
 from tqdm import tqdm
 
 import autosplit
+from autosplit.compiler import TP_MODES
+from autosplit.dump import dump_plan
 from autosplit.mesh import MeshShape
+from autosplit.schedule import SCHEDULES
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
@@ -35,7 +39,8 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (dp may be -1: what the world size leaves)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    p.add_argument("--tp-mode", default="1d", choices=TP_MODES, help="tensor-parallel layout (default 1d, Megatron)")
     p.add_argument("--chunks-per-rank", type=int, default=1, help="model chunks per rank (interleaved: >= 2)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per replica batch")
     p.add_argument("--batch", type=int, default=128, help="global batch (all dp replicas together)")
@@ -53,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with tp > 1, also shard tokens between tensor-parallel regions")
     p.add_argument("--save", default=None, help="write the full state dict here (rank 0) at the end")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="write the plan (report.html, per-rank stage code, plan.json) to DIR (rank 0)")
+    p.add_argument("--log-every", type=int, default=0, metavar="K", help="print the loss every K steps (0: never)")
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--width", type=int, default=192, help="embedding dim")
     p.add_argument("--heads", type=int, default=None, help="default: width // 64 (at least 1)")
@@ -178,17 +186,20 @@ def main(argv=None) -> int:
     example = torch.empty(replica_batch // args.microbatches, 3, 32, 32)
     pm = autosplit.parallelize(model, mesh=(mesh.pp, mesh.tp, mesh.dp), loss_fn=torch.nn.CrossEntropyLoss(),
                                num_microbatches=args.microbatches, schedule=args.schedule,
-                               chunks_per_rank=args.chunks_per_rank, example_input=example,
+                               chunks_per_rank=args.chunks_per_rank, tp_mode=args.tp_mode, example_input=example,
                                autocast=torch.bfloat16 if args.bf16 else None,
                                checkpoint="stage" if args.checkpoint else None,
                                sequence_parallel=args.sequence_parallel)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"world: {world_size} ranks, backend {pm.world.backend}, device {pm.world.device.type}; "
-        f"mesh pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}; schedule {args.schedule}, "
+        f"mesh pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}; schedule {args.schedule}, tp mode {args.tp_mode}, "
         f"{args.microbatches} microbatches of {example.shape[0]}")
     log(f"model: ViT depth {args.depth}, width {args.width}, heads {heads}, patch {args.patch}, "
         f"{n_params / 1e6:.2f} M params; global batch {args.batch} ({replica_batch} per replica)")
     log(pm.plan.summary())
+    if args.report and rank0:   # planning is pure: one rank writes it, no other rank waits
+        dump_plan(pm.plan, args.report, profile=pm.profile)
+        log(f"report: {os.path.abspath(os.path.join(args.report, 'report.html'))}")
 
     train_set, test_set = build_datasets(args, log)
     train_set = SeededAugment(train_set, args.seed)
@@ -232,6 +243,8 @@ def main(argv=None) -> int:
             seen += 1
             bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{args.batch / (time.perf_counter() - t0):.0f}")
             bar.update()
+            if args.log_every and step % args.log_every == 0:
+                log(f"step {step}: loss {loss:.4f}")
             if not math.isfinite(loss):
                 log(f"ERROR: loss is {loss} at step {step}; stopping")
                 dist.destroy_process_group()

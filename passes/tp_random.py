@@ -41,8 +41,11 @@ def sharded_random_nodes(gm: fx.GraphModule, axis: str = "tp") -> list[fx.Node]:
     """The random ops of ``gm`` whose tensors are split across the ranks of ``axis``."""
     out = []
     for node in gm.graph.nodes:
-        if node.meta.get("tp_random") or (isinstance(node.meta.get("spec", {}).get(axis), Shard)
-                                           and is_random(node, gm)):
+        spec = node.meta.get("spec", {})
+        # a 2D grid's blocks are split over tp_row / tp_col: the tp rank's fork covers both
+        split = isinstance(spec.get(axis), Shard) or (axis == "tp" and any(
+            isinstance(spec.get(a), Shard) for a in ("tp_row", "tp_col")))
+        if node.meta.get("tp_random") or (split and is_random(node, gm)):
             out.append(node)
     return out
 

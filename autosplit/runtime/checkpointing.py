@@ -35,8 +35,9 @@ def _layer_of(path: str, layers: list[str]) -> str | None:
     return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
 
 
-def checkpoint_blocks(stage: fx.GraphModule, model: torch.nn.Module) -> fx.GraphModule:
-    """``stage`` with each of the model's layers it contains recomputed in backward."""
+def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.GraphModule, list[str]]:
+    """``stage`` split into contiguous runs of nodes, one submodule per run, and the names of the
+    runs that are one of the model's layers (runtime/fsdp.py shards each of those on its own)."""
     layers = layer_paths(model)
     runs: dict[fx.Node, int] = {}
     is_layer: dict[int, bool] = {}
@@ -50,9 +51,16 @@ def checkpoint_blocks(stage: fx.GraphModule, model: torch.nn.Module) -> fx.Graph
             is_layer[run] = layer is not None
         runs[node] = run
     split = split_module(stage, stage, lambda n: runs[n], keep_original_order=True)
-    for name, child in list(split.named_children()):
-        if name.startswith("submod_") and is_layer.get(int(name.removeprefix("submod_")), False):
-            setattr(split, name, Checkpointed(child))
+    names = [name for name, _ in split.named_children()
+             if name.startswith("submod_") and is_layer.get(int(name.removeprefix("submod_")), False)]
+    return split, names
+
+
+def checkpoint_blocks(stage: fx.GraphModule, model: torch.nn.Module) -> fx.GraphModule:
+    """``stage`` with each of the model's layers it contains recomputed in backward."""
+    split, names = split_layers(stage, model)
+    for name in names:
+        setattr(split, name, Checkpointed(getattr(split, name)))
     return split
 
 

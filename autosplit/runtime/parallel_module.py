@@ -33,6 +33,7 @@ from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
+from autosplit.runtime.fsdp import StageSharding, grad_square
 from autosplit.runtime.loss_check import checked_loss, loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -40,6 +41,7 @@ from autosplit.runtime.params import adopt_parameters, graph_order_params, mater
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
+from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
 
@@ -72,6 +74,7 @@ class ParallelModule:
         self._agreed, self._params_agreed = None, self.initializer is not None
         self.step_count = 0                 # completed steps (checkpoint metadata)
         self.plan, self.buckets, self.provisional = None, None, False
+        self.sharding: StageSharding | None = None
         self.partial_params: list = []
         self.raw_modules: list = []
         self._buffer_sync: BufferSync | None = None
@@ -106,16 +109,23 @@ class ParallelModule:
             materialize_local(modules, self.initializer, self._sharded(), self.tp_rank, self.world.device)
         modules = [m.to(self.world.device) for m in modules]
         modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
-        if self.raw_modules:            # a re-plan keeps the parameter objects the optimizer was given
-            for old, new in zip(self.raw_modules, modules):
-                adopt_parameters(old, new)
-        self.raw_modules = modules
-        bind_axis_groups({"tp": self.world.group("tp")}, self.watchdog)
+        stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
         partial = self.plan.tp_plan.partial_grads if self.plan.tp_plan is not None else set()
+        if self.plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
+            self.sharding = self.sharding or StageSharding(self.world, self.model, self.plan.dp_shard,
+                                                           self.checkpoint, self.autocast)
+            self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial)
+            self.buckets = self.sharding.grads
+        else:
+            if self.raw_modules:        # a re-plan keeps the parameter objects the optimizer was given
+                for old, new in zip(self.raw_modules, modules):
+                    adopt_parameters(old, new)
+            self.raw_modules = modules
+            self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
+        axes = ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)
+        bind_axis_groups({a: self.world.group(a) for a in axes}, self.watchdog)
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
-        self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
-        stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
         if self.buckets is None and self.dp_size > 1:   # parameters never change owner, so build once
             # partial-grad params are reduced over dp by _reduce_partial_grads, after their tp sum
             partial_ids = {id(p) for p in self.partial_params}
@@ -293,8 +303,9 @@ class ParallelModule:
                 continue
             grads.append(p.grad)
             if name in sharded or self.tp_rank == 0:
-                local += p.grad.detach().double().square().sum()
-        for axis in ("pp", "tp"):
+                local += grad_square(p.grad, count_replicated=self.sharding is None or self.dp_rank == 0)
+        # dp first when sharded (each rank holds a shard of most gradients); every rank runs these in this order
+        for axis in ("dp", "pp", "tp") if self.sharding else ("pp", "tp"):
             work = dist.all_reduce(local, group=self.world.group(axis), async_op=True)
             self.watchdog.wait(work, f"gradient-norm all-reduce over {axis}", host=True)
         norm = math.sqrt(local.item())
@@ -312,6 +323,8 @@ class ParallelModule:
         xs = self._microbatches(inputs, "predict")
         self._plan_for(xs[0])
         _, outs = self.executor.run(xs, None, train=False)
+        if self.sharding:
+            self.sharding.reshard()          # forward only: free the parameters kept for a backward
         self._sync_buffers()                  # a forward in training mode may update BatchNorm statistics
         last = self.world.rank_at(pp=(self.plan.n_stages - 1) % self.world.mesh.pp)
         info = self.plan.stages[-1].outputs[0]

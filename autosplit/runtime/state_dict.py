@@ -9,7 +9,9 @@ Terms:
   sharded -- a tensor split over tp (``plan.tp_plan.sharded``: autosplit/tp/shards.py's ShardedParam,
              each tp rank's indices along the split dims); gathered from the tp ranks and put back in place by those indices.
   local   -- the tensors of the stages this rank runs, under the original names.
-Every wait goes through the Watchdog and is read on the host (``host=True``).
+Every wait goes through the Watchdog and is read on the host (``host=True``).  A tensor sharded over dp
+(``dp_shard``, runtime/fsdp.py) is all-gathered first (``full_value``): the ranks of a dp group own the
+same names and visit them in ``model.state_dict()`` order, so their all-gathers line up.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit.errors import AutosplitError
+from autosplit.runtime.fsdp import copy_full_into, full_value
 
 
 def _sharded(plan) -> dict:
@@ -55,9 +58,9 @@ def gather_full_state_dict(model, plan, modules, world, watchdog) -> dict[str, t
     result = {}
     for name, tensor in model.state_dict().items():
         if name in local and name in sharded:
-            buf = _gather_shards(world, watchdog, sharded[name], name, local[name], tensor.shape)
+            buf = _gather_shards(world, watchdog, sharded[name], name, full_value(local[name]), tensor.shape)
         elif name in local:
-            buf = local[name].detach().clone()
+            buf = full_value(local[name]).detach().clone()
         elif tensor.is_meta and name in owners:   # a meta model's tensor another stage holds: received below
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=world.device)
         elif tensor.is_meta:
@@ -85,4 +88,4 @@ def load_into(model, state_dict: dict[str, torch.Tensor], plan, modules, tp_rank
                 value = state_dict[name]
                 if name in sharded:
                     value = sharded[name].select(value, tp_rank)
-                local[name].copy_(value)
+                copy_full_into(local[name], value)

@@ -175,3 +175,4 @@ class _Backend:
     gather = staticmethod(_Gather.apply)
     reduce_scatter = staticmethod(_ReduceScatter.apply)
     local_slice = staticmethod(_Slice.apply)
+

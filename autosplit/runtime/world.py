@@ -6,6 +6,8 @@ Terms:
   backend  -- NCCL with ``cuda:LOCAL_RANK`` when GPUs are present, gloo on CPU otherwise; chosen here.
   groups   -- one process group per mesh axis ("pp", "tp", "dp"), from torch's DeviceMesh of shape
               (pp, dp, tp): tp innermost, so tensor-parallel ranks are consecutive (see mesh.py).
+              With tp_mode="2d" also "tp_row" and "tp_col", from a DeviceMesh (pp, dp, q, q): tp rank
+              t is grid row t // q and column t % q.
   timeout  -- every wait in the runtime gives up after this many seconds with an error naming the rank
               and what it waited for (faults.Watchdog).  The process groups get the same timeout
               plus ``NCCL_GRACE_S``: NCCL's own watchdog (async error handling, on by default here as
@@ -41,8 +43,11 @@ class World:
     device_mesh: DeviceMesh = field(repr=False)
     timeout_s: float = DEFAULT_TIMEOUT_S
     control_group: object = field(default=None, repr=False)   # gloo over WORLD when the backend is NCCL
+    grid_mesh: DeviceMesh | None = field(default=None, repr=False)   # 2D: (pp, dp, tp_row, tp_col)
 
     def group(self, axis: str):
+        if axis in ("tp_row", "tp_col"):
+            return self.grid_mesh.get_group(axis)
         return self.device_mesh.get_group(axis)
 
     def rank_at(self, *, pp: int | None = None, tp: int | None = None, dp: int | None = None) -> int:
@@ -64,7 +69,7 @@ def _choose_backend() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d") -> World:
     """Join (or create) the default process group and build the mesh's axis groups.
 
     Raises the same clear error on every rank, without communicating, when the mesh does not match
@@ -100,7 +105,14 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     # The agreement checks exchange a few integers on the host at the start of every call; on NCCL a
     # CPU (gloo) group does it, so reading them never waits for the GPU's queue (no device sync).
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    grid = None
+    q = math.isqrt(shape.tp)
+    if tp_mode == "2d" and q * q == shape.tp and q > 1:
+        # tp rank = row * q + col (row-major inside the consecutive tp ranks); every rank builds the same
+        # groups in the same order, as DeviceMesh requires.
+        layout = torch.arange(size).reshape(shape.pp, shape.dp, q, q)
+        grid = DeviceMesh(device.type, layout, mesh_dim_names=("pp", "dp", "tp_row", "tp_col"))
     rank = dist.get_rank()
-    return World(rank=rank, size=size, device=device, backend=backend, mesh=shape,
+    return World(grid_mesh=grid, rank=rank, size=size, device=device, backend=backend, mesh=shape,
                  coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,
                  control_group=control)

@@ -71,3 +71,13 @@ class LocalMultiheadAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         y = F.linear(y.transpose(1, 2).reshape(B, N, -1), self.out_proj.weight)   # (B, N, E) partial
         return (y if self.batch_first else y.transpose(0, 1)), None
+
+
+def attention_heads(qkv: torch.Tensor, heads: int, batch_first: bool) -> torch.Tensor:
+    """``nn.MultiheadAttention``'s core on this rank's heads: (B, N, 3*heads*D) fused q, k, v in
+    (3, heads, D) order -> (B, N, heads*D).  The 2D rewrite puts the projections around it."""
+    x = qkv if batch_first else qkv.transpose(0, 1)                     # (B, N, 3*h*D)
+    B, N, _ = x.shape
+    q, k, v = (t.reshape(B, N, heads, -1).transpose(1, 2) for t in x.chunk(3, dim=-1))   # (B, h, N, D)
+    y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, -1)       # (B, N, h*D)
+    return y if batch_first else y.transpose(0, 1)

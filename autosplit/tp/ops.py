@@ -17,6 +17,17 @@ Terms:
              computes its output's shape, which is all planning needs, so this module imports no
              runtime and no process group.
   comm_kind -- on each op, (forward, backward) collective kinds, read by the cost model.
+
+2D (SUMMA / Optimus) vocabulary, over the axes ``tp_row`` and ``tp_col`` of a q x q grid:
+  linear_2d -- ``x @ w.T`` where x is sharded on its last dim over ``col_axis`` and w is this rank's
+             (out/q, in/q) block: rows by the ``col_axis`` coordinate, columns by the ``row_axis`` one.
+             ``form="allgather"`` gathers x over col_axis and w over row_axis and runs one GEMM
+             (backward re-gathers them and reduce-scatters both gradients); ``form="summa"`` runs q
+             steps of broadcasts (Colossal-AI's Matmul_AB forward, ABT / ATB backward).  Both save
+             only the local blocks, so saved activations stay 1/q^2 of the layer's.
+  sum_stats -- a sum over an axis that every rank then uses for its own part (layer-norm mean and
+             variance over channels split across ranks): all-reduce forward AND backward, because
+             each rank's gradient of the sum is a different partial.
 """
 from __future__ import annotations
 
@@ -96,8 +107,35 @@ def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     return _backend().local_slice(x, dim, axis)
 
 
+def linear_2d(x: torch.Tensor, w: torch.Tensor, row_axis: str, col_axis: str, q: int,
+              form: str = "allgather") -> torch.Tensor:
+    """(..., in/q) sharded over col_axis, weight block (out/q, in/q) -> (..., out/q) sharded over col_axis."""
+    if x.device.type == "meta":
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+    return _backend().linear_2d(x, w, row_axis, col_axis, q, form)
+
+
+def sum_stats(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Sum over ``axis`` forward; sum of the gradients over ``axis`` backward."""
+    return x.clone() if x.device.type == "meta" else _backend().sum_stats(x, axis)
+
+
+def layer_norm_2d(x: torch.Tensor, features: int, weight, bias, eps: float, axis: str) -> torch.Tensor:
+    """Layer norm over the last dim, which is split over ``axis`` (``features`` in all): mean and
+    variance from partial sums (two ``sum_stats``), then this rank's slice of weight and bias."""
+    mean = sum_stats(x.sum(-1, keepdim=True), axis) / features          # (..., 1)
+    centred = x - mean
+    var = sum_stats((centred * centred).sum(-1, keepdim=True), axis) / features
+    y = centred * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    return y + bias if bias is not None else y
+
+
 # What each costs, forward and backward, for the cost model (which reads ``comm_kind``).
 for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_reduce", None)),
                    (all_gather, ("all_gather", "reduce_scatter")), (reduce_scatter, ("reduce_scatter", "all_gather")),
-                   (local_slice, (None, "all_gather")), (gather, ("all_gather", None))):
+                   (local_slice, (None, "all_gather")), (gather, ("all_gather", None)),
+                   (sum_stats, ("all_reduce", "all_reduce"))):
     _fn.comm_kind = _kind
+linear_2d.comm_kind = ("linear_2d", "linear_2d")       # priced by cost_model/comm.py's linear_2d_time

@@ -1,0 +1,226 @@
+"""Sharded data parallelism (``dp_shard``): each stage module sharded over the dp axis with torch's FSDP2.
+
+Terms:
+  unit        -- one ``fully_shard`` call: its parameters are all-gathered together before its forward
+                 and their gradients reduce-scattered together.  Granularity "stage": one unit per stage
+                 module; "layer": one unit per model layer the stage holds (the runs of
+                 runtime/checkpointing.py ``split_layers``, so that the layer is a module whose forward
+                 is called and FSDP's hooks fire) plus the stage root for everything else.
+  sharded     -- each parameter split along dim 0 over the dp ranks (FSDP2's ``Shard(0)`` DTensor); the
+                 optimizer steps the shard, and gradients arrive reduce-scattered (averaged over dp).
+  kept        -- "stage" keeps the stage's parameters unsharded from its first forward to its last
+                 backward of a step (one all-gather per step); "layer" reshards a layer after its forward
+                 and gathers it again for backward (2 x m all-gathers per step, about one layer's
+                 parameters unsharded at a time, the next one prefetched).
+  step sync   -- gradients accumulate unsharded over a step's microbatches; the reduce-scatter runs in
+                 the stage's last backward of the step only (``set_requires_gradient_sync``, as
+                 torch.distributed.pipelining does for FSDP stages), and not at all under ``no_sync``.
+  replicated  -- parameters whose gradient is a tensor-parallel partial sum (``tp_plan.partial_grads``:
+                 norms under sequence parallelism, qk-norms) stay out of FSDP (``ignored_params``); the
+                 ParallelModule sums them over tp and averages them over dp as without sharding.
+  own copy    -- the stage modules are deep copies: FSDP replaces parameters on the modules that hold
+                 them, and with tp=1 those are the user's model's own modules, which the ranks compare
+                 (agreement.py) and ``full_state_dict`` reads for other stages.
+
+NCCL ordering: the ranks of a dp group share their pp and tp coordinates, so they run the same lowered
+schedule over graphs of the same structure; FSDP issues its all-gathers and reduce-scatters from its
+module hooks as that schedule calls forward and backward, so every rank of the group issues the same
+collectives in the same order (the requirement for NCCL).  FSDP's own waits are bounded by the process
+group's timeout (world.py sets ``timeout_s`` + a grace), not by our Watchdog; the heartbeat still names
+the compute a rank is stuck in.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.fx as fx
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from autosplit.errors import AutosplitError
+from autosplit.runtime.checkpointing import Checkpointed, checkpointed, split_layers
+
+GRANULARITIES = ("stage", "layer")
+# FSDP warns when a unit returns a view, since an in-place op on it would skip its backward hook; the
+# executor never writes into a stage's outputs (it hands over detached copies and backpropagates them).
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def check_dp_shard(dp_shard) -> None:
+    if dp_shard not in (False, True, None, *GRANULARITIES):
+        raise AutosplitError(f"dp_shard={dp_shard!r}: expected False, True (the cost model chooses), "
+                             f"'stage' or 'layer'")
+
+
+def _structure(raw: fx.GraphModule, model, checkpoint: str | None, granularity: str):
+    """The module the executor calls for ``raw``, and its layer units ("layer" only): lists of modules
+    that FSDP shards together."""
+    if granularity == "stage":
+        return checkpointed(raw, model, checkpoint), []
+    split, names = split_layers(raw, model)
+    if checkpoint == "block":   # as checkpoint_blocks; the Checkpointed wrapper is the unit (torchtitan's order)
+        for name in names:
+            setattr(split, name, Checkpointed(getattr(split, name)))
+    return (Checkpointed(split) if checkpoint == "stage" else split), _layer_units(split, names)
+
+
+def _layer_units(split: torch.nn.Module, layers: list[str]) -> list[list[torch.nn.Module]]:
+    """One unit per layer run, except where FSDP's rule (each parameter in exactly one unit) forbids:
+    runs that read the same parameter share a unit, and a run holding a parameter that the split's root
+    also reads (split_module keeps ``get_attr`` reads in the root and passes them in; tensor-parallel
+    row biases are read that way) stays in the root's unit."""
+    runs = [name for name, _ in split.named_children() if name.startswith("submod_")]
+    group = {name: name for name in [*runs, ""]}        # "": the root's own attributes
+
+    def find(name):
+        while group[name] != name:
+            name = group[name]
+        return name
+    owner: dict[int, str] = {}
+    holders = [(name, split.get_submodule(name)) for name in runs]
+    holders += [("", m) for name, m in split.named_children() if name not in runs]
+    for name, module in holders:
+        for p in module.parameters():
+            if id(p) in owner and find(owner[id(p)]) != find(name):
+                a, b = find(name), find(owner[id(p)])
+                group[a if b == "" else b] = b if b == "" else a
+            owner.setdefault(id(p), name)
+    members: dict[str, list[str]] = {}
+    for name in runs:
+        if find(name) != "":
+            members.setdefault(find(name), []).append(name)
+    return [[split.get_submodule(n) for n in ms] for ms in members.values() if set(ms) & set(layers)]
+
+
+def _repoint(raw: torch.nn.Module, root: torch.nn.Module, before: dict[str, int]) -> None:
+    """Give ``raw`` the sharded parameters FSDP put into ``root``'s tree in place of its own
+    (``before``: name in root -> id of the parameter it held), so ``raw.named_parameters()`` yields
+    what the optimizer must step; leaf modules shared by both trees already hold them."""
+    new_by_old = {before[n]: p for n, p in root.named_parameters(remove_duplicate=False)}
+    for name, p in list(raw.named_parameters(remove_duplicate=False)):
+        if id(p) in new_by_old and new_by_old[id(p)] is not p:
+            owner, _, leaf = name.rpartition(".")
+            setattr(raw.get_submodule(owner) if owner else raw, leaf, new_by_old[id(p)])
+
+
+class StageSharding:
+    """Builds and keeps this rank's FSDP-sharded stage modules; ``grads`` steps their gradient sync."""
+
+    def __init__(self, world, model, granularity: str, checkpoint: str | None, autocast: torch.dtype | None):
+        if granularity not in GRANULARITIES:
+            raise AutosplitError(f"dp_shard granularity {granularity!r}: expected one of {GRANULARITIES}")
+        self.world, self.model, self.granularity, self.checkpoint = world, model, granularity, checkpoint
+        # AMP: parameters stay float32 (the sharded master copy); FSDP all-gathers them in the autocast
+        # dtype and reduces gradients in float32.  torch.autocast still decides each op's dtype, so the
+        # run matches the plan's dtypes (autocast_prop.py).
+        self.mp = MixedPrecisionPolicy(param_dtype=autocast, reduce_dtype=torch.float32 if autocast else None)
+        self.raw: list[fx.GraphModule] = []
+        self.called: list[torch.nn.Module] = []
+        self.grads: ShardedGrads | None = None
+
+    def stages(self, modules: list[fx.GraphModule], stages: list[int], ignored_names: set[str]):
+        """(raw, called) modules for this rank's stages.  A re-plan (same cut, new microbatch shape)
+        keeps the sharded modules, whose parameters the optimizer holds, and takes the new graphs."""
+        if self.raw:
+            for old, new in zip(self.raw, modules):
+                self._transplant(old, new)
+            return self.raw, self.called
+        for raw in modules:
+            raw = copy.deepcopy(raw)                     # "own copy" (module docstring)
+            root, units = _structure(raw, self.model, self.checkpoint, self.granularity)
+            before = {n: id(p) for n, p in root.named_parameters(remove_duplicate=False)}
+            ignored = {p for n, p in raw.named_parameters() if n in ignored_names}
+            # "layer": the layer units reshard after forward (ZeRO-3); the stage root and "stage" units
+            # keep their parameters through the step (see "kept").  Inner units first, as FSDP requires.
+            for unit in units:
+                fully_shard(unit if len(unit) > 1 else unit[0], mesh=self.world.device_mesh["dp"],
+                            reshard_after_forward=True, mp_policy=self.mp, ignored_params=ignored)
+            fully_shard(root, mesh=self.world.device_mesh["dp"], reshard_after_forward=False, mp_policy=self.mp,
+                        ignored_params=ignored)
+            _repoint(raw, root, before)
+            self.raw.append(raw)
+            self.called.append(root)
+        self.grads = ShardedGrads(dict(zip(stages, self.called)), keep=self.granularity == "stage")
+        return self.raw, self.called
+
+    def _transplant(self, old: fx.GraphModule, new: fx.GraphModule) -> None:
+        """Put ``new``'s graphs (same nodes and parameters, other shapes) into the sharded ``old``."""
+        root = self.called[self.raw.index(old)]
+        fresh, _ = _structure(new, self.model, self.checkpoint, self.granularity)
+        old.graph = copy.deepcopy(new.graph)
+        for name, mod in root.named_modules():
+            if isinstance(mod, fx.GraphModule) and mod is not old:
+                mod.graph = copy.deepcopy(fresh.get_submodule(name).graph)
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters a forward-only pass left gathered (kept units)."""
+        for root in self.called:
+            for m in root.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
+
+class ShardedGrads:
+    """The dp gradient sync of sharded stages, with GradBuckets' interface (data_parallel.py):
+    ``arm(stage)`` before a stage's last backward of the step, ``finish()`` after the schedule,
+    ``enabled`` False under ``no_sync``."""
+
+    def __init__(self, roots: dict[int, torch.nn.Module], keep: bool):
+        self.roots, self.keep = roots, keep
+        self.enabled = True
+        self.launched_early = 0
+        self._begin()
+
+    def _begin(self) -> None:
+        """Until a stage is armed its backwards only accumulate unsharded gradients (no collective)."""
+        for root in self.roots.values():
+            root.set_requires_gradient_sync(False)
+            root.set_is_last_backward(False)
+            root.set_reshard_after_backward(not self.keep)
+
+    def arm(self, stage: int) -> None:
+        # This backward is the stage's last of the step on every rank of the dp group (they run the same
+        # schedule), so the reduce-scatters it issues come in the same order everywhere.
+        root = self.roots[stage]
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(self.enabled)
+        self.launched_early += self.enabled
+
+    def finish(self) -> None:
+        """FSDP waited for its reduce-scatters in the last backward's callback; reset for the next step."""
+        self.launched_early = 0
+        self._begin()
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded one all-gathered over dp (a collective: every rank of the dp group
+    calls it for the same tensors in the same order), others as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def copy_full_into(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full-shape ``value`` into ``dst``; into a sharded ``dst`` only this rank's dim-0 chunk
+    (FSDP2 shards as ``torch.chunk`` does)."""
+    if not isinstance(dst, DTensor):
+        dst.copy_(value)
+        return
+    local = dst.to_local()
+    if local.numel():
+        start = sum(c.shape[0] for c in value.chunk(dst.device_mesh.size(), dim=0)[:dst.device_mesh.get_local_rank()])
+        local.copy_(value.narrow(0, start, local.shape[0]))
+
+
+def grad_square(g: torch.Tensor, count_replicated: bool) -> torch.Tensor:
+    """Sum of squares of this rank's part of gradient ``g``, float64: a dp shard counts on every rank
+    (the shards sum over dp), a replicated gradient only where ``count_replicated`` (one dp rank)."""
+    if isinstance(g, DTensor):
+        return g.to_local().detach().double().square().sum()
+    return g.detach().double().square().sum() if count_replicated else g.new_zeros((), dtype=torch.float64)

@@ -1,0 +1,101 @@
+"""Memory and traffic of sharded data parallelism (``dp_shard``: FSDP2 over the dp axis), per stage.
+
+Terms (runtime/fsdp.py runs what this predicts):
+  P          -- the stage's parameter bytes on this rank (its tensor-parallel shard), float32.
+  state      -- what a rank keeps between steps: parameter, gradient and two Adam moments.
+                Replicated: 4 P.  Sharded: 4 P / dp (parameters the ranks cannot shard, tp partial-sum
+                norms, are a rounding error and counted as sharded).
+  step       -- what a sharded stage holds only during a step: the gradients, accumulated unsharded
+                over the step's microbatches and reduce-scattered once at its last backward (P), and
+                the unsharded parameters in the all-gather dtype (``gather_ratio`` x P for "stage",
+                which keeps them through the step; two layer units' worth for "layer": the one
+                computing and the one prefetched).
+  traffic    -- bytes each rank's dp collectives move per step (ring, (dp - 1) / dp of the full size):
+                replicated, one all-reduce of P (2 x); "stage", one all-gather (in the gather dtype)
+                and one reduce-scatter (float32); "layer", 2 m all-gathers (forward and backward of
+                every microbatch) and one reduce-scatter.
+  choice     -- ``dp_shard=True``: "stage" (least traffic) when it fits the memory budget, else "layer".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autosplit.cost_model.comm import all_gather_time, all_reduce_time, reduce_scatter_time
+
+GRANULARITIES = ("stage", "layer")
+STATE_FACTOR = 4            # parameter + gradient + two Adam moments
+
+
+@dataclass(frozen=True)
+class DataParallelCost:
+    """One stage's data-parallel memory (bytes per rank) and traffic (per step)."""
+    sharding: str | None      # None (replicated), "stage" or "layer"
+    state_bytes: float
+    step_bytes: float
+    traffic_bytes: float
+    time: float               # predicted seconds of dp collectives per step
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.step_bytes
+
+
+def dp_cost(param_bytes: float, largest_unit: float, dp: int, microbatches: int, sharding: str | None,
+            profile, gather_ratio: float = 1.0) -> DataParallelCost:
+    """Args:
+        param_bytes: P, the stage's float32 parameter bytes on this rank.
+        largest_unit: bytes of the stage's largest FSDP unit under "layer" (its largest layer, or what
+            lies outside the layers).
+        dp: ranks in the dp group.  microbatches: m.  sharding: None, "stage" or "layer".
+        profile: the cost model's DeviceProfile (link bandwidth and latency).
+        gather_ratio: all-gather bytes per parameter byte (0.5 when FSDP gathers bfloat16 copies).
+    """
+    if sharding is None or dp == 1:
+        return DataParallelCost(None, STATE_FACTOR * param_bytes, 0.0, 2 * (dp - 1) / dp * param_bytes,
+                                all_reduce_time(param_bytes, dp, profile))
+    if sharding not in GRANULARITIES:
+        raise ValueError(f"sharding={sharding!r}: expected None or one of {GRANULARITIES}")
+    gathered = gather_ratio * param_bytes
+    gathers = 1 if sharding == "stage" else 2 * microbatches
+    unsharded = gathered if sharding == "stage" else 2 * gather_ratio * largest_unit
+    traffic = (dp - 1) / dp * (gathers * gathered + param_bytes)
+    time = gathers * all_gather_time(gathered, dp, profile) + reduce_scatter_time(param_bytes, dp, profile)
+    return DataParallelCost(sharding, STATE_FACTOR * param_bytes / dp, param_bytes + min(unsharded, gathered),
+                            traffic, time)
+
+
+def unit_bytes(nodes, layers) -> float:
+    """Bytes of the largest FSDP unit over ``nodes`` (fx nodes with ``meta['cost']``): the parameters
+    of one layer (``layers``: module paths), or of everything outside the layers together."""
+    per_unit: dict[str | None, float] = {}
+    for n in nodes:
+        path = n.meta.get("module_path", "")
+        layer = next((x for x in layers if path == x or path.startswith(x + ".")), None)
+        per_unit[layer] = per_unit.get(layer, 0.0) + n.meta["cost"].param_bytes
+    return max(per_unit.values(), default=0.0)
+
+
+def candidates(dp_shard, dp: int) -> list[str | None]:
+    """The shardings to try, in order of preference, for ``compile(..., dp_shard=...)``."""
+    if dp_shard not in (False, None, True, *GRANULARITIES):
+        raise ValueError(f"dp_shard={dp_shard!r}: expected False, True (the cost model chooses), 'stage' or 'layer'")
+    if not dp_shard:
+        return [None]
+    return list(GRANULARITIES) if dp_shard is True else [dp_shard]
+
+
+class StageDataParallel:
+    """``dp_cost`` of a stage spanning segments first..last (see segment_costs.SegmentCosts)."""
+
+    def __init__(self, segments, params: list[float], layers, dp: int, microbatches: int, sharding: str | None,
+                 profile, gather_ratio: float = 1.0):
+        self.segments, self.params, self.layers = segments, params, list(layers)
+        self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
+
+    def __call__(self, first: int, last: int, param_bytes: float | None = None) -> DataParallelCost:
+        """``param_bytes``: the stage module's own count, where known (default: its segments' sum)."""
+        nodes = [n for s in self.segments[first:last + 1] for n in s]
+        unit = unit_bytes(nodes, self.layers) if self.sharding == "layer" else 0.0
+        total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
+        return dp_cost(total, unit, self.dp, self.m, self.sharding, self.profile,
+                       self.ratio)

@@ -1,0 +1,103 @@
+"""Functions run on every rank of a test pool (see dist_pool.py) for tests/test_fsdp.py: sharded data
+parallelism (``dp_shard``, runtime/fsdp.py) against single-device training.  Each returns plain data."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import autosplit
+from tests.dist_checks import batches
+from tests.models import VARIANTS
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+def _adamw(params):
+    """AdamW with eps=1e-4: the attention key bias has a true gradient of 0 (softmax ignores a constant
+    per query), so its computed gradient is round-off (~1e-8) that differs with the summation order;
+    at the default eps=1e-8 Adam would turn that noise into lr-sized steps on both sides."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4)
+
+
+def _parallel(name, mesh, microbatches, batch, **kw):
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    ref = copy.deepcopy(model)
+    dp = mesh[2]
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches,
+                               example_input=torch.randn(batch // dp // microbatches, 3, 32, 32), **kw)
+    rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
+    return pm, ref, rows
+
+
+def adamw_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, microbatches: int = 4,
+                  batch: int = 8, steps: int = 3, clip: float | None = None, **kw):
+    """``steps`` AdamW steps with ``dp_shard`` vs single-device training: max |loss diff|, max |param
+    diff| of full_state_dict, whether this rank's parameters are dp shards, and the global norms."""
+    pm, ref, rows = _parallel(name, mesh, microbatches, batch, schedule=schedule, chunks_per_rank=chunks, **kw)
+    xs, ys = batches(steps, batch)
+    opt, ref_opt = _adamw(pm.parameters()), _adamw(ref.parameters())
+    loss_diff, norms = 0.0, []
+    for x, y in zip(xs, ys):
+        loss = pm.step(x[rows], y[rows])
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        if clip is not None:
+            norms.append((pm.clip_grad_norm_(clip), torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()))
+        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
+        loss_diff = max(loss_diff, abs(loss - ref_loss.item()))
+    sharded = [isinstance(p, DTensor) for p in pm.parameters()]
+    return {"loss_diff": loss_diff, "param_diff": _max_diff(pm.full_state_dict(), ref.state_dict()),
+            "sharded": sum(sharded), "params": len(sharded), "norms": norms, "plan_dp_shard": pm.plan.dp_shard,
+            "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}
+
+
+def accumulate_and_predict(name: str, mesh, micro_steps: int = 2, batch: int = 8, **kw):
+    """no_sync accumulation over ``micro_steps`` calls of ``step`` (SGD), then predict and a
+    load_full_state_dict round trip, against single-device training."""
+    pm, ref, rows = _parallel(name, mesh, 2, batch, **kw)
+    xs, ys = batches(micro_steps * 2, batch)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for u in range(2):
+        for k in range(micro_steps):
+            i = u * micro_steps + k
+            if k < micro_steps - 1:
+                with pm.no_sync():
+                    pm.step(xs[i][rows], ys[i][rows])
+            else:
+                pm.step(xs[i][rows], ys[i][rows])
+            F.cross_entropy(ref(xs[i]), ys[i]).backward()
+        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
+    out = {"param_diff": _max_diff(pm.full_state_dict(), ref.state_dict())}
+    with torch.no_grad():
+        out["predict"] = (pm.predict(xs[0][rows]) - ref(xs[0][rows])).abs().max().item()
+    torch.manual_seed(5)
+    other = VARIANTS[name]().state_dict()
+    pm.load_full_state_dict(other)
+    out["load"] = _max_diff(pm.full_state_dict(), other)
+    return out
+
+
+def bf16_close(name: str, mesh, steps: int = 3, batch: int = 8, **kw):
+    """autocast=bfloat16 with dp_shard (FSDP2's MixedPrecisionPolicy gathers bf16, keeps fp32 shards)
+    vs the same model under autocast on one device; and the parameters' dtype."""
+    pm, ref, rows = _parallel(name, mesh, 2, batch, autocast=torch.bfloat16, **kw)
+    xs, ys = batches(steps, batch)
+    opt, ref_opt = _adamw(pm.parameters()), _adamw(ref.parameters())
+    loss_diff = 0.0
+    for x, y in zip(xs, ys):
+        loss = pm.step(x[rows], y[rows])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
+        loss_diff = max(loss_diff, abs(loss - ref_loss.item()))
+    dtypes = sorted({str(p.dtype) for p in pm.parameters()})
+    return {"loss_diff": loss_diff, "param_diff": _max_diff(pm.full_state_dict(), ref.state_dict()), "dtypes": dtypes}
+
