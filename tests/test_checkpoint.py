@@ -43,9 +43,9 @@ def _train(pm, opt, steps: range) -> list[float]:
     return losses
 
 
-def train_and_save(directory: str, mesh):
+def train_and_save(directory: str, mesh, **kw):
     """2 AdamW steps, then a checkpoint; returns the losses and the replica's logits after them."""
-    pm = _pm(mesh)
+    pm = _pm(mesh, **kw)
     opt = adamw(pm.parameters())
     losses = _train(pm, opt, range(2))
     path = pm.save_checkpoint(directory, optimizer=opt)
@@ -99,6 +99,19 @@ def test_resume_on_another_mesh(request, saved, uninterrupted, mesh, kw):
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses[2:])) <= TOL, (r["losses"], ref_losses)
         assert r["step"] == 4 and r["record"]["step"] == 2 and r["record"]["mesh"] == [2, 2, 1], r["record"]
         assert r["warnings"] == []
+    assert _max_diff(results[0]["state"], ref_state) <= TOL
+
+
+def test_save_sharded_over_dp_resume_in_2d(pool4, uninterrupted, tmp_path):
+    """Saved from FSDP2-sharded (dp_shard) tp shards on (1, 2, 2), resumed under 2D tensor parallelism
+    on (1, 4, 1): the same as 4 uninterrupted single-device steps."""
+    ref_losses, ref_state = uninterrupted
+    directory = str(tmp_path / "run")
+    first = pool4.run(train_and_save, directory, (1, 2, 2), dp_shard="stage")
+    assert max(abs(a - b) for a, b in zip(first[0]["losses"], ref_losses[:2])) <= TOL
+    results = pool4.run(load_and_train, directory, (1, 4, 1), tp_mode="2d")
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses[2:])) <= TOL, (r["losses"], ref_losses)
     assert _max_diff(results[0]["state"], ref_state) <= TOL
 
 

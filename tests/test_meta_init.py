@@ -112,11 +112,13 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("variant,mesh", [("tp_timm", (2, 2, 1)), ("tp_timm", (2, 1, 2)), ("reset_hand", (1, 4, 1))])
-def test_meta_model_trains_like_materialized(pool4, variant, mesh):
+@pytest.mark.parametrize("variant,mesh,kw", [("tp_timm", (2, 2, 1), {}), ("tp_timm", (2, 1, 2), {}),
+                                             ("tp_timm", (1, 4, 1), {"tp_mode": "2d"}),
+                                             ("reset_hand", (1, 4, 1), {})])
+def test_meta_model_trains_like_materialized(pool4, variant, mesh, kw):
     """3 AdamW steps: losses and parameters equal materialize(model, seed) trained on one device;
     each rank holds exactly its shards' bytes (and less than the whole model)."""
-    results = pool4.run(meta_train, variant, mesh)
+    results = pool4.run(meta_train, variant, mesh, **kw)
     ref_losses, ref_state = reference(variant, 3)
     assert _max_diff(results[0]["state"], ref_state) <= TOL
     for r in results:

@@ -7,8 +7,10 @@ Terms:
                 hyperparameters ``optimizer/group/<param name>`` (a pickled dict).
   chunk      -- a contiguous block of a full tensor with its global offsets.  A tensor-parallel shard
                 is one chunk per box of its ShardedParam (autosplit/tp/shards.py): the fused qkv by
-                heads is three chunks per rank, a 2D layout a grid of them.  Replicated tensors (tp
-                and dp) are one full chunk, written once (DCP de-duplicates equal chunks).
+                heads is three chunks per rank, a 2D layout a grid of them.  Under ``dp_shard`` (FSDP2)
+                a rank holds a block of its tp shard (a DTensor over dp); its indices are the tp
+                slice's indices at the block's offsets, so the same boxes describe it.  Replicated
+                tensors (tp and dp) are one full chunk, written once (DCP de-duplicates equal chunks).
   per-element state -- an optimizer state tensor with the parameter's shape (sharded like it) or a
                 scalar (replicated, e.g. Adam's ``step``).  Other shapes cannot be resharded: refused.
   record     -- ``autosplit.json`` in the version: step, mesh, tp mode, schedule, plan hash.
@@ -38,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autosplit.errors import AutosplitError
 from autosplit.runtime.agreement import plan_fingerprint
@@ -45,16 +49,30 @@ from autosplit.runtime.checkpoint_files import (OPTIMIZER_PREFIX, commit, read_r
                                                 version_name)
 from autosplit.runtime.exchange import gather_rows, nonce
 from autosplit.runtime.state_dict import local_tensors
+from autosplit.tp.shards import ShardedParam
 
 FORMAT = "autosplit-checkpoint-1"
 _STATE, _GROUP = OPTIMIZER_PREFIX + "state/", OPTIMIZER_PREFIX + "group/"
 
 
-def _chunked(local: torch.Tensor, info, tp_rank: int) -> torch.Tensor:
-    """A view of ``local`` (same storage: DCP writes a load into it) tagged with its chunks."""
+def _entry(t: torch.Tensor, info: ShardedParam | None, tp_rank: int) -> torch.Tensor | None:
+    """This rank's part of ``t`` as a DCP entry: a view of its local storage (DCP writes a load into
+    it) tagged with its chunks; ``t`` itself's view for a whole tensor; None when it holds nothing."""
+    slices = dict(info.slices[tp_rank]) if info is not None else {}
+    full_shape = tuple(info.full_shape) if info is not None else tuple(t.shape)
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):          # a block of the tp shard: narrow each dim's indices to it
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        for d, (size, offset) in enumerate(zip(sizes, offsets)):
+            if size != t.shape[d]:
+                slices[d] = slices.get(d, torch.arange(full_shape[d]))[offset:offset + size]
     view = local.detach()
-    boxes = info.boxes(tp_rank)
-    view.global_shape = tuple(info.full_shape)
+    if not slices:
+        return view
+    if local.numel() == 0:
+        return None
+    boxes = ShardedParam("", full_shape, [slices]).boxes(0)
+    view.global_shape = full_shape
     view.global_offsets = tuple(b[0] for b in boxes)
     view.local_sizes = tuple(b[1] for b in boxes)
     view.local_offsets = tuple(b[2] for b in boxes)
@@ -65,13 +83,19 @@ def _sharded(pm) -> dict:
     return pm.plan.tp_plan.sharded if pm.plan.tp_plan is not None else {}
 
 
+def _put(out: dict, key: str, t: torch.Tensor, info, tp_rank: int) -> None:
+    entry = _entry(t, info, tp_rank)
+    if entry is not None:
+        out[key] = entry
+
+
 def _local_entries(pm) -> dict[str, torch.Tensor]:
     """This rank's model tensors under their original names (persistent ones: the state dict's)."""
     keys, sharded = set(pm.model.state_dict().keys()), _sharded(pm)
     out = {}
     for name, t in local_tensors(pm.raw_modules).items():
         if name in keys:
-            out[name] = _chunked(t, sharded[name], pm.tp_rank) if name in sharded else t.detach()
+            _put(out, name, t, sharded.get(name), pm.tp_rank)
     return out
 
 
@@ -99,7 +123,7 @@ def _optimizer_entries(pm, optimizer, names: dict[int, str]) -> tuple[dict, str 
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     out[entry] = value                      # replicated: a scalar or a Python value
                 elif value.shape == p.shape:
-                    out[entry] = _chunked(value, sharded[name], pm.tp_rank) if name in sharded else value.detach()
+                    _put(out, entry, value, sharded.get(name), pm.tp_rank)
                 else:
                     return out, (f"optimizer state '{key}' of '{name}' has shape {tuple(value.shape)}, neither the "
                                  f"parameter's {tuple(p.shape)} nor a scalar; only per-element optimizer state "
@@ -172,9 +196,10 @@ def _load_problem(pm, metadata, optimizer) -> str | None:
     return None
 
 
-def _optimizer_targets(pm, optimizer, names, metadata) -> dict:
-    """Empty local tensors (or placeholders) DCP fills with this rank's part of the saved state."""
-    sharded, saved, out = _sharded(pm), metadata.state_dict_metadata, {}
+def _optimizer_targets(pm, optimizer, names, metadata) -> tuple[dict, dict]:
+    """(DCP entries, state tensors): empty tensors (or placeholders) DCP fills with this rank's part of
+    the saved state, and the tensors the optimizer gets (a DTensor whose local part is an entry)."""
+    sharded, saved, out, targets = _sharded(pm), metadata.state_dict_metadata, {}, {}
     by_param: dict[str, list[str]] = {}
     for entry in saved:
         if entry.startswith(_STATE):
@@ -190,10 +215,11 @@ def _optimizer_targets(pm, optimizer, names, metadata) -> dict:
                     out[entry] = None
                 elif len(md.size) == 0:
                     out[entry] = torch.empty((), dtype=md.properties.dtype)
-                else:
-                    local = torch.empty(p.shape, dtype=md.properties.dtype, device=p.device)
-                    out[entry] = _chunked(local, sharded[name], pm.tp_rank) if name in sharded else local
-    return out
+                else:                       # like the parameter: a DTensor for an FSDP-sharded one
+                    target = torch.empty_like(p, dtype=md.properties.dtype)
+                    targets[entry] = target
+                    _put(out, entry, target, sharded.get(name), pm.tp_rank)
+    return out, targets
 
 
 def _load_optimizer(optimizer, names: dict[int, str], loaded: dict) -> None:
@@ -230,12 +256,11 @@ def load_checkpoint(pm, directory, optimizer=None) -> dict:
             problem = str(exc)
     _enter(pm, "load_checkpoint", directory, optimizer, problem)
     state = _local_entries(pm)
-    targets = _optimizer_targets(pm, optimizer, names, metadata) if optimizer is not None else {}
-    state.update(targets)
-    with torch.no_grad():
-        dcp.load(state, storage_reader=reader, process_group=_dcp_group(pm))
+    entries, targets = _optimizer_targets(pm, optimizer, names, metadata) if optimizer is not None else ({}, {})
+    state.update(entries)
+    dcp.load(state, storage_reader=reader, process_group=_dcp_group(pm))
     if optimizer is not None:
-        _load_optimizer(optimizer, names, {k: state[k] for k in targets})
+        _load_optimizer(optimizer, names, {**{k: state[k] for k in entries}, **targets})
     record = read_record(path)
     pm.step_count = record.get("step", pm.step_count)
     pm._params_agreed = True        # the values came from one checkpoint; the model object is not whole
