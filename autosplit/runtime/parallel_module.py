@@ -105,7 +105,10 @@ class ParallelModule:
                                  autocast=self.autocast, checkpoint=self.checkpoint, **options)
         self.provisional = False
         modules = self.plan.stage_modules(self.pp_rank, self.tp_rank)
-        if self.initializer is not None:
+        if self.raw_modules and not self.plan.dp_shard:   # a re-plan keeps the tensors (the Parameter
+            for old, new in zip(self.raw_modules, modules):   # objects the optimizer was given, loaded buffers)
+                adopt_parameters(old, new)
+        if self.initializer is not None:      # a meta model: this rank's shards (all on the first build)
             materialize_local(modules, self.initializer, self._sharded(), self.tp_rank, self.world.device)
         modules = [m.to(self.world.device) for m in modules]
         modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
@@ -117,9 +120,6 @@ class ParallelModule:
             self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial)
             self.buckets = self.sharding.grads
         else:
-            if self.raw_modules:        # a re-plan keeps the parameter objects the optimizer was given
-                for old, new in zip(self.raw_modules, modules):
-                    adopt_parameters(old, new)
             self.raw_modules = modules
             self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
         axes = ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)

@@ -5,7 +5,8 @@ Terms:
                  that runs the same graph, whatever order its module registered them in (tensor-parallel
                  ranks build theirs differently), so collectives over flattened gradients line up.
   adopt       -- a re-plan builds new stage modules; the optimizer was given the old Parameter objects,
-                 so the new modules take those objects over (same names, same shapes).
+                 so the new modules take those objects over (same names, same shapes), and the old
+                 buffers too (a checkpoint may have loaded them; a meta model's exist only there).
   materialize -- a model built on the meta device: each rank allocates and initializes only the
                  tensors of its own stage modules (its tp slices), see autosplit/materialize.py.
 """
@@ -17,10 +18,10 @@ from autosplit.materialize import assign
 
 
 def adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:
-    """Put ``old``'s Parameter objects into ``new`` under the same names (shapes are the same)."""
-    for name, param in old.named_parameters():
+    """Put ``old``'s Parameter objects and buffers into ``new`` under the same names (same shapes)."""
+    for name, tensor in list(old.named_parameters()) + list(old.named_buffers()):
         owner, _, leaf = name.rpartition(".")
-        setattr(new.get_submodule(owner) if owner else new, leaf, param)
+        setattr(new.get_submodule(owner) if owner else new, leaf, tensor)
 
 
 def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn.Parameter]]:
