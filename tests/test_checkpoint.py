@@ -135,7 +135,7 @@ def test_export_loads_into_the_unchanged_model(saved, tmp_path):
 def save_then_crash(directory: str, crash_rank: int):
     """Save a complete checkpoint; one more step; save again, with ``crash_rank`` dying while it writes."""
     import torch.distributed.checkpoint.filesystem as fs
-    pm = _pm((1, 2, 1), timeout_s=20)
+    pm = _pm((1, 2, 1), timeout_s=8)     # the survivor waits this long in DCP for the dead rank
     opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
     _train(pm, opt, range(1))
     pm.save_checkpoint(directory, optimizer=opt)
