@@ -22,7 +22,7 @@ placement cannot say "rows {0..7, 32..39, 64..71}" (qkv by heads) nor the index 
 and a ShardedTensor needs non-overlapping shards over one process group (dp replicas hold equal shards)
 and is deprecated.  The protocol takes several boxes of one local tensor as they are, and DCP's own
 resharding (``create_read_items_for_chunk_list``) then reads, on any mesh, only the byte ranges of the
-saved chunks that overlap each box this rank holds.
+saved chunks that overlap each box this rank holds (each such chunk is read whole, then narrowed).
 
 Communication: the call gate first (every rank enters the same call with the same directory), then
 DCP's collectives (plan gather/scatter, the final all-reduce), which DCP issues in the same order on
