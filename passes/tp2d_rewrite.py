@@ -114,6 +114,8 @@ def _slice(st: _State, user: fx.Node, a: fx.Node, dim: int, axis: str, idx=None)
     if a.op == "get_attr" and axis == COL:
         st.uses.slice(a, dim, idx, user)
         return a
+    if _expanded_param(a) and _slice_expand(st, user, a, dim, axis, idx):
+        return a
     if idx is not None:
         _refuse(user, f"'{a.name}' must be cut into the channel blocks {axis} holds, which are not contiguous")
     spec = st.specs.get(a, Spec2D())
@@ -121,6 +123,41 @@ def _slice(st: _State, user: fx.Node, a: fx.Node, dim: int, axis: str, idx=None)
     new = _new(st, user, C.local_slice, (a, dim, axis, st.q), a, spec)
     _set_arg(user, a, new)
     return new
+
+
+def _expanded_param(a: fx.Node) -> bool:
+    """``param.expand(...)`` used once (a class token broadcast over the batch)."""
+    return (a.op in ("call_method", "call_function") and getattr(a.target, "__name__", a.target) == "expand"
+            and isinstance(a.args[0], fx.Node) and a.args[0].op == "get_attr" and len(a.users) == 1)
+
+
+def _slice_expand(st: _State, user: fx.Node, a: fx.Node, dim: int, axis: str, idx) -> bool:
+    """Cut the parameter, or expand to the local size, instead of cutting the expanded tensor."""
+    src = a.args[0]
+    e = dim - (_val(a).dim() - _val(src).dim())
+    packed = len(a.args) == 2 and isinstance(a.args[1], (tuple, list))
+    sizes = list(a.args[1] if packed else a.args[1:])
+    if (e < 0 or _val(src).shape[e] == 1) and axis == ROW:        # broadcast rows: expand to B/q of them
+        v = sizes[dim]
+        if isinstance(v, int):
+            if v % st.q:
+                return False
+            sizes[dim] = v // st.q
+        else:
+            with st.gm.graph.inserting_before(a):
+                sizes[dim] = st.gm.graph.call_function(operator.floordiv, (v, st.q))
+        st.uses.partial(src, ROW)                                  # each row sums its B/q copies
+    elif e >= 0 and _val(src).shape[e] > 1 and axis == COL and sizes[dim] == -1:
+        st.uses.slice(src, e, idx, a)                              # the parameter's own channel blocks
+    else:
+        return False
+    a.args = (src, tuple(sizes)) if packed else (src, *sizes)
+    spec = st.specs.setdefault(a, Spec2D())
+    if axis == ROW:
+        spec.b = dim
+    else:
+        spec.c, spec.idx = dim, idx
+    return True
 
 
 def _align(st: _State, n: fx.Node, operands: list[fx.Node], lead: bool = True) -> Spec2D:
@@ -238,13 +275,11 @@ def _linear(st: _State, n: fx.Node, x_node: fx.Node, w_target: str, b_target: st
     st.uses.linear_weight(w_target, rows, perm)
     form = st.form(n, _val(x_node), w_shape)
     st.forms.append((n.meta.get("module_path") or n.name, form))
-    with st.gm.graph.inserting_before(n):
-        w = st.gm.graph.get_attr(w_target)
+    w = _get_attr(st, n, w_target)
     y = _new(st, n, C.linear_2d, (x_node, w, ROW, COL, st.q, form), n, Spec2D(x.b, last, rows))
     y.meta["val"] = torch.empty(*_val(x_node).shape[:-1], out_f, dtype=_val(x_node).dtype, device="meta")
     if b_target is not None:
-        with st.gm.graph.inserting_before(n):
-            b = st.gm.graph.get_attr(b_target)
+        b = _get_attr(st, n, b_target)
         st.uses.slice(b, 0, rows, y)
         st.uses.partial(b, ROW)
         y = _new(st, n, operator.add, (y, b), y, Spec2D(x.b, last, rows))
@@ -279,7 +314,9 @@ def whole_norm_params(st: _State, n: fx.Node, params: list[fx.Node], x: Spec2D) 
 
 def _get_attr(st: _State, n: fx.Node, target: str) -> fx.Node:
     with st.gm.graph.inserting_before(n):
-        return st.gm.graph.get_attr(target)
+        node = st.gm.graph.get_attr(target)
+    node.meta["module_path"] = n.meta.get("module_path", "")
+    return node
 
 
 def _module(st: _State, n: fx.Node) -> fx.Node | None:
