@@ -137,3 +137,15 @@ def test_layer_norm_2d_matches_layer_norm_on_meta_shapes():
     x = torch.empty(2, 5, 8, device="meta")
     assert C.layer_norm_2d(x, 16, None, None, 1e-5, "tp_col").shape == x.shape
     assert C.linear_2d(x, torch.empty(6, 8, device="meta"), "tp_row", "tp_col", 2).shape == (2, 5, 6)
+
+
+@pytest.mark.parametrize("mode,sp", [("1d", False), ("1d", True), ("2d", False)])
+def test_tensor_parallel_plans_under_autocast(mode, sp):
+    """Planning tp > 1 under bf16 autocast (failed before: a collective's dtype was taken from a real meta
+    tensor inside the fake-tensor pass); the pipeline boundary carries activations only, no gathered
+    parameter (2D's parameter gathers go to the stage of their user)."""
+    torch.manual_seed(0)
+    plan = autosplit.compile(VARIANTS["tp_timm"](), mesh=(2, 4, 1), example_input=torch.randn(4, 3, 32, 32),
+                             tp_mode=mode, sequence_parallel=sp, autocast=torch.bfloat16, device="h100")
+    boundary = plan.stages[0].outputs
+    assert boundary and all(len(t.shape) == 3 for t in boundary), boundary
