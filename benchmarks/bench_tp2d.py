@@ -10,7 +10,7 @@ Three parts, one run:
              all-reduces forward, two backward); 2D moves, per linear with blocks X (activation) and
              W (weight), 3 (q-1)(X + W) (gathers forward, re-gathers and two reduce-scatters backward),
              i.e. 6(q-1)/q of the (B/q N C + C^2 / q)-sized operands counted once each way.
-  time    -- 4 gloo ranks on this CPU, timm ViT (width 192, depth 12, 6 heads, 32 px, patch 4), batch
+  time    -- 4 gloo ranks on this CPU, timm ViT (width 192, depth 12, 8 heads so that 1D at tp = 4 divides them, 32 px, patch 4), batch
              64, SGD: mesh (1, 4, 1) with tp_mode="1d" and "2d", interleaved in blocks, slowest rank.
 
 Run from the repository root:  python benchmarks/bench_tp2d.py [--steps N] [--no-write]
@@ -28,7 +28,7 @@ from common import cpu_name, launch, step_stats, write_section
 
 START, END = "<!-- bench_tp2d:start -->", "<!-- bench_tp2d:end -->"
 REPO = Path(__file__).resolve().parent.parent
-VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=6, num_classes=10)
+VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=8, num_classes=10)   # 8 heads: tp=4 in 1D
 BATCH, LR, WORLD = 64, 0.01, 4
 
 

@@ -149,3 +149,9 @@ def test_tensor_parallel_plans_under_autocast(mode, sp):
                              tp_mode=mode, sequence_parallel=sp, autocast=torch.bfloat16, device="h100")
     boundary = plan.stages[0].outputs
     assert boundary and all(len(t.shape) == 3 for t in boundary), boundary
+
+
+def test_load_full_state_dict_round_trip(pool4):
+    from tests import checks_tp2d
+    for r in pool4.run(checks_tp2d.load_round_trip, "tp_timm"):
+        assert r["state_diff"] == 0 and r["loss_diff"] <= TOL, r
