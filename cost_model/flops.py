@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from autosplit.passes.op_names import op_name
 from autosplit.passes.shape_prop import tensor_bytes
 
 
@@ -377,17 +378,6 @@ if hasattr(nn, "RMSNorm"):
 _TORCH_NAMESPACES = ("torch", "_operator", "operator", "builtins", "math")
 
 
-def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
-    """A readable name of what ``node`` runs: module class, ``Tensor.method`` or ``module.function``."""
-    if node.op == "call_module":
-        cls = type(gm.get_submodule(node.target))
-        return f"{cls.__module__}.{cls.__qualname__}"
-    if node.op == "call_method":
-        return f"Tensor.{node.target}"
-    t = node.target
-    return f"{getattr(t, '__module__', None) or ''}.{getattr(t, '__name__', repr(t))}".lstrip(".")
-
-
 def _rule_key(node: fx.Node, module: nn.Module | None) -> str | None:
     if module is not None:
         return next((_MODULES[c] for c in type(module).__mro__ if c in _MODULES), None)
@@ -432,7 +422,7 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> 
         est, weighted = _Est(0, 0, 0), False        # a factory (zeros, arange ...): writes its output
     else:
         if unknown is not None:
-            unknown.add(op_name(node, gm))
+            unknown.add(op_name(node, gm, qualified=True))
         est, weighted = _Est(0, 0, in_b - attr_b), False
     return NodeCost(
         fwd_flops=int(est.fwd_flops), bwd_flops=int(est.bwd_flops),

@@ -19,7 +19,8 @@ from autosplit.errors import AutosplitError
 from autosplit.passes import tp2d_ops as O
 from autosplit.passes import tp2d_rewrite as R
 from autosplit.passes.tp2d_params import ParamUses, apply_param_uses
-from autosplit.passes.tp_regions import find_regions, op_name
+from autosplit.passes.op_names import op_name
+from autosplit.passes.tp_regions import find_regions
 from autosplit.passes.tp_rewrite import TensorParallelPlan, _cols
 from autosplit.tp import ops as C
 
