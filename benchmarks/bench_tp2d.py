@@ -30,6 +30,13 @@ START, END = "<!-- bench_tp2d:start -->", "<!-- bench_tp2d:end -->"
 REPO = Path(__file__).resolve().parent.parent
 VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=8, num_classes=10)   # 8 heads: tp=4 in 1D
 BATCH, LR, WORLD = 64, 0.01, 4
+WHY = """Why 2D is slower on CPU: at q = 2 a rank sends about as many bytes as in 1D (the table above), but in
+24 collectives per block instead of 4 (each `linear_2d` gathers x and w forward, re-gathers both and
+reduce-scatters both gradients backward, since only blocks are saved; plus the norm and bias gathers
+and the layer-norm statistics), and gloo has no reduce-scatter (an all-reduce plus a slice: twice the
+bytes). 2D pays off where memory does: a quarter of the parameters and saved activations per rank, and
+heads divisible by q rather than by tp.
+"""
 
 
 def _vit_b_plan(tp: int, mode: str, batch: int = 32):
@@ -181,7 +188,7 @@ def main() -> None:
         *comm, "",
         f"Step time, 4 gloo ranks on this CPU, ViT width 192 depth 12, batch {BATCH}, mesh (1, 4, 1), "
         f"{args.steps} steps each, interleaved (ms, slowest rank):", "",
-        "| run | median | p10 | p90 | vs 1d |", "|---|---|---|---|---|", *steps, "", END, ""])
+        "| run | median | p10 | p90 | vs 1d |", "|---|---|---|---|---|", *steps, "", WHY, END, ""])
     print(section)
     if not args.no_write:
         write_section(REPO / "docs" / "benchmarks.md", section, START, END)

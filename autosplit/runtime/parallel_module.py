@@ -13,6 +13,7 @@ agree), faults.py (bounded waits), params.py (parameter order and adoption).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
 from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
+
+log = logging.getLogger("autosplit")      # the library logs; it never prints
 
 
 class ParallelModule:
@@ -95,6 +98,8 @@ class ParallelModule:
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds,
                                  autocast=self.autocast, checkpoint=self.checkpoint, **options)
         self.provisional = False
+        if self.world.rank == 0:
+            log.info("planned:\n%s", self.plan.summary())
         modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
         modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
         stages = [c * self.world.mesh.pp + self.pp_rank for c in range(self.chunks_per_rank)]
