@@ -3,7 +3,8 @@
 Three parts, one run:
   memory  -- timm's ViT-B/16 built on the meta device, one microbatch of 32 images, tp = 4, planned
              with tp_mode="1d" and "2d": parameter bytes and saved-activation bytes per tp rank (the
-             plan's own accounting), beside single-device (tp = 1).
+             plan's own accounting), beside single-device (tp = 1), and the cost model's compute and
+             tensor-parallel communication times (H100 profile, alpha-beta per group).
   comm    -- collectives per transformer block, counted from tp rank 0's emitted graph (ViT-B/16, tp
              = 4 and 16), with the bytes each rank moves per training step (forward + backward, ring
              algorithms), beside the closed forms: 1D moves 4 x 2(P-1)/P x (B N C) per block (two
@@ -106,7 +107,8 @@ def memory_rows() -> list[str]:
         plan = _vit_b_plan(tp, mode)
         s = plan.stages[0]
         rows.append(f"| {'single device' if tp == 1 else f'tp=4, {mode}'} | {s.param_bytes / 2**20:.1f} | "
-                    f"{s.activation_bytes / 2**20:.1f} |")
+                    f"{s.activation_bytes / 2**20:.1f} | {s.fwd_time * 1e3:.1f} + {s.bwd_time * 1e3:.1f} | "
+                    f"{s.comm_time * 1e3:.1f} |")
     return rows
 
 
@@ -180,7 +182,8 @@ def main() -> None:
         START, "## 1D vs 2D tensor parallelism (`benchmarks/bench_tp2d.py`)", "",
         f"{datetime.date.today()}, {cpu_name()}, load average {load:.1f} at the start.", "",
         "Per tp rank, ViT-B/16 planned on the meta device, one microbatch of 32 (the plan's accounting):", "",
-        "| layout | parameters (MiB) | saved activations per microbatch (MiB) |", "|---|---|---|", *mem, "",
+        "| layout | parameters (MiB) | saved activations per microbatch (MiB) | predicted fwd + bwd ms (H100) | "
+        "predicted tp comm ms (H100) |", "|---|---|---|---|---|", *mem, "",
         "Collectives in one transformer block (`blocks.5`), counted from tp rank 0's emitted graph, and the bytes "
         "that rank sends per step (forward + backward):", "",
         "| tp | mode | collectives in the block | MiB moved, all | MiB, all-reduces (1d) / linear_2d (2d) | "
