@@ -47,6 +47,7 @@ class TensorParallelPlan:
     notes: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)
     partial_grads: set[str] = field(default_factory=set)   # replicated params used inside a region
+    forms: list = field(default_factory=list)    # 2D: (layer, "allgather" | "summa") per linear
     _cache: dict = field(default_factory=dict)
 
     def local_root(self, rank: int, graph: fx.Graph) -> dict:

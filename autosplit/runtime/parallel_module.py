@@ -14,6 +14,7 @@ adoption, and materializing a meta model's local shards).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 
@@ -43,6 +44,8 @@ from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
 from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
+
+log = logging.getLogger("autosplit")      # the library logs; it never prints
 
 
 class ParallelModule:
@@ -104,6 +107,8 @@ class ParallelModule:
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds,
                                  autocast=self.autocast, checkpoint=self.checkpoint, **options)
         self.provisional = False
+        if self.world.rank == 0:
+            log.info("planned:\n%s", self.plan.summary())
         modules = self.plan.stage_modules(self.pp_rank, self.tp_rank)
         if self.raw_modules and not self.plan.dp_shard:   # a re-plan keeps the tensors (the Parameter
             for old, new in zip(self.raw_modules, modules):   # objects the optimizer was given, loaded buffers)
