@@ -22,7 +22,7 @@ from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
 from autosplit.cost_model.comm import linear_2d_time
 from autosplit.cost_model.sharding import StageDataParallel, candidates
 from autosplit.errors import AutosplitError, PlanError
-from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
+from autosplit.model_layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
 from autosplit.passes.autocast_prop import AutocastDtypeProp
 from autosplit.passes.check_output import check_single_output

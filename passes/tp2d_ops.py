@@ -17,7 +17,7 @@ from autosplit.errors import AutosplitError
 from autosplit.passes import tp2d_rewrite as R
 from autosplit.passes.tp_rewrite import _rows
 from autosplit.tp import ops as C
-from autosplit.tp.layers import attention_heads
+from autosplit.tp.local_modules import attention_heads
 
 
 def _linear(st: R._State, n: fx.Node, x_node: fx.Node, w_target: str, b_target: str | None,
