@@ -3,6 +3,7 @@
 Public API (see README.md and the API contract):
   autosplit.compile(model, mesh=(pp, tp, dp), example_input=x, ...) -> Plan      (offline, pure)
   autosplit.parallelize(model, mesh=(pp, tp, dp), loss_fn=..., ...)              (inside torchrun)
+  autosplit.materialize(meta_model, seed=0, init_fn=None)   (a meta model's initial values, one device)
 
 The public names load on first use (PEP 562): ``import autosplit.cost_model`` or
 ``import autosplit.passes`` must not pull in the compiler, let alone the runtime and its process
@@ -15,6 +16,7 @@ import importlib
 _PUBLIC = {
     "compile": "autosplit.compiler",
     "parallelize": "autosplit.runtime.parallelize",
+    "materialize": "autosplit.materialize",
     "Plan": "autosplit.plan",
     "MeshShape": "autosplit.mesh",
     "AutosplitError": "autosplit.errors",

@@ -1,5 +1,8 @@
 """Command line: ``python -m autosplit plan MODEL --mesh PP,TP,DP --batch N --out DIR``.
 
+``python -m autosplit export CKPT_DIR model.pt`` turns a sharded checkpoint (``pm.save_checkpoint``)
+into a plain state dict that ``model.load_state_dict`` of the unchanged model accepts.
+
 MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
 returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
 allocates no weights.  The plan's summary is printed and the readable dump written to DIR; the last
@@ -16,7 +19,8 @@ import time
 import torch
 
 import autosplit
-from autosplit.cost_model.profiles import get_profile
+from autosplit.compiler import LINEAR_2D_FORMS, SCHEDULES, TP_MODES
+from autosplit.cost_model.profiles import NAMES, get_profile
 from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
@@ -47,21 +51,42 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (default 2,1,1)")
     plan.add_argument("--batch", type=int, default=8, help="microbatch size (default 8)")
     plan.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
-    plan.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
-    plan.add_argument("--chunks-per-rank", type=int, default=1)
-    plan.add_argument("--microbatches", type=int, default=None)
-    plan.add_argument("--device", default="h100", help="cost model: h100, h200, a100 or cpu (measured here)")
+    plan.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    plan.add_argument("--chunks-per-rank", type=int, default=1,
+                      help="model chunks per pipeline rank (>= 2 for the interleaved schedule; default 1)")
+    plan.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 2 * pp)")
+    plan.add_argument("--tp-mode", default="1d", choices=TP_MODES,
+                      help="tensor-parallel layout: 1d (Megatron) or 2d (SUMMA/Optimus, tp = q*q; default 1d)")
+    plan.add_argument("--tp-2d-form", default="auto", choices=("auto",) + LINEAR_2D_FORMS,
+                      help="with --tp-mode 2d: how linears multiply their blocks (default: cost model's choice)")
+    plan.add_argument("--sequence-parallel", action="store_true",
+                      help="with --tp-mode 1d and tp > 1: also split the tokens between tensor-parallel regions")
+    plan.add_argument("--device", default="h100", choices=NAMES,
+                      help="cost-model profile (default h100; cpu is measured on this machine)")
     plan.add_argument("--autocast", choices=sorted(_AUTOCAST), default=None, help="plan for torch.autocast")
     plan.add_argument("--checkpoint", choices=["stage", "block"], default=None,
                       help="plan for activation recomputation per stage or per block")
     plan.add_argument("--memory-budget", default=None, help="bytes per stage, e.g. 8GiB")
     plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
+    export = sub.add_parser("export", help="write a sharded checkpoint's model as a plain state_dict file")
+    export.add_argument("checkpoint", help="the directory given to pm.save_checkpoint")
+    export.add_argument("out", help="the file to write (torch.save of the state dict)")
     return p
+
+
+def _export(args) -> int:
+    from autosplit.runtime.checkpoint_files import export_state_dict
+    state = export_state_dict(args.checkpoint, args.out)
+    n = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({n:,} elements) to {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "export":
+            return _export(args)
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)
@@ -69,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = autosplit.compile(model, mesh=args.mesh, example_input=x, schedule=args.schedule,
                                  chunks_per_rank=args.chunks_per_rank, num_microbatches=args.microbatches,
                                  device=profile, autocast=_AUTOCAST.get(args.autocast),
-                                 checkpoint=args.checkpoint, memory_budget=args.memory_budget)
+                                 checkpoint=args.checkpoint, memory_budget=args.memory_budget,
+                                 tp_mode=args.tp_mode, sequence_parallel=args.sequence_parallel,
+                                 tp_2d_form=args.tp_2d_form)
         print(plan.summary())
         print(f"planned in {time.perf_counter() - start:.2f} s")
         if args.out:

@@ -23,7 +23,7 @@ from autosplit.cost_model import AnnotateCosts, get_profile, graph_time
 from autosplit.cost_model.comm import linear_2d_time
 from autosplit.cost_model.sharding import StageDataParallel, candidates
 from autosplit.errors import AutosplitError, PlanError
-from autosplit.layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
+from autosplit.model_layers import find_layer_ends, first_layer_segment, layer_paths, layers_label
 from autosplit.mesh import MeshShape
 from autosplit.passes.autocast_prop import AutocastDtypeProp
 from autosplit.passes.check_output import check_single_output
@@ -246,10 +246,17 @@ def _assign_stages(segments: list[list[fx.Node]], bounds: list[int]) -> None:
             n.meta["stage"] = stage
         if k == bounds[stage] and stage < len(bounds) - 1:
             stage += 1
-    for seg in segments:   # a parameter read belongs to the stage of its first user
-        for n in seg:
-            if n.op == "get_attr" and n.users:
-                n.meta["stage"] = min(u.meta["stage"] for u in n.users)
+    # A parameter read, and what is computed from parameters alone (2D's gathers of a parameter's
+    # blocks), belongs to the stage of its first user: no parameter crosses a stage boundary.
+    nodes = [n for seg in segments for n in seg]
+    from_params = set()
+    for n in nodes:
+        if n.op == "get_attr" or (n.op == "call_function" and n.all_input_nodes
+                                  and all(a in from_params for a in n.all_input_nodes)):
+            from_params.add(n)
+    for n in reversed(nodes):
+        if n in from_params and n.users:
+            n.meta["stage"] = min(u.meta["stage"] for u in n.users)
 
 
 def _tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:

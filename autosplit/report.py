@@ -70,12 +70,40 @@ def summary_table(plan: Plan) -> str:
         foot.append(_dp_note(plan))
     if plan.tp_plan is not None:
         tp = plan.tp_plan
-        foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "
-                    f"{len(tp.sharded)} parameters split; everything else replicated")
+        if plan.tp_mode == "2d":
+            foot += _grid_note(plan)
+        else:
+            foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "
+                        f"{len(tp.sharded)} parameters split; everything else replicated")
         foot += [f"  note: {note}" for note in tp.notes]
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
     return "\n".join([head, *lines, *foot])
+
+
+def _grid_note(plan: Plan) -> list[str]:
+    """2D: the q x q grid, what each rank holds, and which form each linear runs."""
+    tp, q = plan.tp_plan, round(plan.tp_plan.tp ** 0.5)
+    params = sum(s.param_bytes for s in plan.stages)
+    acts = sum(s.activation_bytes for s in plan.stages)
+    forms: dict = {}
+    for layer, form in tp.forms:
+        forms.setdefault(form, []).append(layer)
+    lines = [f"tensor parallel (tp={tp.tp}, 2d): a {q}x{q} grid, tp rank = row * {q} + col; activations "
+             f"(B/{q} rows over tp_row, C/{q} channels over tp_col), {len(tp.sharded)} parameters split {q * q} "
+             f"ways; per tp rank: params {_bytes(params)}, saved activations {_bytes(acts)} per microbatch",
+             f"  linear_2d forms (cost model, per layer): " +
+             "; ".join(f"{form}: {len(layers)} ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''})"
+                       for form, layers in forms.items())]
+    return lines
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _dp_note(plan: Plan) -> str:
@@ -109,7 +137,8 @@ def plan_dict(plan: Plan) -> dict:
         "tensor_parallel": None if plan.tp_plan is None else {
             "tp": plan.tp_plan.tp, "regions": plan.tp_plan.regions, "notes": plan.tp_plan.notes,
             "sharded": {k: {"dims": v.dims, "full_shape": list(v.full_shape)} for k, v in plan.tp_plan.sharded.items()},
-            "partial_grads": sorted(plan.tp_plan.partial_grads)},
+            "partial_grads": sorted(plan.tp_plan.partial_grads),
+            "linear_2d_forms": dict(plan.tp_plan.forms)},
         "stages": [stage_info_dict(s) for s in plan.stages],
         "nodes": [_node_dict(n) for n in plan.graph.graph.nodes],
     }

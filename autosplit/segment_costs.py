@@ -8,7 +8,7 @@ Terms: see passes/cut_points.py (segment, cut) and plan.py (memory).
   checkpoint -- None; "stage": a stage keeps only its inputs per microbatch, and one microbatch's full
                 activations while recomputing; "block": the tensors entering each layer (and what ops
                 outside the layers save), plus one layer's activations while recomputing.  Layers are
-                autosplit.layers.layer_paths, as in runtime/checkpointing.py, so the model matches the run.
+                autosplit.model_layers.layer_paths, as in runtime/checkpointing.py, so the model matches the run.
 
 memory(stage) = 4 x parameter bytes + in_flight x kept + recompute.
 """

@@ -7,7 +7,8 @@ from autosplit.cost_model.calibrate import calibrate, measure_link
 from autosplit.cost_model.comm import (all_gather_time, all_reduce_time, collective_time, p2p_time,
                                        reduce_scatter_time)
 from autosplit.cost_model.device import A100, H100, H200, DeviceProfile
-from autosplit.cost_model.flops import NodeCost, node_cost, op_name
+from autosplit.cost_model.flops import NodeCost, node_cost
+from autosplit.passes.op_names import op_name
 from autosplit.cost_model.profiles import get_profile, profile_for_gpu
 from autosplit.cost_model.roofline import graph_time, op_time
 

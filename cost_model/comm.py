@@ -89,6 +89,9 @@ def collective_time(node, n: int, profile) -> tuple[float, float]:
         return linear_2d_time(tensor_bytes(x), tensor_bytes(w), node.args[4], node.args[5], profile)
     axis = next((a for a in node.args if isinstance(a, str)), "tp")
     n = axis_size(axis, n)
+    if hasattr(node.target, "comm_bytes"):                 # an op that computes too (layer_norm_2d)
+        nbytes = node.target.comm_bytes(node)
+        return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)
     values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
     nbytes = max(tensor_bytes(v) for v in values)          # the unsharded side of the collective
     return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)

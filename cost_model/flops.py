@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from autosplit.passes.op_names import op_name
 from autosplit.passes.shape_prop import tensor_bytes
 
 
@@ -138,6 +139,24 @@ def _linear(node, module):
         macs = n * math.prod(w.shape[1:])
     bias = n if b is not None else 0
     return _Est(2 * macs + bias, 4 * macs + bias, _act_bytes(node, (0, "input"), compute=True))
+
+
+def _linear_2d(node, module):
+    """(..., in/q) local block times the gathered (out/q, in) weight: a local GEMM over the full
+    input features; backward two GEMMs.  Saves only the local blocks (x and w)."""
+    x, q = _arg(node, 0), node.args[4]
+    macs = _numel(node) * x.shape[-1] * q
+    return _Est(2 * macs, 4 * macs, tensor_bytes(x))          # w is the parameter itself: not extra
+
+
+def _attention_heads(node, module):
+    """Attention over local heads from a fused (B, N, 3*h*D) input: QK^T and PV."""
+    x = _arg(node, 0)
+    batch, n, width = math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1] // 3     # width = h * D
+    macs = 2 * batch * n * n * width                                             # QK^T and PV
+    fwd = 2 * macs + 5 * batch * n * n                                           # + softmax (per head: ~)
+    
+    return _Est(fwd, 2 * fwd, tensor_bytes(x) + tensor_bytes(node.meta["val"]))
 
 
 def _matmul(node, module):   # matmul / mm / bmm: out[..., m, n] = sum_k a[..., m, k] b[..., k, n]
@@ -334,7 +353,8 @@ def _cast(node, module):
 _RULES = {
     "linear": (_linear, True), "conv": (_linear, True), "matmul": (_matmul, True), "addmm": (_addmm, True),
     "einsum": (_einsum, True), "scaled_dot_product_attention": (_sdpa, False),
-    "multi_head_attention": (_mha, True), "softmax": (_softmax, False), "dropout": (_dropout, False),
+    "multi_head_attention": (_mha, True), "linear_2d": (_linear_2d, True),
+    "attention_heads": (_attention_heads, False), "softmax": (_softmax, False), "dropout": (_dropout, False),
     "mean": (_reduce, False), "sum": (_reduce, False), "avg_pool": (_reduce, False),
     "reshape": (_reshape, False), "flatten": (_reshape, False), "getitem": (_getitem, False),
     **{n: (_cast, False) for n in ("to", "type", "float", "half", "bfloat16", "double", "contiguous")},
@@ -358,20 +378,11 @@ if hasattr(nn, "RMSNorm"):
 _TORCH_NAMESPACES = ("torch", "_operator", "operator", "builtins", "math")
 
 
-def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
-    """A readable name of what ``node`` runs: module class, ``Tensor.method`` or ``module.function``."""
-    if node.op == "call_module":
-        cls = type(gm.get_submodule(node.target))
-        return f"{cls.__module__}.{cls.__qualname__}"
-    if node.op == "call_method":
-        return f"Tensor.{node.target}"
-    t = node.target
-    return f"{getattr(t, '__module__', None) or ''}.{getattr(t, '__name__', repr(t))}".lstrip(".")
-
-
 def _rule_key(node: fx.Node, module: nn.Module | None) -> str | None:
     if module is not None:
         return next((_MODULES[c] for c in type(module).__mro__ if c in _MODULES), None)
+    if getattr(node.target, "cost_rule", None):     # our own graph ops name the rule they follow
+        return node.target.cost_rule
     if node.op == "call_function":
         if not (getattr(node.target, "__module__", None) or "torch").startswith(_TORCH_NAMESPACES):
             return None                 # a user function: no rule, even if its name matches one
@@ -394,7 +405,8 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> 
         return ZERO                     # placeholders, output, and Python-value arithmetic on shapes
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     ins = node.all_input_nodes
-    if getattr(node.target, "comm_kind", None):   # a collective: its time is communication (comm.py)
+    if getattr(node.target, "comm_kind", None) and not getattr(node.target, "cost_rule", None):
+        # a collective: its time is communication (comm.py)
         moved = sum(tensor_bytes(a.meta.get("val")) for a in ins) + tensor_bytes(node.meta["val"])
         return NodeCost(fwd_bytes=moved, bwd_bytes=moved)
     in_b = sum(tensor_bytes(a.meta.get("val")) for a in ins)
@@ -410,7 +422,7 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> 
         est, weighted = _Est(0, 0, 0), False        # a factory (zeros, arange ...): writes its output
     else:
         if unknown is not None:
-            unknown.add(op_name(node, gm))
+            unknown.add(op_name(node, gm, qualified=True))
         est, weighted = _Est(0, 0, in_b - attr_b), False
     return NodeCost(
         fwd_flops=int(est.fwd_flops), bwd_flops=int(est.bwd_flops),

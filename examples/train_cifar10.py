@@ -28,7 +28,7 @@ from torchvision import transforms
 from tqdm import tqdm
 
 import autosplit
-from autosplit.compiler import TP_MODES
+from autosplit.compiler import LINEAR_2D_FORMS, TP_MODES
 from autosplit.dump import dump_plan
 from autosplit.mesh import MeshShape
 from autosplit.schedule import SCHEDULES
@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (dp may be -1: what the world size leaves)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     p.add_argument("--tp-mode", default="1d", choices=TP_MODES, help="tensor-parallel layout (default 1d, Megatron)")
+    p.add_argument("--tp-2d-form", default="auto", choices=("auto",) + LINEAR_2D_FORMS,
+                   help="with --tp-mode 2d: how each linear multiplies its blocks (default: the cost model's choice)")
     p.add_argument("--chunks-per-rank", type=int, default=1, help="model chunks per rank (interleaved: >= 2)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per replica batch")
     p.add_argument("--batch", type=int, default=128, help="global batch (all dp replicas together)")
@@ -189,7 +191,8 @@ def main(argv=None) -> int:
                                chunks_per_rank=args.chunks_per_rank, tp_mode=args.tp_mode, example_input=example,
                                autocast=torch.bfloat16 if args.bf16 else None,
                                checkpoint="stage" if args.checkpoint else None,
-                               sequence_parallel=args.sequence_parallel)
+                               sequence_parallel=args.sequence_parallel,
+                               **({"tp_2d_form": args.tp_2d_form} if args.tp_mode == "2d" else {}))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"world: {world_size} ranks, backend {pm.world.backend}, device {pm.world.device.type}; "
         f"mesh pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}; schedule {args.schedule}, tp mode {args.tp_mode}, "

@@ -70,11 +70,13 @@ class _FakeInterpreter(fx.Interpreter):
         return self.fake(super().get_attr(target, args, kwargs))
 
     def call_function(self, target, args, kwargs):
-        if getattr(target, "comm_kind", None):      # a collective moves data, never changes its dtype
+        if getattr(target, "comm_kind", None) and not getattr(target, "cost_rule", None):
+            # a collective moves data, never changes its dtype (ops that also compute, linear_2d and
+            # layer_norm_2d, run their planning path below, which follows autocast)
             node = self.current
             first = next(x for x in tree_leaves(args) if isinstance(x, torch.Tensor))
-            return self.fake(tree_map(lambda v: v.to(first.dtype) if isinstance(v, torch.Tensor) else v,
-                                      node.meta["val"]))
+            return tree_map(lambda v: v.to(first.dtype) if isinstance(v, torch.Tensor) else v,
+                            self.fake(node.meta["val"]))
         return super().call_function(target, args, kwargs)
 
     def call_module(self, target, args, kwargs):

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autosplit.tp.layers import RowParallelLinear
+from autosplit.tp.local_modules import RowParallelLinear
 from autosplit.weight_grad import SplitConv, SplitLinear, split_conv, split_linear
 
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}

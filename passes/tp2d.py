@@ -13,13 +13,14 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
 from autosplit.errors import AutosplitError
+from autosplit.passes import tp2d_ops as O
 from autosplit.passes import tp2d_rewrite as R
 from autosplit.passes.tp2d_params import ParamUses, apply_param_uses
-from autosplit.passes.tp_regions import find_regions, op_name
+from autosplit.passes.op_names import op_name
+from autosplit.passes.tp_regions import find_regions
 from autosplit.passes.tp_rewrite import TensorParallelPlan, _cols
 from autosplit.tp import ops as C
 
@@ -154,7 +155,7 @@ def _rule(st: R._State, n: fx.Node) -> None:
             st.specs[n].c, st.specs[n].idx = st.region_of[n].shard_dim(n), None
         return
     if n.op == "call_module":
-        out = R._module(st, n)                    # modules with parameters; None: elementwise ones
+        out = O._module(st, n)                    # modules with parameters; None: elementwise ones
         if out is not None:
             n.replace_all_uses_with(out)
             return
@@ -167,19 +168,19 @@ def _rule(st: R._State, n: fx.Node) -> None:
         return
     if name == "linear":
         w, b = n.args[1], (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias"))
-        out = R._linear(st, n, n.args[0], w.target, b.target if b is not None else None)
+        out = O._linear(st, n, n.args[0], w.target, b.target if b is not None else None)
         n.replace_all_uses_with(out)
         return
     elif name == "layer_norm":
         arg = lambda i, k, default: n.args[i] if len(n.args) > i else n.kwargs.get(k, default)   # noqa: E731
-        out = R._layer_norm(st, n, n.args[0], tuple(arg(1, "normalized_shape", ())), arg(2, "weight", None),
+        out = O._layer_norm(st, n, n.args[0], tuple(arg(1, "normalized_shape", ())), arg(2, "weight", None),
                             arg(3, "bias", None), arg(4, "eps", 1e-5))
         if out is not None:
             n.replace_all_uses_with(out)
             return
         x = st.specs.get(n.args[0], Spec2D())
         st.specs[n] = Spec2D(x.b, x.c if n not in st.region_of else None, x.idx)
-        R.whole_norm_params(st, n, [a for a in list(n.args[2:4]) + [n.kwargs.get("weight"), n.kwargs.get("bias")]
+        O.whole_norm_params(st, n, [a for a in list(n.args[2:4]) + [n.kwargs.get("weight"), n.kwargs.get("bias")]
                                     if isinstance(a, fx.Node)], st.specs[n.args[0]])
     else:
         st.specs[n] = _spec(st, n, name)

@@ -26,16 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autosplit.errors import AutosplitError
 from autosplit.passes import tp2d_dims as D
 from autosplit.passes.tp2d_params import ParamUses
-from autosplit.passes.tp_rewrite import TensorParallelPlan, _rows
+from autosplit.passes.tp_rewrite import TensorParallelPlan
 from autosplit.tp import ops as C
-from autosplit.tp.layers import attention_heads
 
 ROW, COL = "tp_row", "tp_col"
 _UNARY = {"gelu", "silu", "relu", "tanh", "sigmoid", "dropout", "neg", "contiguous", "to", "float", "half",
@@ -114,6 +111,8 @@ def _slice(st: _State, user: fx.Node, a: fx.Node, dim: int, axis: str, idx=None)
     if a.op == "get_attr" and axis == COL:
         st.uses.slice(a, dim, idx, user)
         return a
+    if _expanded_param(a) and _slice_expand(st, user, a, dim, axis, idx):
+        return a
     if idx is not None:
         _refuse(user, f"'{a.name}' must be cut into the channel blocks {axis} holds, which are not contiguous")
     spec = st.specs.get(a, Spec2D())
@@ -123,8 +122,43 @@ def _slice(st: _State, user: fx.Node, a: fx.Node, dim: int, axis: str, idx=None)
     return new
 
 
-def _align(st: _State, n: fx.Node, operands: list[fx.Node], lead: bool = True) -> Spec2D:
-    """Elementwise / concatenating ops: operands aligned from the right (``lead``: broadcasting)."""
+def _expanded_param(a: fx.Node) -> bool:
+    """``param.expand(...)`` used once (a class token broadcast over the batch)."""
+    return (a.op in ("call_method", "call_function") and getattr(a.target, "__name__", a.target) == "expand"
+            and isinstance(a.args[0], fx.Node) and a.args[0].op == "get_attr" and len(a.users) == 1)
+
+
+def _slice_expand(st: _State, user: fx.Node, a: fx.Node, dim: int, axis: str, idx) -> bool:
+    """Cut the parameter, or expand to the local size, instead of cutting the expanded tensor."""
+    src = a.args[0]
+    e = dim - (_val(a).dim() - _val(src).dim())
+    packed = len(a.args) == 2 and isinstance(a.args[1], (tuple, list))
+    sizes = list(a.args[1] if packed else a.args[1:])
+    if (e < 0 or _val(src).shape[e] == 1) and axis == ROW:        # broadcast rows: expand to B/q of them
+        v = sizes[dim]
+        if isinstance(v, int):
+            if v % st.q:
+                return False
+            sizes[dim] = v // st.q
+        else:
+            with st.gm.graph.inserting_before(a):
+                sizes[dim] = st.gm.graph.call_function(operator.floordiv, (v, st.q))
+        st.uses.partial(src, ROW)                                  # each row sums its B/q copies
+    elif e >= 0 and _val(src).shape[e] > 1 and axis == COL and sizes[dim] == -1:
+        st.uses.slice(src, e, idx, a)                              # the parameter's own channel blocks
+    else:
+        return False
+    a.args = (src, tuple(sizes)) if packed else (src, *sizes)
+    spec = st.specs.setdefault(a, Spec2D())
+    if axis == ROW:
+        spec.b = dim
+    else:
+        spec.c, spec.idx = dim, idx
+    return True
+
+
+def _align(st: _State, n: fx.Node, operands: list[fx.Node]) -> Spec2D:
+    """Elementwise / concatenating ops: operands aligned from the right (broadcasting)."""
     out_nd = _val(n).dim()
     out = Spec2D()
     for a in operands:                                   # the split operands decide
@@ -211,141 +245,3 @@ def _reduce_rule(st: _State, n: fx.Node, name: str, x: Spec2D) -> Spec2D:
         dims = D.dims_of(arg, nd) if arg is not None else list(range(nd))
         keep = bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
     return _moved(st, n, x, lambda d, k: D.reduce_dim(dims, keep, d, name))
-
-
-def _linear(st: _State, n: fx.Node, x_node: fx.Node, w_target: str, b_target: str | None,
-            rows: list | None = None) -> fx.Node:
-    """x (..., in) -> linear_2d with this rank's weight block; the bias is added as a sliced parameter."""
-    x = st.specs.get(x_node, Spec2D())
-    last = _val(x_node).dim() - 1
-    if x.b is None:
-        _refuse(n, "a linear layer on a tensor that is not split by batch (its weight gradient would be "
-                   "summed over rows that saw the same samples)")
-    if x.c is None:
-        x_node = _slice(st, n, x_node, last, COL)
-        x = st.specs[x_node]
-    if x.c != last:
-        _refuse(n, f"a linear layer whose input is split on dim {x.c}, not on its features (dim {last})")
-    w_shape = tuple(st.gm.get_parameter(w_target).shape)
-    out_f, in_f = w_shape
-    if out_f % st.q or in_f % st.q:
-        _refuse(n, f"weight {list(w_shape)}: out_features({out_f}) and in_features({in_f}) must both divide "
-                   f"by q({st.q})")
-    region = st.region_of.get(n)
-    if rows is None and region is not None and n in region.entries:
-        rows = _rows(region, n, st.q)                     # output features by heads, as in 1D
-    perm = torch.cat(x.idx) if x.idx is not None else torch.arange(in_f)
-    st.uses.linear_weight(w_target, rows, perm)
-    form = st.form(n, _val(x_node), w_shape)
-    st.forms.append((n.meta.get("module_path") or n.name, form))
-    with st.gm.graph.inserting_before(n):
-        w = st.gm.graph.get_attr(w_target)
-    y = _new(st, n, C.linear_2d, (x_node, w, ROW, COL, st.q, form), n, Spec2D(x.b, last, rows))
-    y.meta["val"] = torch.empty(*_val(x_node).shape[:-1], out_f, dtype=_val(x_node).dtype, device="meta")
-    if b_target is not None:
-        with st.gm.graph.inserting_before(n):
-            b = st.gm.graph.get_attr(b_target)
-        st.uses.slice(b, 0, rows, y)
-        st.uses.partial(b, ROW)
-        y = _new(st, n, operator.add, (y, b), y, Spec2D(x.b, last, rows))
-    return y
-
-
-def _layer_norm(st: _State, n: fx.Node, x_node: fx.Node, shape, w, b, eps) -> fx.Node:
-    x = st.specs.get(x_node, Spec2D())
-    nd = _val(x_node).dim()
-    if x.c is None or x.c < nd - len(shape):
-        return None                                      # channels whole: the op runs as it is
-    if len(shape) != 1 or x.c != nd - 1:
-        _refuse(n, f"layer norm over {list(shape)} with the split channel dim {x.c} inside it")
-    args = []
-    for p in (w, b):
-        if p is not None:
-            st.uses.slice(p, 0, x.idx, n)
-            st.uses.partial(p, ROW)
-        args.append(p)
-    return _new(st, n, C.layer_norm_2d, (x_node, shape[0], args[0], args[1], eps, COL), n, x)
-
-
-def whole_norm_params(st: _State, n: fx.Node, params: list[fx.Node], x: Spec2D) -> None:
-    """A norm over dims that are not split (qk-norm over head_dim): its weights are whole, and their
-    gradient is a partial sum over every axis that splits the normalized tensor (batch rows, heads)."""
-    for p in params:
-        if x.b is not None:
-            p = _partial(st, n, p, ROW)
-        if x.c is not None:
-            _partial(st, n, p, COL)
-
-
-def _get_attr(st: _State, n: fx.Node, target: str) -> fx.Node:
-    with st.gm.graph.inserting_before(n):
-        return st.gm.graph.get_attr(target)
-
-
-def _module(st: _State, n: fx.Node) -> fx.Node | None:
-    """Leaf modules with parameters become functional ops on sliced parameters."""
-    m, t = st.gm.get_submodule(n.target), n.target
-    if isinstance(m, nn.Linear):
-        return _linear(st, n, n.args[0], f"{t}.weight", f"{t}.bias" if m.bias is not None else None)
-    if isinstance(m, nn.LayerNorm):
-        w = _get_attr(st, n, f"{t}.weight") if m.weight is not None else None
-        b = _get_attr(st, n, f"{t}.bias") if m.bias is not None else None
-        out = _layer_norm(st, n, n.args[0], tuple(m.normalized_shape), w, b, m.eps)
-        if out is None:                                  # whole channels: plain layer norm, whole weights
-            x = st.specs.get(n.args[0], Spec2D())
-            out = _new(st, n, F.layer_norm, (n.args[0], tuple(m.normalized_shape), w, b, m.eps), n,
-                       Spec2D(x.b, x.c, x.idx))
-            whole_norm_params(st, out, [p for p in (w, b) if p is not None], x)
-        return out
-    if isinstance(m, nn.Conv2d):
-        return _conv(st, n, m)
-    if isinstance(m, nn.MultiheadAttention):
-        return _attention(st, n, m)
-    if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.parameters()):
-        _refuse(n, f"module {type(m).__name__} holds parameters and has no 2D rule")
-    return None
-
-
-def _conv(st: _State, n: fx.Node, m: nn.Conv2d) -> fx.Node:
-    x = st.specs.get(n.args[0], Spec2D())
-    if x.c is not None or x.b != 0 or m.groups != 1 or m.padding_mode != "zeros":
-        _refuse(n, "a convolution needs its input's channels whole, batch split on dim 0, groups=1")
-    if m.out_channels % st.q:
-        _refuse(n, f"out_channels({m.out_channels}) does not divide by q({st.q})")
-    w = _get_attr(st, n, f"{n.target}.weight")
-    st.uses.slice(w, 0, None, n)
-    st.uses.partial(w, ROW)
-    b = None
-    if m.bias is not None:
-        b = _get_attr(st, n, f"{n.target}.bias")
-        st.uses.slice(b, 0, None, n)
-        st.uses.partial(b, ROW)
-    return _new(st, n, F.conv2d, (n.args[0], w, b, m.stride, m.padding, m.dilation, 1), n, Spec2D(0, 1))
-
-
-def _attention(st: _State, n: fx.Node, m: nn.MultiheadAttention) -> fx.Node:
-    from autosplit.passes.tp_rewrite import _mha_ok
-    why = _mha_ok(n, m)
-    if why:
-        _refuse(n, f"MultiheadAttention: {why}")
-    E, H = m.embed_dim, m.num_heads
-    if H % st.q:
-        raise AutosplitError(f"layer '{n.target}': {H} attention heads do not divide by q({st.q}) "
-                             f"(tp_mode='2d' splits heads over tp_col); use a tp = q*q with q dividing {H}")
-    x_node = n.args[0]
-    if m.batch_first is not (st.specs.get(x_node, Spec2D()).b == 0):
-        _refuse(n, "MultiheadAttention's batch dim is not the split batch dim")
-    h = H // st.q
-    rows = [torch.arange(3 * E).reshape(3, H, E // H)[:, j * h:(j + 1) * h].reshape(-1) for j in range(st.q)]
-    qkv = _linear(st, n, x_node, f"{n.target}.in_proj_weight",
-                  f"{n.target}.in_proj_bias" if m.in_proj_bias is not None else None, rows)
-    if m.dropout > 0:
-        _refuse(n, f"MultiheadAttention with dropout={m.dropout} (2D keeps no per-rank attention masks yet)")
-    heads = _new(st, n, attention_heads, (qkv, h, m.batch_first), x_node,
-                 Spec2D(st.specs[qkv].b, st.specs[qkv].c))      # (B/q, N, E/q): heads j, contiguous
-    out = _linear(st, n, heads, f"{n.target}.out_proj.weight",
-                  f"{n.target}.out_proj.bias" if m.out_proj.bias is not None else None)
-    for u in list(n.users):
-        if u.args[1] == 0:
-            u.replace_all_uses_with(out)
-    return out

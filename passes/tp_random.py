@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from autosplit.passes.tp_regions import op_name
+from autosplit.passes.op_names import op_name
 from autosplit.tp.random import TpRandom
 
 _RANDOM_FUNCS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",

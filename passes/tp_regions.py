@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from autosplit.errors import AutosplitError
+from autosplit.passes.op_names import op_name
 from autosplit.passes.tp_layout import Factors
 
 MAX_REGION = 200      # ops; a Megatron region is a handful, a walk that long has left the block
@@ -54,15 +55,6 @@ class Region:
             if set(self.factors.flat(dim)) & self.shard:
                 return d
         return None
-
-
-def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
-    """What a node runs, for the rule tables: module class, method name or function name."""
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).strip("_")
 
 
 def params_used(gm: fx.GraphModule, node: fx.Node) -> list[str]:

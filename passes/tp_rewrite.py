@@ -32,7 +32,7 @@ from autosplit.passes.tp_layout import index_set
 from autosplit.passes.tp_regions import Region, find_regions, params_used
 from autosplit.tp import ops as C
 from autosplit.tp.shards import ShardedParam
-from autosplit.tp.layers import LocalMultiheadAttention, column_linear, row_linear
+from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
 
 AXIS = "tp"
 _VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
@@ -47,6 +47,7 @@ class TensorParallelPlan:
     notes: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)
     partial_grads: set[str] = field(default_factory=set)   # replicated params used inside a region
+    forms: list = field(default_factory=list)    # 2D: (layer, "allgather" | "summa") per linear
     _cache: dict = field(default_factory=dict)
 
     def local_root(self, rank: int, graph: fx.Graph) -> dict:

@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from autosplit.errors import AutosplitError
-from autosplit.passes.tp_regions import op_name, params_used
+from autosplit.passes.op_names import op_name
+from autosplit.passes.tp_regions import params_used
 from autosplit.tp import ops as C
 
 AXIS, TOKENS = "tp", 1

@@ -301,3 +301,19 @@ def dying_rank(victim: int, stamp_path: str):
         os._exit(1)
     err = error_of(pm.step, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     return {"error": err, "ended": time.time()}
+
+
+def logged_summary() -> list[str]:
+    """What the library logs to ``logging.getLogger("autosplit")`` while planning (it prints nothing)."""
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("autosplit")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        list(_small(mesh=(2, 1, 1)).parameters())      # plans (from the model's declared input size)
+    finally:
+        logger.removeHandler(handler)
+    return records

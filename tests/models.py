@@ -118,4 +118,12 @@ def tp_swiglu():
                                          num_classes=10)
 
 
-VARIANTS.update(tp_timm=tp_timm, tp_torchvision=tp_torchvision, tp_hand=tp_hand, tp_swiglu=tp_swiglu)
+def tp_timm_avgpool():
+    """Average pooling (no class token), a register token and layer scale: 2D tests' second timm shape."""
+    return timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                         class_token=False, global_pool="avg", reg_tokens=1, init_values=0.1,
+                                         num_classes=8)
+
+
+VARIANTS.update(tp_timm=tp_timm, tp_torchvision=tp_torchvision, tp_hand=tp_hand, tp_swiglu=tp_swiglu,
+                tp_timm_avgpool=tp_timm_avgpool)

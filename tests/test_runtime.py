@@ -123,3 +123,11 @@ def test_strict_transport_hangs_where_nccl_would():
         assert "RankFailure" in r["strict"] and "RECV_" in r["strict"], r
         assert "TimeoutError: no progress for 3 s" in r["strict"], r
         assert r["seconds"] < 3 + 5, r
+
+
+def test_plan_summary_is_logged_on_rank_zero(pool2):
+    """The summary goes to logging.getLogger("autosplit") at INFO, on rank 0 only."""
+    from tests import dist_checks
+    logs = pool2.run(dist_checks.logged_summary)
+    assert len(logs[0]) == 1 and logs[0][0].startswith("planned:\nautosplit plan: mesh (pp=2, tp=1, dp=1)"), logs
+    assert logs[1] == []

@@ -1,4 +1,6 @@
 """Offline tensor-parallel planning: layouts found from the graph, shards, errors and notes."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -34,7 +36,7 @@ def test_local_shapes_and_shape_constants():
     assert params["blocks.0.mlp.fc2.weight"].shape == (32, 32)      # 64 hidden / 2
     assert params["head.weight"].shape == (10, 32)                  # head stays replicated
     code = module.code
-    assert "reshape(getitem_5, getitem_6, 3, 2, 8)" in code          # 4 heads -> 2 local heads
+    assert re.search(r"reshape\(\w+, \w+, 3, 2, 8\)", code)          # 4 heads -> 2 local heads
     assert "copy_to_axis" in code and "all_reduce" in code and "'tp'" in code
 
 

@@ -16,7 +16,7 @@ import autosplit
 from autosplit.passes.split_backward import split_weight_gemms
 from autosplit.schedule import (Action, ActionKind, Placement, build_schedule, check_schedule, flatten, lower,
                                 parse_item, simulate)
-from autosplit.tp.layers import RowParallelLinear
+from autosplit.tp.local_modules import RowParallelLinear
 from autosplit.weight_grad import DEFERRED, SplitConv, SplitLinear
 from tests import checks_zero_bubble as Z
 from tests.models import VARIANTS

@@ -3,7 +3,7 @@
 Terms:
   stage granularity -- the whole stage's forward is recomputed in its backward: only the stage's
                        inputs stay alive between a microbatch's forward and backward.
-  block granularity -- each layer (transformer block, found by autosplit.layers.layer_paths) inside the
+  block granularity -- each layer (transformer block, found by autosplit.model_layers.layer_paths) inside the
                        stage is recomputed on its own; the tensors between blocks stay alive.
 The stage GraphModule is split with torch.fx's ``split_module`` into contiguous runs of nodes, one
 run per layer, and the layer runs are wrapped in ``torch.utils.checkpoint``.  Parameters are the
@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from autosplit.layers import layer_paths
+from autosplit.model_layers import layer_paths
 
 
 class Checkpointed(torch.nn.Module):

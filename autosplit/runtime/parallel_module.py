@@ -7,12 +7,14 @@ Terms:
   local params  -- the parameters of the stages this rank runs (shared with the user's model object,
                    under the original names); ``parameters()`` yields only these.
 Collaborators, one idea each: executor.py (the schedule), data_parallel.py (dp buckets),
-loss_scaler.py, buffers.py, state_dict.py (full state dicts), call_gate.py / agreement.py (ranks
-agree), faults.py (bounded waits), params.py (parameter order and adoption).
+loss_scaler.py, buffers.py, state_dict.py (full state dicts), checkpoint.py (sharded checkpoints),
+call_gate.py / agreement.py (ranks agree), faults.py (bounded waits), params.py (parameter order,
+adoption, and materializing a meta model's local shards).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 
@@ -23,6 +25,7 @@ from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.passes.split_backward import split_weight_gemms
+from autosplit.materialize import Initializer, meta_names
 from autosplit.passes.tp_random import fork_sharded_random
 from autosplit.runtime.agreement import check_agreement
 from autosplit.runtime.buffers import BufferSync
@@ -35,7 +38,8 @@ from autosplit.runtime.faults import Watchdog
 from autosplit.runtime.fsdp import StageSharding, grad_square
 from autosplit.runtime.loss_check import checked_loss, loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
-from autosplit.runtime.params import adopt_parameters, graph_order_params
+from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autosplit.runtime.params import adopt_parameters, graph_order_params, materialize_local
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.state_dict import gather_full_state_dict, load_into
 from autosplit.runtime.world import World
@@ -44,12 +48,15 @@ from autosplit.runtime import tp_collectives
 from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
 
+log = logging.getLogger("autosplit")      # the library logs; it never prints
+
 
 class ParallelModule:
     def __init__(self, model: torch.nn.Module, world: World, loss_fn: Callable, num_microbatches: int,
                  schedule: str, chunks_per_rank: int, tp_mode: str, example_input=None, *,
                  autocast: torch.dtype | None = None, checkpoint: str | None = None,
-                 bucket_bytes: int = 25 * 2**20, compile_options: dict | None = None):
+                 bucket_bytes: int = 25 * 2**20, compile_options: dict | None = None, seed: int = 0,
+                 init_fn: Callable | None = None):
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise AutosplitError(f"num_microbatches={num_microbatches!r} must be a positive integer")
         if checkpoint not in (None, "stage", "block"):
@@ -66,7 +73,12 @@ class ParallelModule:
         self.watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.gate = CallGate(world, self.watchdog)
-        self._agreed, self._params_agreed = None, False     # the plan all ranks agreed on; model checked
+        # a meta model: each rank initializes only its own shards (autosplit/materialize.py)
+        self.initializer = Initializer(model, seed, init_fn) if meta_names(model) else None
+        # the plan all ranks agreed on; model checked (a meta model is never whole on a rank, and its
+        # values are a function of (seed, name): nothing to compare)
+        self._agreed, self._params_agreed = None, self.initializer is not None
+        self.step_count = 0                 # completed steps (checkpoint metadata)
         self.plan, self.buckets, self.provisional = None, None, False
         self.sharding: StageSharding | None = None
         self.partial_params: list = []
@@ -98,7 +110,15 @@ class ParallelModule:
                                  num_microbatches=self.num_microbatches, stage_bounds=bounds,
                                  autocast=self.autocast, checkpoint=self.checkpoint, **options)
         self.provisional = False
-        modules = [m.to(self.world.device) for m in self.plan.stage_modules(self.pp_rank, self.tp_rank)]
+        if self.world.rank == 0:
+            log.info("planned:\n%s", self.plan.summary())
+        modules = self.plan.stage_modules(self.pp_rank, self.tp_rank)
+        if self.raw_modules and not self.plan.dp_shard:   # a re-plan keeps the tensors (the Parameter
+            for old, new in zip(self.raw_modules, modules):   # objects the optimizer was given, loaded buffers)
+                adopt_parameters(old, new)
+        if self.initializer is not None:      # a meta model: this rank's shards (all on the first build)
+            materialize_local(modules, self.initializer, self._sharded(), self.tp_rank, self.world.device)
+        modules = [m.to(self.world.device) for m in modules]
         modules = [fork_sharded_random(m) for m in modules] if self.world.mesh.tp > 1 else modules
         # I / W schedules defer weight gradients to W; under tp, B overlaps them with the backward
         # all-reduce / reduce-scatter of the entries' input gradients (runtime/tp_collectives.py).
@@ -114,9 +134,6 @@ class ParallelModule:
             self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial)
             self.buckets = self.sharding.grads
         else:
-            if self.raw_modules:        # a re-plan keeps the parameter objects the optimizer was given
-                for old, new in zip(self.raw_modules, modules):
-                    adopt_parameters(old, new)
             self.raw_modules = modules
             self.modules = [checkpointed(m, self.model, self.checkpoint) for m in self.raw_modules]
         axes = ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)
@@ -217,6 +234,7 @@ class ParallelModule:
         loss, overflow_anywhere = self._global_mean(loss_sum, overflow)
         if self.scaler.enabled:
             self.scaler.update(overflow_anywhere, params)
+        self.step_count += 1
         return loss
 
     def _reduce_partial_grads(self, earlier: list) -> None:
@@ -333,7 +351,9 @@ class ParallelModule:
 
     # ---- checkpoints (runtime/state_dict.py) ---------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's state dict (full shapes, CPU tensors), identical on every rank."""
+        """The original model's state dict (full shapes, CPU tensors), identical on every rank: it gathers
+        EVERY tensor onto every rank, so it is for models that fit one process; bigger ones use
+        ``save_checkpoint`` (each rank writes its own shards) and ``python -m autosplit export``."""
         self._enter("full_state_dict")       # before planning: a lazy plan may communicate
         self._require_plan("full_state_dict()")
         self._agree()
@@ -347,8 +367,20 @@ class ParallelModule:
         if problem:                          # unreachable after the gate; kept for direct callers
             raise AutosplitError(problem)
         load_into(self.model, state_dict, self.plan, self.raw_modules, self.tp_rank)
-        self._params_agreed = False           # the whole model was just replaced: compare it again
+        # the whole model was just replaced: compare it again (a meta model is not whole on any rank)
+        self._params_agreed = self.initializer is not None
         self._agree()
+
+    def save_checkpoint(self, directory, optimizer=None) -> str:
+        """Write a sharded checkpoint (torch.distributed.checkpoint): each rank writes only its shards,
+        under the original names and full shapes, plus ``optimizer``'s state; atomic (runtime/checkpoint.py).
+        Returns the directory of the committed version."""
+        return save_checkpoint(self, directory, optimizer)
+
+    def load_checkpoint(self, directory, optimizer=None) -> dict:
+        """Load the latest complete checkpoint in ``directory``, saved on any mesh: each rank reads only
+        the chunks it holds; ``optimizer``'s state too.  Returns its metadata (step, mesh, ...)."""
+        return load_checkpoint(self, directory, optimizer)
 
     # ---- agreement between ranks (runtime/call_gate.py, runtime/agreement.py) --------------------
     def _enter(self, call: str, *args) -> None:

@@ -18,7 +18,8 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 num_microbatches: int = 8, schedule: str = "1f1b", chunks_per_rank: int = 1,
                 tp_mode: str = "1d", example_input=None, *, autocast: torch.dtype | None = None,
                 checkpoint: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                bucket_mb: float = 25, dp_shard: bool | str = False, **compile_options) -> ParallelModule:
+                bucket_mb: float = 25, dp_shard: bool | str = False, seed: int = 0,
+                init_fn: Callable | None = None, **compile_options) -> ParallelModule:
     """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
 
     ``mesh``: (pp, tp, dp); dp=-1 takes what the world size leaves.  ``loss_fn(logits, labels)``
@@ -29,10 +30,15 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
     ``dp_shard``: shard parameters, gradients and optimizer state over dp with FSDP2
     (runtime/fsdp.py): ``"stage"`` or ``"layer"`` units, or True to let the cost model choose.
     Every rank must build ``model`` identically (same seed) before calling this.
+
+    A model built on the meta device (``with torch.device("meta"):``) is initialized here, each rank
+    allocating only its own stages' shards: with ``init_fn(name, tensor)`` (in place, full shape, torch's
+    generator seeded from (seed, name)) or each module's ``reset_parameters()``; the values are those
+    ``autosplit.materialize(model, seed, init_fn)`` gives on one device, whatever the mesh.
     """
     check_dp_shard(dp_shard)                # before any rendezvous: the same error on every rank
     world = init_world(mesh, timeout_s, tp_mode)
     return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), num_microbatches, schedule,
                           chunks_per_rank, tp_mode, example_input, autocast=autocast, checkpoint=checkpoint,
                           bucket_bytes=int(bucket_mb * 2**20),
-                          compile_options={**compile_options, "dp_shard": dp_shard})
+                          compile_options={**compile_options, "dp_shard": dp_shard}, seed=seed, init_fn=init_fn)

@@ -5,18 +5,23 @@ Terms:
                  that runs the same graph, whatever order its module registered them in (tensor-parallel
                  ranks build theirs differently), so collectives over flattened gradients line up.
   adopt       -- a re-plan builds new stage modules; the optimizer was given the old Parameter objects,
-                 so the new modules take those objects over (same names, same shapes).
+                 so the new modules take those objects over (same names, same shapes), and the old
+                 buffers too (a checkpoint may have loaded them; a meta model's exist only there).
+  materialize -- a model built on the meta device: each rank allocates and initializes only the
+                 tensors of its own stage modules (its tp slices), see autosplit/materialize.py.
 """
 from __future__ import annotations
 
 import torch
 
+from autosplit.materialize import assign
+
 
 def adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:
-    """Put ``old``'s Parameter objects into ``new`` under the same names (shapes are the same)."""
-    for name, param in old.named_parameters():
+    """Put ``old``'s Parameter objects and buffers into ``new`` under the same names (same shapes)."""
+    for name, tensor in list(old.named_parameters()) + list(old.named_buffers()):
         owner, _, leaf = name.rpartition(".")
-        setattr(new.get_submodule(owner) if owner else new, leaf, param)
+        setattr(new.get_submodule(owner) if owner else new, leaf, tensor)
 
 
 def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn.Parameter]]:
@@ -36,3 +41,24 @@ def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn
                 seen.add(name)
                 out.append((name, params[name]))
     return out
+
+
+def materialize_local(modules: list[torch.nn.Module], initializer, sharded: dict, tp_rank: int, device) -> int:
+    """Give this rank's stage modules real tensors for their meta ones: each tensor's full value
+    (``autosplit.materialize.Initializer``, one owner module at a time, on the CPU), cut to this tp
+    rank's slice when it is sharded (``ShardedParam.select``), moved to ``device``.  Nothing outside
+    these modules is allocated, so a rank holds its shards plus at most one module's full tensors.
+    Returns the bytes allocated."""
+    holders: dict[str, list[torch.nn.Module]] = {}
+    for m in modules:
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_meta:
+                holders.setdefault(name, []).append(m)
+    allocated = 0
+    for name, full in initializer.values(holders):
+        value = sharded[name].select(full, tp_rank) if name in sharded else full
+        value = value.to(device).contiguous()
+        allocated += value.numel() * value.element_size()
+        for m in holders[name]:
+            assign(m, name, value)
+    return allocated

@@ -1,5 +1,8 @@
 """The original model's full state dict, from and to one rank's stage shards.
 
+For small models: ``gather_full_state_dict`` gathers EVERY tensor onto EVERY rank (a whole copy of the
+model per process).  A model bigger than one device checkpoints with runtime/checkpoint.py instead.
+
 Terms:
   owner   -- the pipeline rank whose stages hold a parameter or buffer; ``gather_full_state_dict``
              broadcasts each tensor from its owner over the pp axis.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autosplit.errors import AutosplitError
 from autosplit.runtime.fsdp import copy_full_into, full_value
 
 
@@ -57,6 +61,11 @@ def gather_full_state_dict(model, plan, modules, world, watchdog) -> dict[str, t
             buf = _gather_shards(world, watchdog, sharded[name], name, full_value(local[name]), tensor.shape)
         elif name in local:
             buf = full_value(local[name]).detach().clone()
+        elif tensor.is_meta and name in owners:   # a meta model's tensor another stage holds: received below
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=world.device)
+        elif tensor.is_meta:
+            raise AutosplitError(f"full_state_dict: '{name}' is on the meta device and no stage uses it, so it "
+                                 f"was never initialized; give it a value on every rank before parallelize")
         else:
             buf = tensor.detach().to(world.device).clone()
         if name in owners and world.mesh.pp > 1:
@@ -73,7 +82,8 @@ def load_into(model, state_dict: dict[str, torch.Tensor], plan, modules, tp_rank
     local, sharded = (local_tensors(modules), _sharded(plan)) if plan is not None else ({}, {})
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            tensor.copy_(state_dict[name])
+            if not tensor.is_meta:            # a meta model keeps no values outside this rank's stages
+                tensor.copy_(state_dict[name])
             if name in local:
                 value = state_dict[name]
                 if name in sharded:

@@ -72,7 +72,9 @@ def _peer(axis: str, k: int) -> int:
 
 
 def _broadcast(t: torch.Tensor, axis: str, k: int, what: str) -> torch.Tensor:
-    buf = t.contiguous() if _rank(axis) == k else torch.empty_like(t)
+    # a dense, row-major buffer on every rank: empty_like would keep a non-contiguous input's strides,
+    # and the bytes the source sends are in row-major order
+    buf = t.contiguous() if _rank(axis) == k else t.new_empty(t.shape)
     T._wait(dist.broadcast(buf, src=_peer(axis, k), group=T._group(axis), async_op=True), what)
     return buf
 

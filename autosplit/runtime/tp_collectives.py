@@ -83,8 +83,9 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, dim: int, axis: str, full: int) -> torch.Tensor:
     group = _group(axis)
+    x = x.contiguous()          # the received parts must be row-major like what is sent (empty_like keeps strides)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(parts, x.contiguous(), group=group, async_op=True), f"all_gather over {axis}")
+    _wait(dist.all_gather(parts, x, group=group, async_op=True), f"all_gather over {axis}")
     return torch.cat(parts, dim=dim).narrow(dim, 0, full)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 _BACKEND: list = [None]
 
@@ -47,6 +48,11 @@ def _backend():
         raise RuntimeError("this stage runs tensor-parallel collectives, but no process group is bound to "
                            "its axis: run stage modules under autosplit.parallelize")
     return _BACKEND[0]
+
+
+def _planning(x: torch.Tensor) -> bool:
+    """A meta or fake tensor (shape and dtype propagation): compute the output's shape only."""
+    return x.device.type == "meta" or is_fake(x)
 
 
 def axis_rank(axis: str) -> int:
@@ -70,17 +76,17 @@ def shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
 
 def copy_to_axis(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Replicated activation entering column-parallel layers: identity forward, all-reduce backward."""
-    return x if x.device.type == "meta" else _backend().copy_to_axis(x, axis)
+    return x if _planning(x) else _backend().copy_to_axis(x, axis)
 
 
 def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Partial sums -> replicated: all-reduce forward, identity backward."""
-    return x.clone() if x.device.type == "meta" else _backend().all_reduce(x, axis)
+    return x.clone() if _planning(x) else _backend().all_reduce(x, axis)
 
 
 def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
     """Shard(dim) over n ranks -> replicated, ``full`` long: all-gather forward, reduce-scatter backward."""
-    if x.device.type == "meta":
+    if _planning(x):
         return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
     return _backend().all_gather(x, dim, axis, full)
 
@@ -88,21 +94,21 @@ def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch
 def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
     """Shard(dim) -> replicated for replicated consumers (a classifier head): all-gather forward; the
     gradient is already whole on every rank, so the backward only keeps this rank's slice."""
-    if x.device.type == "meta":
+    if _planning(x):
         return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
     return _backend().gather(x, dim, axis, full)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     """Partial sums -> Shard(dim) over n ranks: reduce-scatter forward, all-gather backward."""
-    if x.device.type == "meta":
+    if _planning(x):
         return shard(x, dim, n, 0).clone()
     return _backend().reduce_scatter(x, dim, axis)
 
 
 def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     """Replicated -> Shard(dim) over n ranks: this rank's slice forward, all-gather backward."""
-    if x.device.type == "meta":
+    if _planning(x):
         return shard(x, dim, n, 0).clone()
     return _backend().local_slice(x, dim, axis)
 
@@ -110,14 +116,14 @@ def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
 def linear_2d(x: torch.Tensor, w: torch.Tensor, row_axis: str, col_axis: str, q: int,
               form: str = "allgather") -> torch.Tensor:
     """(..., in/q) sharded over col_axis, weight block (out/q, in/q) -> (..., out/q) sharded over col_axis."""
-    if x.device.type == "meta":
-        return x.new_empty(*x.shape[:-1], w.shape[0])
+    if _planning(x):
+        return F.linear(x, w)          # the local block's shape (..., out/q), in autocast's dtype
     return _backend().linear_2d(x, w, row_axis, col_axis, q, form)
 
 
 def sum_stats(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Sum over ``axis`` forward; sum of the gradients over ``axis`` backward."""
-    return x.clone() if x.device.type == "meta" else _backend().sum_stats(x, axis)
+    return x.clone() if _planning(x) else _backend().sum_stats(x, axis)
 
 
 def layer_norm_2d(x: torch.Tensor, features: int, weight, bias, eps: float, axis: str) -> torch.Tensor:
@@ -139,3 +145,10 @@ for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_redu
                    (sum_stats, ("all_reduce", "all_reduce"))):
     _fn.comm_kind = _kind
 linear_2d.comm_kind = ("linear_2d", "linear_2d")       # priced by cost_model/comm.py's linear_2d_time
+# Compute rules in cost_model/flops.py for the ops that also compute (a GEMM, a layer norm).
+linear_2d.cost_rule, layer_norm_2d.cost_rule = "linear_2d", "layer_norm"
+# layer_norm_2d's own collectives: two sum_stats of one value per row (mean, then variance), each
+# all-reduced forward and backward.
+layer_norm_2d.comm_kind = ("all_reduce", "all_reduce")
+layer_norm_2d.comm_bytes = lambda node: 2 * node.meta["val"].numel() // node.meta["val"].shape[-1] * \
+    node.meta["val"].element_size()

@@ -81,3 +81,6 @@ def attention_heads(qkv: torch.Tensor, heads: int, batch_first: bool) -> torch.T
     q, k, v = (t.reshape(B, N, heads, -1).transpose(1, 2) for t in x.chunk(3, dim=-1))   # (B, h, N, D)
     y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, -1)       # (B, N, h*D)
     return y if batch_first else y.transpose(0, 1)
+
+
+attention_heads.cost_rule = "attention_heads"      # its FLOPs: cost_model/flops.py

@@ -1,0 +1,129 @@
+"""A checkpoint directory on disk: versions, the atomic commit, and export to a plain state dict.
+
+Terms:
+  checkpoint directory -- what ``save_checkpoint(directory)`` is given.  It holds:
+        LATEST                         the name of the committed version (one line)
+        step-00000004-<nonce>/         one torch.distributed.checkpoint (DCP) directory: .metadata,
+                                       one data file per rank, autosplit.json (the metadata record)
+  version   -- one save: a fresh subdirectory, so a save never overwrites the files of the version
+               that LATEST names.
+  commit    -- after every rank has written its data and DCP has written ``.metadata``, rank 0 writes
+               ``autosplit.json`` and replaces LATEST atomically (write a temporary file, fsync,
+               ``os.replace``, fsync the directory).  A crash before that leaves LATEST naming the
+               previous version; the interrupted version is *incomplete* and is ignored (with a
+               warning that names it) until the next successful save removes it.
+  model keys -- the checkpoint's entries under the original model's names (full shapes); optimizer
+               state is under ``optimizer/...`` (see checkpoint.py).
+A plain DCP directory (``.metadata`` directly inside) is accepted too.  No process group here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from autosplit.errors import AutosplitError
+
+LATEST = "LATEST"
+RECORD = "autosplit.json"
+OPTIMIZER_PREFIX = "optimizer/"
+_VERSION = re.compile(r"step-\d+-[0-9a-f]+$")
+
+
+def version_name(step: int, nonce: int) -> str:
+    return f"step-{step:08d}-{nonce:016x}"
+
+
+def _versions(directory: str) -> list[str]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(d for d in os.listdir(directory) if _VERSION.match(d) and os.path.isdir(os.path.join(directory, d)))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(directory: str, version: str, record: dict) -> None:
+    """Rank 0, after DCP finished writing ``version``: write its record, point LATEST at it
+    atomically, then remove every other version (the previous one and any incomplete ones)."""
+    path = os.path.join(directory, version)
+    with open(os.path.join(path, RECORD), "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = os.path.join(directory, f".{LATEST}.{version}.tmp")
+    with open(tmp, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, LATEST))        # the commit point
+    _fsync_dir(directory)
+    for old in _versions(directory):
+        if old != version:
+            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def resolve(directory) -> str:
+    """The DCP directory to load from ``directory`` (a checkpoint directory or a plain DCP one).
+    Raises AutosplitError with what is wrong; warns about incomplete versions it skips."""
+    directory = os.fspath(directory)
+    if os.path.isfile(os.path.join(directory, ".metadata")):
+        return directory
+    if not os.path.isdir(directory):
+        raise AutosplitError(f"load_checkpoint: no checkpoint at '{directory}' (not a directory)")
+    latest_file = os.path.join(directory, LATEST)
+    versions = _versions(directory)
+    if not os.path.isfile(latest_file):
+        if versions:
+            raise AutosplitError(
+                f"load_checkpoint: '{directory}' holds no complete checkpoint: {', '.join(versions)} "
+                f"{'was' if len(versions) == 1 else 'were'} never committed (the save was interrupted before "
+                f"every rank had written its shards); load an earlier checkpoint")
+        raise AutosplitError(f"load_checkpoint: '{directory}' is not a checkpoint (no {LATEST} file, no versions)")
+    with open(latest_file) as f:
+        latest = f.read().strip()
+    path = os.path.join(directory, latest)
+    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(os.path.join(path, RECORD)):
+        raise AutosplitError(f"load_checkpoint: '{directory}/{LATEST}' names '{latest}', which is missing or "
+                             f"incomplete (was the directory changed by hand?)")
+    skipped = [v for v in versions if v != latest]
+    if skipped:
+        warnings.warn(f"load_checkpoint: ignoring incomplete checkpoint{'s' if len(skipped) > 1 else ''} "
+                      f"{', '.join(skipped)} in '{directory}' (a save interrupted before its commit); loading "
+                      f"the committed '{latest}'", stacklevel=3)
+    return path
+
+
+def read_record(path: str) -> dict:
+    """The metadata record of a resolved version ({} for a plain DCP directory)."""
+    record = os.path.join(path, RECORD)
+    if not os.path.isfile(record):
+        return {}
+    with open(record) as f:
+        return json.load(f)
+
+
+def export_state_dict(directory, out) -> dict[str, torch.Tensor]:
+    """Write the model's full state dict (original names and shapes, CPU tensors) from a checkpoint
+    to ``out`` with ``torch.save``; ``model.load_state_dict`` of the unchanged model accepts it.
+    Reads the model keys only (not the optimizer state); needs no process group."""
+    path = resolve(directory)
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    state = {k: torch.empty(md.size, dtype=md.properties.dtype)
+             for k, md in metadata.state_dict_metadata.items()
+             if isinstance(md, TensorStorageMetadata) and not k.startswith(OPTIMIZER_PREFIX)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    torch.save(state, out)
+    return state

@@ -1,0 +1,171 @@
+"""Models built on the meta device (issue 10): ``parallelize(meta_model, seed=, init_fn=)`` gives every
+rank the slices that ``autosplit.materialize`` gives one device, allocates nothing outside its shards,
+and trains exactly like single-device training of the materialized model (real gloo processes)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autosplit
+from autosplit.errors import AutosplitError
+from tests.dist_checks import batches
+from tests.models import VARIANTS, HandViT
+
+TOL = 1e-5
+SEED = 7
+
+
+def adamw(params, lr: float = 1e-3) -> torch.optim.AdamW:
+    """AdamW with eps=1e-6: the attention's key bias has an exactly zero gradient (softmax ignores a
+    shift shared by a row's logits), so its gradient is fp32 rounding noise (~1e-10) that depends on the
+    summation order; Adam's default eps=1e-8 would turn that noise into steps of ~lr/100, eps=1e-6 into
+    steps below 1e-7.  Real gradients (>= 1e-4 here) are unaffected."""
+    return torch.optim.AdamW(params, lr=lr, eps=1e-6)
+
+
+def timm_init(name: str, t: torch.Tensor) -> None:
+    """timm's ViT init scheme (init_weights_vit_timm), written as an init_fn (the README's)."""
+    from timm.layers import trunc_normal_
+    if name in ("cls_token", "reg_token"):
+        nn.init.normal_(t, std=1e-6)
+    elif t.dim() == 4:                                    # patch embedding: PyTorch's conv default
+        nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+    elif name == "pos_embed" or t.dim() == 2:             # position embedding and every Linear weight
+        trunc_normal_(t, std=.02)
+    elif name.endswith("bias"):
+        nn.init.zeros_(t)
+    else:                                                 # norm weights
+        nn.init.ones_(t)
+
+
+class ResetViT(HandViT):
+    """HandViT whose own reset_parameters covers its position embedding: no init_fn needed."""
+
+    def reset_parameters(self):
+        nn.init.normal_(self.pos, std=0.02)
+
+
+MODELS = {"tp_timm": (VARIANTS["tp_timm"], timm_init), "reset_hand": (lambda: ResetViT(depth=2, heads=4), None)}
+
+
+def _meta(variant: str) -> nn.Module:
+    with torch.device("meta"):
+        return MODELS[variant][0]()
+
+
+def _tensors(modules) -> dict[int, torch.Tensor]:
+    out = {}
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            if not t.is_meta:
+                out[t.untyped_storage().data_ptr()] = t
+    return out
+
+
+def reference(variant: str, steps: int, batch: int = 8, lr: float = 1e-3, seed: int = 1):
+    """Losses and state dict of AdamW training of ``materialize(meta model)`` on one device."""
+    model = autosplit.materialize(_meta(variant), seed=SEED, init_fn=MODELS[variant][1])
+    opt = adamw(model.parameters(), lr)
+    xs, ys = batches(steps, batch, seed)
+    losses = []
+    for x, y in zip(xs, ys):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def meta_train(variant: str, mesh, steps: int = 3, batch: int = 8, microbatches: int = 2, lr: float = 1e-3, **kw):
+    """On every rank: parallelize a meta model, count the bytes it allocated, train with AdamW."""
+    model = _meta(variant)
+    full_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    xs, ys = batches(steps, batch)
+    dp = mesh[2]
+    # a fixed cost profile: the cut must not depend on how loaded the machine is while measuring
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches, seed=SEED, device="h100",
+                               init_fn=MODELS[variant][1], example_input=xs[0, :batch // dp // microbatches], **kw)
+    held = _tensors([model] + pm.raw_modules)            # every real tensor the rank holds
+    sharded = pm._sharded()
+    local = {n: t for m in pm.raw_modules for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+    expected = sum(math.prod(sharded[n].local_shape(pm.tp_rank)) * t.element_size() if n in sharded
+                   else t.numel() * t.element_size() for n, t in local.items())
+    opt = adamw(pm.parameters(), lr)
+    rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
+    losses = []
+    for x, y in zip(xs, ys):
+        losses.append(pm.step(x[rows], y[rows]))
+        opt.step()
+        opt.zero_grad()
+    state = pm.full_state_dict()                          # a collective: every rank calls it
+    return {"losses": losses, "state": state if torch.distributed.get_rank() == 0 else None,
+            "held": sum(t.numel() * t.element_size() for t in held.values()), "expected": expected,
+            "full": full_bytes}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("variant,mesh,kw", [("tp_timm", (2, 2, 1), {}), ("tp_timm", (2, 1, 2), {}),
+                                             ("tp_timm", (1, 4, 1), {"tp_mode": "2d"}),
+                                             ("reset_hand", (1, 4, 1), {})])
+def test_meta_model_trains_like_materialized(pool4, variant, mesh, kw):
+    """3 AdamW steps: losses and parameters equal materialize(model, seed) trained on one device;
+    each rank holds exactly its shards' bytes (and less than the whole model)."""
+    results = pool4.run(meta_train, variant, mesh, **kw)
+    ref_losses, ref_state = reference(variant, 3)
+    assert _max_diff(results[0]["state"], ref_state) <= TOL
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL, (r["losses"], ref_losses)
+        assert r["held"] == r["expected"], r
+        assert r["held"] < r["full"], r
+
+
+def test_materialize_is_deterministic_and_leaves_rng_alone():
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    a = autosplit.materialize(_meta("tp_timm"), seed=SEED, init_fn=timm_init).state_dict()
+    assert torch.equal(torch.get_rng_state(), before)
+    b = autosplit.materialize(_meta("tp_timm"), seed=SEED, init_fn=timm_init).state_dict()
+    c = autosplit.materialize(_meta("tp_timm"), seed=SEED + 1, init_fn=timm_init).state_dict()
+    assert _max_diff(a, b) == 0 and _max_diff(a, c) > 0
+    assert a["blocks.0.attn.qkv.weight"].std().item() == pytest.approx(0.02, rel=0.2)   # timm's trunc_normal
+
+
+def test_reset_parameters_seeded_per_module():
+    """Without init_fn each module's own reset_parameters runs, seeded from (seed, module name):
+    two Linear layers of equal shape get different values; buffers (BatchNorm) are reset too."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    autosplit.materialize(model, seed=1)
+    assert not torch.equal(model[0].weight, model[1].weight)
+    assert torch.equal(model[2].running_var, torch.ones(4)) and model[2].num_batches_tracked.item() == 0
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
+def test_uncovered_tensors_are_listed():
+    with pytest.raises(AutosplitError) as err:
+        autosplit.materialize(_meta("tp_timm"))
+    msg = str(err.value)
+    assert "'cls_token' (VisionTransformer)" in msg and "'pos_embed'" in msg and "init_fn" in msg, msg
+
+
+def test_reset_that_leaves_a_tensor_is_refused():
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.empty(3)), nn.Parameter(torch.empty(3))
+
+        def reset_parameters(self):
+            nn.init.zeros_(self.a)
+
+    with torch.device("meta"):
+        model = Half()
+    with pytest.raises(AutosplitError, match="left 'b' uninitialized"):
+        autosplit.materialize(model)
