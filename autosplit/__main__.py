@@ -19,8 +19,9 @@ import time
 import torch
 
 import autosplit
-from autosplit.compiler import LINEAR_2D_FORMS, SCHEDULES, TP_MODES
+from autosplit.compiler import LINEAR_2D_FORMS, TP_MODES
 from autosplit.cost_model.profiles import NAMES, get_profile
+from autosplit.schedule import SCHEDULES
 from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
