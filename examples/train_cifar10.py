@@ -60,6 +60,16 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with tp > 1, also shard tokens between tensor-parallel regions")
     p.add_argument("--save", default=None, help="write the full state dict here (rank 0) at the end")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="save a sharded checkpoint (model and optimizer, every rank its own part) after each epoch")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the latest complete checkpoint in DIR (any mesh may have written it)")
+    p.add_argument("--stop-after-epochs", type=int, default=None, metavar="K",
+                   help="stop after K of --epochs epochs (the schedule still spans --epochs); resume later")
+    p.add_argument("--export", default=None, metavar="FILE",
+                   help="at the end, write the last checkpoint as a plain state dict for the unchanged timm model "
+                        "(needs --checkpoint-dir)")
+    p.add_argument("--train-size", type=int, default=50_000, help="synthetic training images (default 50000)")
     p.add_argument("--report", default=None, metavar="DIR",
                    help="write the plan (report.html, per-rank stage code, plan.json) to DIR (rank 0)")
     p.add_argument("--log-every", type=int, default=0, metavar="K", help="print the loss every K steps (0: never)")
@@ -127,7 +137,7 @@ def build_datasets(args, log):
         except RuntimeError as exc:   # torchvision: "Dataset not found or corrupted"
             log(f"WARNING: CIFAR-10 not found under {os.path.abspath(args.data)!r} ({exc}).\n"
                 f"WARNING: falling back to SYNTHETIC data -- the accuracy below is NOT CIFAR-10 accuracy.")
-    train = SyntheticCIFAR(50_000, args.seed + 1, transforms.Compose(augment))
+    train = SyntheticCIFAR(args.train_size, args.seed + 1, transforms.Compose(augment))
     test = SyntheticCIFAR(10_000, args.seed + 2, normalize)
     log(f"data: SYNTHETIC random CIFAR-shaped images (noise + per-class tint), {len(train)} train / "
         f"{len(test)} held-out -- not CIFAR-10")
@@ -162,6 +172,8 @@ def evaluate(pm, test_set, replica_batch, dp, dp_rank, max_batches, workers):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.export and not args.checkpoint_dir:
+        raise SystemExit("--export writes the last checkpoint as a plain state dict: give --checkpoint-dir too")
     if "WORLD_SIZE" not in os.environ:
         sys.exit("run me under torchrun, e.g.: torchrun --standalone --nproc-per-node 2 "
                  "examples/train_cifar10.py --mesh 2,1,1 --synthetic")
@@ -223,10 +235,13 @@ def main(argv=None) -> int:
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-
     step, start = 0, time.perf_counter()
-    for epoch in range(args.epochs):
+    if args.resume:     # the learning rate follows the step, so a resumed run continues the same schedule
+        record = pm.load_checkpoint(args.resume, optimizer=opt)
+        step = record["step"]
+        log(f"resumed from {args.resume} at step {step} (saved on mesh {tuple(record['mesh'])})")
+    last_epoch = args.epochs if args.stop_after_epochs is None else min(args.epochs, args.stop_after_epochs)
+    for epoch in range(step // steps_per_epoch, last_epoch):
         if step >= total_steps:
             break
         sampler.set_epoch(epoch)
@@ -238,9 +253,10 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             loss = pm.step(images, labels)
             pm.clip_grad_norm_(1.0)
+            for group in opt.param_groups:
+                group["lr"] = args.lr * lr_factor(step)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            sched.step()
             step += 1
             loss_sum += loss
             seen += 1
@@ -261,6 +277,9 @@ def main(argv=None) -> int:
         log(f"epoch {epoch + 1}/{args.epochs}: step {step}, train loss {loss_sum / max(seen, 1):.4f} "
             f"(last {loss:.4f}), {seen * args.batch / elapsed:.0f} img/s; "
             f"test accuracy {100 * acc:.2f}% on {counted} images")
+        if args.checkpoint_dir:         # a collective: every rank writes its own blocks, rank 0 commits
+            path = pm.save_checkpoint(args.checkpoint_dir, optimizer=opt)
+            log(f"checkpoint: {path}")
 
     log(f"done: {step} steps in {time.perf_counter() - start:.1f} s")
     if args.save:
@@ -268,6 +287,10 @@ def main(argv=None) -> int:
         if rank0:
             torch.save(state, args.save)
             log(f"saved the full state dict ({len(state)} tensors) to {args.save}")
+    if args.export and rank0:
+        from autosplit.runtime.checkpoint_files import export_state_dict
+        state = export_state_dict(args.checkpoint_dir, args.export)
+        log(f"exported {len(state)} tensors to {args.export}")
     dist.barrier()
     dist.destroy_process_group()
     return 0
