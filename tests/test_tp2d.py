@@ -36,9 +36,16 @@ def test_2d_summa_form(pool4):
     ("tp_torchvision", (2, 4, 1), "interleaved", 2, 4),
     ("tp_timm_avgpool", (1, 4, 2), "1f1b", 1, 2),          # 4 rows per replica: 2 per microbatch
     ("tp_hand", (1, 4, 2), "1f1b", 1, 2),
+    ("tp_timm", (2, 4, 1), "zb-h1", 1, 4),               # zero-bubble: 2D's linear_2d keeps its W in I
 ])
 def test_2d_with_pipeline_and_data_parallel(pool8, name, mesh, schedule, chunks, m):
     _check(pool8.run(train_matches_single_device, name, mesh, schedule, chunks, microbatches=m, tp_mode="2d"))
+
+
+def test_2d_with_sharded_data_parallel(pool8):
+    """dp_shard (FSDP2 over dp) around 2D stage modules: each rank's blocks sharded once more over dp."""
+    _check(pool8.run(train_matches_single_device, "tp_timm_avgpool", (1, 4, 2), "1f1b", 1, microbatches=2,
+                     tp_mode="2d", dp_shard="stage"))
 
 
 def _plan(name="tp_timm", mesh=(1, 4, 1), batch=4, **kw):
