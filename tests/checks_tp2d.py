@@ -1,6 +1,8 @@
 """Functions run on every rank of a test pool for tests/test_tp2d.py (see dist_pool.py)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import autosplit
@@ -24,3 +26,18 @@ def load_round_trip(name: str, mesh=(1, 4, 1)) -> dict:
     pm.eval()
     loss = torch.nn.functional.cross_entropy(pm.predict(x), y).item()
     return {"state_diff": diff, "loss_diff": abs(loss - ref)}
+
+
+def clip_norm_matches(name: str, mesh=(1, 4, 1)) -> dict:
+    """clip_grad_norm_ returns the single-device gradient norm: every parameter counted once, including
+    those 2D splits over tp_col only (a 10-class head's bias: 5 per column, whole over tp_row)."""
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=2, tp_mode="2d", example_input=x[:4])
+    pm.step(x, y)
+    return {"norm_diff": abs(pm.clip_grad_norm_(1e9) - want), "norm": want}

@@ -162,3 +162,9 @@ def test_load_full_state_dict_round_trip(pool4):
     from tests import checks_tp2d
     for r in pool4.run(checks_tp2d.load_round_trip, "tp_timm"):
         assert r["state_diff"] == 0 and r["loss_diff"] <= TOL, r
+
+
+def test_clip_grad_norm_counts_each_parameter_once(pool4):
+    from tests import checks_tp2d
+    for r in pool4.run(checks_tp2d.clip_norm_matches, "tp_timm"):
+        assert r["norm_diff"] <= 1e-5 * max(1.0, r["norm"]), r

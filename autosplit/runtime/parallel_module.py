@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 
 import torch
@@ -35,7 +34,8 @@ from autosplit.runtime.checkpointing import checkpointed
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.faults import Watchdog
-from autosplit.runtime.fsdp import StageSharding, grad_square
+from autosplit.runtime.gradients import clip_grad_norm, global_mean, reduce_partial_grads
+from autosplit.runtime.fsdp import StageSharding
 from autosplit.runtime.loss_check import checked_loss, loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -46,7 +46,7 @@ from autosplit.runtime.world import World
 from autosplit.schedule import SPLIT_BACKWARD
 from autosplit.runtime import tp_collectives
 from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
-from autosplit.runtime.tp_collectives import bind_axis_groups, reduce_grad
+from autosplit.runtime.tp_collectives import bind_axis_groups
 
 log = logging.getLogger("autosplit")      # the library logs; it never prints
 
@@ -238,33 +238,7 @@ class ParallelModule:
         return loss
 
     def _reduce_partial_grads(self, earlier: list) -> None:
-        """Sum over tp the gradients of replicated parameters that each tp rank saw only part of
-        (qk-norm weights, layer norms under sequence parallelism), once per step; add back what
-        earlier steps of a gradient accumulation had already summed; on a synchronising step (not
-        under ``no_sync``) average the whole accumulated gradient over dp.
-
-        These parameters are not in the dp buckets: a bucket would average only this step's part,
-        and the parts that ``no_sync`` steps accumulated would never be averaged over dp.
-        """
-        if not self.partial_params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.partial_params]
-        flat = reduce_grad(torch.cat([g.reshape(-1) for g in grads]), "tp")
-        offset = 0
-        for p, before in zip(self.partial_params, earlier):
-            n = p.numel()
-            part = flat[offset:offset + n].view_as(p)
-            flat[offset:offset + n] = (part + before if before is not None else part).reshape(-1)
-            offset += n
-        if self._dp_sync():
-            work = dist.all_reduce(flat, group=self.world.group("dp"), async_op=True)
-            self.watchdog.wait(work, "data-parallel all-reduce of partial gradients")
-            flat.div_(self.dp_size)
-        offset = 0
-        for p in self.partial_params:       # views of the reduced buffer, as the dp buckets' are
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
-            offset += n
+        reduce_partial_grads(self.partial_params, earlier, self.world, self.watchdog, self._dp_sync())
 
     def _sync_buffers(self) -> None:
         """Buffers a forward updated (BatchNorm statistics) become dp rank 0's on every replica
@@ -281,15 +255,7 @@ class ParallelModule:
         return self.buckets is not None and self.buckets.enabled
 
     def _global_mean(self, loss_sum: torch.Tensor, overflow: torch.Tensor | None = None) -> tuple[float, bool]:
-        """The global batch's mean loss and whether any rank's gradients overflowed: one all-reduce
-        over the world and the step's one host sync (``tolist``)."""
-        flag = overflow.reshape(1) if overflow is not None else torch.zeros(1, device=self.world.device)
-        total = torch.cat([loss_sum.reshape(1).to(self.world.device, torch.float64) / self.num_microbatches,
-                           flag.to(torch.float64)])
-        work = dist.all_reduce(total, async_op=True)
-        self.watchdog.wait(work, "loss all-reduce", host=True)
-        loss, overflowed = total.tolist()
-        return loss / (self.world.mesh.tp * self.world.mesh.dp), overflowed > 0
+        return global_mean(loss_sum, overflow, self.num_microbatches, self.world, self.watchdog)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -307,27 +273,15 @@ class ParallelModule:
         return self.plan.tp_plan.sharded if self.plan.tp_plan is not None else {}
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the global gradient norm over pp, tp and dp (each parameter counted once: a
-        tp-sharded parameter by all its shards, a replicated one by tp rank 0 only)."""
+        """Clip every gradient by the global norm over pp, tp and dp, each parameter counted once.
+
+        Args:
+            max_norm: the largest norm the gradients may have; larger ones are scaled down to it.
+        Returns the norm before clipping (a float, the same on every rank).
+        """
         self._enter("clip_grad_norm_", max_norm)
-        sharded = self._sharded()
-        grads, local = [], torch.zeros(1, dtype=torch.float64, device=self.world.device)
-        for name, p in self.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            if name in sharded or self.tp_rank == 0:
-                local += grad_square(p.grad, count_replicated=self.sharding is None or self.dp_rank == 0)
-        # dp first when sharded (each rank holds a shard of most gradients); every rank runs these in this order
-        for axis in ("dp", "pp", "tp") if self.sharding else ("pp", "tp"):
-            work = dist.all_reduce(local, group=self.world.group(axis), async_op=True)
-            self.watchdog.wait(work, f"gradient-norm all-reduce over {axis}", host=True)
-        norm = math.sqrt(local.item())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return clip_grad_norm(list(self.named_parameters()), self._sharded(), max_norm, self.world,
+                              self.watchdog, dp_sharded=self.sharding is not None)
 
     # ---- inference -----------------------------------------------------------------------------
     def predict(self, images) -> torch.Tensor:

@@ -65,6 +65,14 @@ class ShardedParam:
             out.append((tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
         return out
 
+    def first_copy(self, rank: int) -> bool:
+        """Is ``rank`` the lowest tp rank holding this slice?  2D keeps some tensors whole over one axis
+        (a bias too short to split over tp_row), so several ranks hold the same slice; sums over the
+        ranks (a gradient norm) must count it once."""
+        mine = self.slices[rank]
+        return not any(other.keys() == mine.keys() and all(torch.equal(other[d], mine[d]) for d in mine)
+                       for other in self.slices[:rank])
+
     def describe(self) -> str:
         """Short text for plan listings: the split dims and the local shape on rank 0."""
         return f"dims {self.dims} -> {list(self.local_shape(0))} of {list(self.full_shape)}"

@@ -1,0 +1,83 @@
+"""Step-level gradient and loss reductions of a ParallelModule: partial gradients, the mean loss, the norm.
+
+Terms:
+  partial gradient -- a replicated parameter each tp rank saw only part of (a qk-norm weight inside a
+                      1D region, layer norms under sequence parallelism): its gradient is summed over
+                      tp once per step, outside the dp buckets.
+  first copy       -- the lowest tp rank holding a slice of a parameter (autosplit/tp/shards.py); a
+                      norm counts each element once, however many ranks hold it.
+Ordering (NCCL's rule): every rank of a group issues these collectives in the same order: the
+partial-gradient sum over tp, then its dp average; the norm over dp (when dp-sharded), pp, tp.
+Every wait goes through the Watchdog.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from autosplit.runtime.fsdp import grad_square
+from autosplit.runtime.tp_collectives import reduce_grad
+
+
+def reduce_partial_grads(params: list, earlier: list, world, watchdog, dp_sync: bool) -> None:
+    """Sum the partial gradients over tp, add back what earlier steps of a gradient accumulation had
+    already summed, and on a synchronising step (not under ``no_sync``) average the whole accumulated
+    gradient over dp.  They are not in the dp buckets: a bucket would average only this step's part,
+    and the parts that ``no_sync`` steps accumulated would never be averaged over dp."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = reduce_grad(torch.cat([g.reshape(-1) for g in grads]), "tp")
+    offset = 0
+    for p, before in zip(params, earlier):
+        n = p.numel()
+        part = flat[offset:offset + n].view_as(p)
+        flat[offset:offset + n] = (part + before if before is not None else part).reshape(-1)
+        offset += n
+    if dp_sync:
+        work = dist.all_reduce(flat, group=world.group("dp"), async_op=True)
+        watchdog.wait(work, "data-parallel all-reduce of partial gradients")
+        flat.div_(world.mesh.dp)
+    offset = 0
+    for p in params:                    # views of the reduced buffer, as the dp buckets' are
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p)
+        offset += n
+
+
+def global_mean(loss_sum: torch.Tensor, overflow: torch.Tensor | None, num_microbatches: int, world,
+                watchdog) -> tuple[float, bool]:
+    """The global batch's mean loss and whether any rank's gradients overflowed: one all-reduce over
+    the world and the step's one host sync (``tolist``)."""
+    flag = overflow.reshape(1) if overflow is not None else torch.zeros(1, device=world.device)
+    total = torch.cat([loss_sum.reshape(1).to(world.device, torch.float64) / num_microbatches,
+                       flag.to(torch.float64)])
+    work = dist.all_reduce(total, async_op=True)
+    watchdog.wait(work, "loss all-reduce", host=True)
+    loss, overflowed = total.tolist()
+    return loss / (world.mesh.tp * world.mesh.dp), overflowed > 0
+
+
+def clip_grad_norm(named_params: list, sharded: dict, max_norm: float, world, watchdog, *,
+                   dp_sharded: bool) -> float:
+    """Scale every gradient by max_norm / norm when the global norm exceeds max_norm; returns the norm."""
+    tp_rank, dp_rank = world.coord.tp, world.coord.dp
+    grads, local = [], torch.zeros(1, dtype=torch.float64, device=world.device)
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        if sharded[name].first_copy(tp_rank) if name in sharded else tp_rank == 0:
+            local += grad_square(p.grad, count_replicated=not dp_sharded or dp_rank == 0)
+    # dp first when sharded (each rank holds a shard of most gradients); every rank runs these in this order
+    for axis in ("dp", "pp", "tp") if dp_sharded else ("pp", "tp"):
+        work = dist.all_reduce(local, group=world.group(axis), async_op=True)
+        watchdog.wait(work, f"gradient-norm all-reduce over {axis}", host=True)
+    norm = math.sqrt(local.item())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return norm
