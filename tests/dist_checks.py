@@ -313,7 +313,12 @@ def logged_summary() -> list[str]:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        list(_small(mesh=(2, 1, 1)).parameters())      # plans (from the model's declared input size)
+        pm = _small(mesh=(2, 1, 1))
+        list(pm.parameters())                           # plans (from the model's declared input size)
+        logger.setLevel(logging.DEBUG)
+        x, y = batches(1, 4)
+        pm.step(x[0], y[0])                             # DEBUG: every action and transfer group
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
     return records

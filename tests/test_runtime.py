@@ -126,8 +126,12 @@ def test_strict_transport_hangs_where_nccl_would():
 
 
 def test_plan_summary_is_logged_on_rank_zero(pool2):
-    """The summary goes to logging.getLogger("autosplit") at INFO, on rank 0 only."""
+    """The summary goes to logging.getLogger("autosplit") at INFO, on rank 0 only; schedule actions at DEBUG."""
     from tests import dist_checks
     logs = pool2.run(dist_checks.logged_summary)
-    assert len(logs[0]) == 1 and logs[0][0].startswith("planned:\nautosplit plan: mesh (pp=2, tp=1, dp=1)"), logs
-    assert logs[1] == []
+    assert logs[0][0].startswith("planned:\nautosplit plan: mesh (pp=2, tp=1, dp=1)"), logs
+    assert not any(m.startswith("planned:") for m in logs[1])
+    # then, at DEBUG, the schedule as each rank runs it (step 1 re-plans for its microbatch: rank 0 logs it)
+    for rank, records in enumerate(logs):
+        actions = [m.split(": ", 1)[1] for m in records if m.startswith(f"rank {rank}: ")]
+        assert f"{rank}F0" in actions and f"{rank}B1" in actions, records

@@ -27,6 +27,7 @@ Terms:
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,8 @@ import torch.distributed as dist
 
 from autosplit.runtime.faults import RankFailure
 from autosplit.runtime.p2p import Posted, make_transport, tag
+
+log = logging.getLogger("autosplit")
 from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
 from autosplit.weight_grad import DEFERRED, uses_split_ops
 
@@ -77,7 +80,10 @@ class PipelineExecutor:
         self.outputs: dict[int, torch.Tensor] = {}
         DEFERRED.clear()                  # nothing a failed earlier step queued may reach this one
         run_compute = {F: self._forward, B: self._backward, I: self._backward, W: self._weight_grad}
+        debug = log.isEnabledFor(logging.DEBUG)
         for item in self.train_items if train else self.predict_items:
+            if debug:                   # the schedule as this rank runs it: computes and transfer groups
+                log.debug("rank %d: %s", self.world.rank, item)
             if isinstance(item, Group):
                 self._guarded(item, self._post)
             else:
