@@ -176,7 +176,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                         memory(s, a + 1, b) for s, (a, b) in enumerate(zip([-1, *bounds], bounds))) > budget:
                     continue
             else:
-                bounds = balanced_bounds(seg.time, seg.out_time, n_stages, memory, budget)
+                bounds = balanced_bounds(seg.time, seg.out_time, n_stages, memory, budget, seg_params=seg.params)
             break
         except PlanError:
             if sharding == options[-1]:

@@ -8,8 +8,9 @@ Terms:
   budget     -- optional per-stage memory limit (bytes); a stage over it is infeasible.
 
 The search is exact dynamic programming over cut positions, O(S * K^2) for S stages and K segments,
-minimizing the bottleneck first and the sum of squared stage costs second (so stages that do not set
-the bottleneck are balanced too).  A plain DP rather than a networkx routine: min-max partition is
+minimizing the number of stages without parameters first (where the caller gives parameter bytes),
+then the bottleneck, then the sum of squared stage costs (so stages that do not set the bottleneck are
+balanced too).  A plain DP rather than a networkx routine: min-max partition is
 not a shortest-path problem networkx solves directly, and the DP is twenty lines.
 """
 from __future__ import annotations
@@ -33,31 +34,36 @@ def stage_costs(bounds: Sequence[int], seg_time: Sequence[float], out_time: Sequ
 
 def balanced_bounds(seg_time: Sequence[float], out_time: Sequence[float], n_stages: int,
                     stage_memory: Callable[[int, int, int], float] | None = None,
-                    budget: float | None = None) -> list[int]:
+                    budget: float | None = None, seg_params: Sequence[int] | None = None) -> list[int]:
     """Last segment index of each stage, minimizing the bottleneck (then the sum of squares).
 
     ``out_time[k]``: cost of sending the tensors at the end of segment k (forward and backward).
     ``stage_memory(stage, first_seg, last_seg)``: bytes the stage needs; checked against ``budget``.
+    ``seg_params[k]``: parameter bytes of segment k.  When given, cuts with fewer parameter-less stages
+    win first: a pipeline rank with no parameters gives its optimizer an empty list (torch refuses
+    one), so a slightly slower cut that gives every rank parameters is preferred where one exists.
     """
     K = len(seg_time)
     if n_stages > K:
         raise PlanError(f"cannot cut {K} segments into {n_stages} stages: the graph has only {K - 1} "
                         f"places where a pipeline cut is possible; use at most {K} stages")
     prefix = [0.0, *accumulate(seg_time)]
-    inf = (float("inf"), float("inf"))
+    params = [0, *accumulate(seg_params)] if seg_params is not None else None
+    inf = (float("inf"), float("inf"), float("inf"))
     best = [[inf] * K for _ in range(n_stages)]      # best[s][k]: stages 0..s cover segments 0..k
     back = [[-1] * K for _ in range(n_stages)]
     for s in range(n_stages):
         for k in range(s, K - (n_stages - 1 - s)):
             starts = [0] if s == 0 else range(s, k + 1)
             for j in starts:                           # stage s covers segments j..k
-                prev = (0.0, 0.0) if s == 0 else best[s - 1][j - 1]
+                prev = (0, 0.0, 0.0) if s == 0 else best[s - 1][j - 1]
                 if prev == inf:
                     continue
                 if budget is not None and stage_memory is not None and stage_memory(s, j, k) > budget:
                     continue
                 cost = prefix[k + 1] - prefix[j] + (out_time[k] if k < K - 1 else 0.0)
-                cand = (max(prev[0], cost), prev[1] + cost * cost)
+                empty = params is not None and params[k + 1] == params[j]
+                cand = (prev[0] + empty, max(prev[1], cost), prev[2] + cost * cost)
                 if cand < best[s][k]:
                     best[s][k], back[s][k] = cand, j
     if best[-1][K - 1] == inf:

@@ -134,3 +134,14 @@ def test_baseline_is_na_with_fewer_layers_than_stages():
     assert plan.balance()[1] == "n/a" and plan.equal_layer_bounds is None
     assert "vs n/a torchtitan's cut" in plan.summary()
     assert plan.to_dict()["balance"]["equal_layer_count"] is None
+
+
+def test_cut_avoids_stages_without_parameters():
+    """Segments of 12, 1 and 10 ms, the first without parameters: the fastest cut into 2 stages ({0}, {1, 2}:
+    12 ms) leaves stage 0 nothing to optimize, so the DP takes the next one ({0, 1}, {2}: 13 ms); with no
+    parameter-free alternative, an empty stage is still allowed."""
+    from autosplit.passes.partition import balanced_bounds
+    times, sends = [12.0, 1.0, 10.0], [0.0, 0.0, 0.0]
+    assert balanced_bounds(times, sends, 2) == [0, 2]
+    assert balanced_bounds(times, sends, 2, seg_params=[0, 4, 4]) == [1, 2]
+    assert balanced_bounds(times, sends, 3, seg_params=[0, 4, 4]) == [0, 1, 2]
