@@ -29,7 +29,7 @@ Spec2D, ROW, COL = R.Spec2D, R.ROW, R.COL
 
 def shard_2d(gm: fx.GraphModule, q: int, form) -> TensorParallelPlan:
     """Rewrite ``gm`` for a q x q grid; ``form(node, x_val, w_shape)`` picks each linear's algorithm."""
-    regions, notes = find_regions(gm, q)
+    regions, notes = find_regions(gm, q, f"q({q}), the tp_col side of the {q}x{q} grid (tp={q * q})")
     plan = TensorParallelPlan(tp=q * q, root=gm, notes=notes)
     st = R._State(gm, q, form, plan, uses=ParamUses(gm, q))
     exit_inputs = {}
@@ -137,7 +137,7 @@ def _tensors(args) -> list[fx.Node]:
 
 
 def _rule(st: R._State, n: fx.Node) -> None:
-    gm, name = st.gm, op_name(n, st.gm)
+    name = op_name(n, st.gm)
     if n.op == "call_function" and n.target is getattr and n.args[1] == "shape":
         return _shape_read(st, n, n.args[0])
     if name == "size":

@@ -273,8 +273,9 @@ def _choose(region: Region, tp: int) -> str | None:
     return why
 
 
-def find_regions(gm: fx.GraphModule, tp: int) -> tuple[list[Region], list[str]]:
-    """Regions to shard across ``tp`` ranks, and notes on candidates left replicated."""
+def find_regions(gm: fx.GraphModule, tp: int, ranks: str | None = None) -> tuple[list[Region], list[str]]:
+    """Regions to shard across ``tp`` ranks, and notes on candidates left replicated.  ``ranks`` names
+    those ranks in errors (default ``tp(N)``; 2D splits heads over its grid's ``tp_col`` axis only)."""
     regions, notes, claimed = [], [], set()
     for node in gm.graph.nodes:
         if not _is_linear(node, gm) or node in claimed:
@@ -298,8 +299,8 @@ def find_regions(gm: fx.GraphModule, tp: int) -> tuple[list[Region], list[str]]:
         if region.shard_size % tp:
             raise AutosplitError(
                 f"layer '{region.name}': the dim split across tensor-parallel ranks has size "
-                f"{region.shard_size} (e.g. attention heads), which does not divide by tp({tp}); "
-                f"use a tp that divides {region.shard_size}")
+                f"{region.shard_size} (e.g. attention heads), which does not divide by {ranks or f'tp({tp})'}; "
+                f"use a {'grid' if ranks else 'tp'} that divides {region.shard_size}")
         regions.append(region)
         claimed.update(entries + [node])
     return regions, notes

@@ -115,7 +115,8 @@ def test_rows_must_divide_by_q():
 
 
 def test_heads_must_divide_by_q():
-    with pytest.raises(AutosplitError, match=r"3.*does not divide by tp\(2\)|heads"):
+    with pytest.raises(AutosplitError, match=r"size 3 \(e.g. attention heads\), which does not divide by q\(2\), "
+                                             r"the tp_col side of the 2x2 grid \(tp=4\)"):
         _plan("timm_avgpool")                      # 3 heads on a 2x2 grid
 
 
