@@ -16,7 +16,8 @@ import importlib
 _PUBLIC = {
     "compile": "autosplit.compiler",
     "parallelize": "autosplit.runtime.parallelize",
-    "materialize": "autosplit.materialize",
+    "materialize": "autosplit.meta_init",      # not autosplit/materialize.py: a submodule of that name
+                                               # would replace the function once imported
     "Plan": "autosplit.plan",
     "MeshShape": "autosplit.mesh",
     "AutosplitError": "autosplit.errors",

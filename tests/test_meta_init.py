@@ -169,3 +169,13 @@ def test_reset_that_leaves_a_tensor_is_refused():
         model = Half()
     with pytest.raises(AutosplitError, match="left 'b' uninitialized"):
         autosplit.materialize(model)
+
+
+def test_materialize_stays_the_function_after_the_runtime_loads():
+    """The runtime imports the module that defines ``materialize``; ``autosplit.materialize`` must still be
+    the function (it was shadowed by a submodule of the same name before)."""
+    import subprocess
+    import sys
+    code = ("import autosplit.runtime.parallel_module, autosplit, inspect; "
+            "assert inspect.isfunction(autosplit.materialize), autosplit.materialize")
+    subprocess.run([sys.executable, "-c", code], check=True)

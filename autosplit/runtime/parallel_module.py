@@ -24,7 +24,7 @@ from autosplit.compiler import compile as compile_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.passes.split_backward import split_weight_gemms
-from autosplit.materialize import Initializer, meta_names
+from autosplit.meta_init import Initializer, meta_names
 from autosplit.passes.tp_random import fork_sharded_random
 from autosplit.runtime.agreement import check_agreement
 from autosplit.runtime.buffers import BufferSync
@@ -73,7 +73,7 @@ class ParallelModule:
         self.watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
         self.scaler = LossScaler(enabled=autocast is torch.float16)
         self.gate = CallGate(world, self.watchdog)
-        # a meta model: each rank initializes only its own shards (autosplit/materialize.py)
+        # a meta model: each rank initializes only its own shards (autosplit/meta_init.py)
         self.initializer = Initializer(model, seed, init_fn) if meta_names(model) else None
         # the plan all ranks agreed on; model checked (a meta model is never whole on a rank, and its
         # values are a function of (seed, name): nothing to compare)

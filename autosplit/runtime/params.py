@@ -8,13 +8,13 @@ Terms:
                  so the new modules take those objects over (same names, same shapes), and the old
                  buffers too (a checkpoint may have loaded them; a meta model's exist only there).
   materialize -- a model built on the meta device: each rank allocates and initializes only the
-                 tensors of its own stage modules (its tp slices), see autosplit/materialize.py.
+                 tensors of its own stage modules (its tp slices), see autosplit/meta_init.py.
 """
 from __future__ import annotations
 
 import torch
 
-from autosplit.materialize import assign
+from autosplit.meta_init import assign
 
 
 def adopt_parameters(old: torch.nn.Module, new: torch.nn.Module) -> None:
@@ -45,7 +45,7 @@ def graph_order_params(module: torch.fx.GraphModule) -> list[tuple[str, torch.nn
 
 def materialize_local(modules: list[torch.nn.Module], initializer, sharded: dict, tp_rank: int, device) -> int:
     """Give this rank's stage modules real tensors for their meta ones: each tensor's full value
-    (``autosplit.materialize.Initializer``, one owner module at a time, on the CPU), cut to this tp
+    (``autosplit.meta_init.Initializer``, one owner module at a time, on the CPU), cut to this tp
     rank's slice when it is sharded (``ShardedParam.select``), moved to ``device``.  Nothing outside
     these modules is allocated, so a rank holds its shards plus at most one module's full tensors.
     Returns the bytes allocated."""
