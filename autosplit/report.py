@@ -98,14 +98,6 @@ def _grid_note(plan: Plan) -> list[str]:
     return lines
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _dp_note(plan: Plan) -> str:
     """Data-parallel memory and traffic (cost_model/sharding.py): what ``memory`` counts, per stage."""
     how = {None: "replicated: memory has 4 x params (parameter, gradient, Adam moments); one all-reduce",
