@@ -42,9 +42,7 @@ def shard_2d(gm: fx.GraphModule, q: int, form) -> TensorParallelPlan:
     for n in list(gm.graph.nodes):
         if n in st.specs or (not n.users and n.op != "output" and not n.is_impure()):
             continue                                   # a model input's cut, or dead after a rewrite
-        if n.op == "placeholder":
-            st.specs[n] = Spec2D()
-        elif n.op == "get_attr":
+        if n.op in ("placeholder", "get_attr"):      # whole until a rule cuts them
             st.specs[n] = Spec2D()
         elif n.op == "output":
             _output(st, n)

@@ -9,13 +9,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import autosplit
-from tests.dist_checks import batches
+from tests.dist_checks import batches, max_diff, train_accumulating
 from tests.models import VARIANTS
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
 def _adamw(params):
@@ -53,7 +48,7 @@ def adamw_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, micr
         opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
         loss_diff = max(loss_diff, abs(loss - ref_loss.item()))
     sharded = [isinstance(p, DTensor) for p in pm.parameters()]
-    return {"loss_diff": loss_diff, "param_diff": _max_diff(pm.full_state_dict(), ref.state_dict()),
+    return {"loss_diff": loss_diff, "param_diff": max_diff(pm.full_state_dict(), ref.state_dict()),
             "sharded": sum(sharded), "params": len(sharded), "norms": norms, "plan_dp_shard": pm.plan.dp_shard,
             "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}
 
@@ -63,24 +58,14 @@ def accumulate_and_predict(name: str, mesh, micro_steps: int = 2, batch: int = 8
     load_full_state_dict round trip, against single-device training."""
     pm, ref, rows = _parallel(name, mesh, 2, batch, **kw)
     xs, ys = batches(micro_steps * 2, batch)
-    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
-    for u in range(2):
-        for k in range(micro_steps):
-            i = u * micro_steps + k
-            if k < micro_steps - 1:
-                with pm.no_sync():
-                    pm.step(xs[i][rows], ys[i][rows])
-            else:
-                pm.step(xs[i][rows], ys[i][rows])
-            F.cross_entropy(ref(xs[i]), ys[i]).backward()
-        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
-    out = {"param_diff": _max_diff(pm.full_state_dict(), ref.state_dict())}
+    train_accumulating(pm, ref, xs, ys, rows, micro_steps, updates=2, lr=0.5)
+    out = {"param_diff": max_diff(pm.full_state_dict(), ref.state_dict())}
     with torch.no_grad():
         out["predict"] = (pm.predict(xs[0][rows]) - ref(xs[0][rows])).abs().max().item()
     torch.manual_seed(5)
     other = VARIANTS[name]().state_dict()
     pm.load_full_state_dict(other)
-    out["load"] = _max_diff(pm.full_state_dict(), other)
+    out["load"] = max_diff(pm.full_state_dict(), other)
     return out
 
 
@@ -99,5 +84,5 @@ def bf16_close(name: str, mesh, steps: int = 3, batch: int = 8, **kw):
         opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
         loss_diff = max(loss_diff, abs(loss - ref_loss.item()))
     dtypes = sorted({str(p.dtype) for p in pm.parameters()})
-    return {"loss_diff": loss_diff, "param_diff": _max_diff(pm.full_state_dict(), ref.state_dict()), "dtypes": dtypes}
+    return {"loss_diff": loss_diff, "param_diff": max_diff(pm.full_state_dict(), ref.state_dict()), "dtypes": dtypes}
 

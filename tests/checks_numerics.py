@@ -11,13 +11,8 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.runtime import call_gate
-from tests.dist_checks import batches
+from tests.dist_checks import batches, max_diff, train_accumulating
 from tests.models import VARIANTS
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
 # ---- item 1: no_sync accumulation with tp > 1 and dp > 1 -----------------------------------------
@@ -33,21 +28,8 @@ def accumulate_tp_dp(name: str, mesh=(1, 2, 2), micro_steps: int = 3, updates: i
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=2,
                                example_input=xs[0, : batch // dp // 2], **kw)
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
-    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
-    for u in range(updates):
-        for k in range(micro_steps):
-            i = u * micro_steps + k
-            if k < micro_steps - 1:
-                with pm.no_sync():
-                    pm.step(xs[i][rows], ys[i][rows])
-            else:
-                pm.step(xs[i][rows], ys[i][rows])
-            F.cross_entropy(ref(xs[i]), ys[i]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    return {"param_diff": _max_diff(pm.full_state_dict(), ref.state_dict())}
+    train_accumulating(pm, ref, xs, ys, rows, micro_steps, updates, lr)
+    return {"param_diff": max_diff(pm.full_state_dict(), ref.state_dict())}
 
 
 # ---- item 4: fp16 loss scaling -------------------------------------------------------------------
@@ -125,7 +107,7 @@ def fp16_training(mesh=(2, 1, 2), steps: int = 6, poison_step: int = 2, lr: floa
             ref_opt.zero_grad()
     state, ref_state = pm.full_state_dict(), ref.state_dict()
     scale_of = max(ref_state[k].abs().max().item() for k in ref_state)
-    return {"param_diff": _max_diff(state, ref_state), "param_scale": scale_of, "scales": scales,
+    return {"param_diff": max_diff(state, ref_state), "param_scale": scale_of, "scales": scales,
             "skipped": skipped, "syncs": syncs, "grads": n_grads,
             "loss_diff": max(abs(a - b) for i, (a, b) in enumerate(zip(losses, ref_losses)) if i != poison_step)}
 
@@ -195,9 +177,9 @@ def buffers_under_dp(mesh, steps: int = 3, batch: int = 8, m: int = 2, lr: float
             ref(xm)
     ref_state = ref.state_dict()
     flat = torch.cat([state[k].double().reshape(-1) for k in sorted(state)])
-    return {"state": flat, "buffer_diff": _max_diff({k: state[k] for k in state if "running" in k or "batches" in k},
+    return {"state": flat, "buffer_diff": max_diff({k: state[k] for k in state if "running" in k or "batches" in k},
                                                     {k: ref_state[k] for k in state if "running" in k or "batches" in k}),
-            "param_diff": _max_diff(state, ref_state)}
+            "param_diff": max_diff(state, ref_state)}
 
 
 # ---- item 2: train / eval mode follows pm.train() / pm.eval() --------------------------------------

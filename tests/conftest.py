@@ -4,6 +4,13 @@ from tests.dist_pool import Pool
 
 
 @pytest.fixture(scope="session")
+def pool1():
+    pool = Pool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def pool2():
     pool = Pool(2)
     yield pool

@@ -17,6 +17,30 @@ def batches(steps: int, batch: int, seed: int = 1):
     return xs, ys
 
 
+def max_diff(a: dict, b: dict) -> float:
+    """Largest elementwise difference between two state dicts with the same keys."""
+    assert set(a) == set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+def train_accumulating(pm, ref, xs, ys, rows, micro_steps: int, updates: int, lr: float) -> None:
+    """``updates`` SGD steps of ``pm`` and of the single-device ``ref``, each accumulating ``micro_steps``
+    calls of ``pm.step`` (all but the last under ``no_sync``) on this replica's ``rows`` of the batches."""
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    for u in range(updates):
+        for k in range(micro_steps):
+            i = u * micro_steps + k
+            if k < micro_steps - 1:
+                with pm.no_sync():
+                    pm.step(xs[i][rows], ys[i][rows])
+            else:
+                pm.step(xs[i][rows], ys[i][rows])
+            torch.nn.functional.cross_entropy(ref(xs[i]), ys[i]).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+
 def reference_training(model, xs, ys, lr):
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)

@@ -70,13 +70,6 @@ def load_and_train(directory: str, mesh, **kw):
 
 
 @pytest.fixture(scope="module")
-def pool1():
-    pool = Pool(1)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
 def saved(pool4, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ckpt") / "run")
     return directory, pool4.run(train_and_save, directory, (2, 2, 1))
