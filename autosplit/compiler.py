@@ -96,13 +96,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                   leaf_modules=leaf_modules, concrete_args=concrete_args, stage_bounds=stage_bounds,
                   sequence_parallel=sequence_parallel, autocast=autocast, checkpoint=checkpoint,
                   tp_2d_form=tp_2d_form, dp_shard=dp_shard)
-    changed = {k: v for k, v in values.items() if not _is_default(k, v)}
+    changed = _DEFAULTS.changed(values)
     return compile_with(model, mesh, example_input, PlanOptions.from_kwargs("compile", changed, options))
-
-
-def _is_default(name: str, value) -> bool:
-    default = getattr(_DEFAULTS, name)
-    return value is default or (type(value) is type(default) and value == default)
 
 
 def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions) -> Plan:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -80,12 +80,11 @@ class PlanOptions:
     checkpoint: str | None = None
     tp_2d_form: str = "auto"
     dp_shard: bool | str = False
-    _given: frozenset = field(default=frozenset(), repr=False, compare=False)   # names set explicitly
 
     @classmethod
     def names(cls) -> list[str]:
         """The option names, in declaration order."""
-        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+        return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_kwargs(cls, caller: str, kwargs: dict, base: PlanOptions | None = None) -> PlanOptions:
@@ -105,11 +104,15 @@ class PlanOptions:
         if base is not None and not isinstance(base, PlanOptions):
             raise AutosplitError(f"{caller}(options={base!r}): expected an autosplit.options.PlanOptions")
         start = base if base is not None else cls()
-        return dataclasses.replace(start, **kwargs, _given=start._given | frozenset(kwargs))
+        return dataclasses.replace(start, **kwargs)
 
-    def given(self, name: str) -> bool:
-        """Was ``name`` set explicitly (not left at its default)?"""
-        return name in self._given
+    def changed(self, values: dict) -> dict:
+        """The entries of ``values`` (option name -> a caller's keyword argument) that differ from this
+        PlanOptions' fields: a keyword left at its default does not override ``options=``."""
+        def same(name, v):
+            default = getattr(self, name)
+            return v is default or (type(v) is type(default) and v == default)
+        return {k: v for k, v in values.items() if not same(k, v)}
 
     def check(self, mesh, *, microbatches_default: str = "") -> None:
         """Raise AutosplitError naming the first option whose value cannot be planned on ``mesh``.
