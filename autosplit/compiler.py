@@ -100,23 +100,28 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
     return compile_with(model, mesh, example_input, PlanOptions.from_kwargs("compile", changed, options))
 
 
-def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions) -> Plan:
-    """``compile`` with its options as one ``PlanOptions`` (what ``parallelize`` and the CLI call)."""
+def plan_state(model: nn.Module, mesh, example_input, options: PlanOptions) -> PlanState:
+    """Check the arguments and the options; the PlanState the passes start from (no pass has run)."""
     mesh = MeshShape.parse(mesh)
     validate.model(model)
     options.check(mesh, microbatches_default=f" (or None for 2 * pp = {2 * mesh.pp})")
     inputs = validate.example_inputs(model, example_input)
     budget = validate.memory_budget(options.memory_budget)
     validate.concrete_args(model, len(inputs), options.concrete_args)
-    state = PlanState(model=model, inputs=inputs, mesh=mesh, options=options, profile=get_profile(options.device),
-                      num_microbatches=options.num_microbatches or 2 * mesh.pp,
-                      n_stages=mesh.pp * options.chunks_per_rank, budget=budget,
-                      leaves=validate.leaf_modules(model, options.leaf_modules), layers=layer_paths(model))
+    return PlanState(model=model, inputs=inputs, mesh=mesh, options=options, profile=get_profile(options.device),
+                     num_microbatches=options.num_microbatches or 2 * mesh.pp,
+                     n_stages=mesh.pp * options.chunks_per_rank, budget=budget,
+                     leaves=validate.leaf_modules(model, options.leaf_modules), layers=layer_paths(model))
+
+
+def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions) -> Plan:
+    """``compile`` with its options as one ``PlanOptions`` (what ``parallelize`` and the CLI call)."""
+    state = plan_state(model, mesh, example_input, options)
     gm = run_passes(plan_passes(state), model)
-    return Plan(mesh=mesh, tp_mode=options.tp_mode, schedule=options.schedule,
+    return Plan(mesh=state.mesh, tp_mode=options.tp_mode, schedule=options.schedule,
                 chunks_per_rank=options.chunks_per_rank, num_microbatches=state.num_microbatches,
-                device=state.profile.name, example_shapes=[tuple(x.shape) for x in inputs],
-                example_dtypes=[str(x.dtype).removeprefix("torch.") for x in inputs],
+                device=state.profile.name, example_shapes=[tuple(x.shape) for x in state.inputs],
+                example_dtypes=[str(x.dtype).removeprefix("torch.") for x in state.inputs],
                 stages=state.stage_infos, equal_layer_times=state.baseline_times,
                 equal_layer_bounds=state.baseline_bounds, unknown_ops=state.unknown_ops, bounds=state.bounds,
                 graph=gm, modules=state.split.stages, tp_plan=state.tp_plan,
