@@ -33,6 +33,12 @@ AUTOCAST = (None, torch.bfloat16, torch.float16)
 DP_SHARD = (False, None, True, "stage", "layer")     # None: as False
 
 
+def check_dp_shard(value) -> None:
+    """``dp_shard`` alone (``parallelize`` checks it before any rendezvous; ``PlanOptions.check`` too)."""
+    if value not in DP_SHARD:
+        raise AutosplitError(f"dp_shard={value!r}: expected False, True (the cost model chooses), 'stage' or 'layer'")
+
+
 @dataclass
 class PlanOptions:
     """How to plan a model; every field is also a keyword of ``compile`` / ``parallelize`` and a flag
@@ -143,9 +149,7 @@ class PlanOptions:
         if not isinstance(self.sequence_parallel, bool):
             raise AutosplitError(f"sequence_parallel={self.sequence_parallel!r}: expected True or False")
         validate.one_of("tp_2d_form", self.tp_2d_form, TP_2D_FORMS)
-        if self.dp_shard not in DP_SHARD:
-            raise AutosplitError(f"dp_shard={self.dp_shard!r}: expected False, True (the cost model chooses), "
-                                 f"'stage' or 'layer'")
+        check_dp_shard(self.dp_shard)
         if self.schedule in SPLIT_BACKWARD and self.dp_shard:
             raise AutosplitError(
                 f"schedule={self.schedule!r} with dp_shard={self.dp_shard!r}: FSDP2 reduce-scatters a module's "

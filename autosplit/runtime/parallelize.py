@@ -9,8 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from autosplit.options import PlanOptions
-from autosplit.runtime.fsdp import check_dp_shard
+from autosplit.options import PlanOptions, check_dp_shard
 from autosplit.runtime.parallel_module import ParallelModule
 from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
 
