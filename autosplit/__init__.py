@@ -19,6 +19,7 @@ _PUBLIC = {
     "materialize": "autosplit.meta_init",      # not autosplit/materialize.py: a submodule of that name
                                                # would replace the function once imported
     "Plan": "autosplit.plan",
+    "PlanOptions": "autosplit.options",
     "MeshShape": "autosplit.mesh",
     "AutosplitError": "autosplit.errors",
     "PlanError": "autosplit.errors",

@@ -26,42 +26,9 @@ from autosplit.errors import RankError
 from autosplit.mesh import MeshShape
 from autosplit.report import plan_dict, summary_table
 from autosplit.schedule.placement import Placement, placement_of
+from autosplit.stage_info import StageInfo, TensorInfo
 
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-@dataclass
-class StageInfo:
-    index: int
-    pp_rank: int
-    chunk: int
-    layers: str
-    nodes: list[str]
-    params: list[str]
-    n_params: int
-    param_bytes: int
-    fwd_time: float               # seconds per microbatch, predicted
-    bwd_time: float
-    comm_time: float              # sending outputs forward and receiving their gradients back
-    activation_bytes: int         # kept for backward, per microbatch
-    in_flight: int                # microbatches whose activations the schedule holds at once
-    memory_bytes: int
-    inputs: list[TensorInfo]
-    outputs: list[TensorInfo]
-    recompute_bytes: int = 0      # alive while one microbatch's backward recomputes (checkpointing)
-    w_time: float = 0.0           # the part of bwd_time a split backward defers to W (zb-h1, zb-v)
-    dp_bytes: int = 0             # data-parallel traffic per step and rank (cost_model/sharding.py)
-    dp_time: float = 0.0          # its predicted seconds per step (not part of ``time``)
-
-    @property
-    def time(self) -> float:
-        return self.fwd_time + self.bwd_time + self.comm_time
+__all__ = ["Plan", "StageInfo", "TensorInfo"]
 
 
 @dataclass

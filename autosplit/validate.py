@@ -1,4 +1,7 @@
-"""Check ``autosplit.compile``'s arguments before any work, with errors that name the argument.
+"""Check planning arguments before any work, with errors that name the argument.
+
+``autosplit.options.PlanOptions.check`` runs these for every option; the schedule's arithmetic
+(chunks per rank, microbatches per pipeline rank) is ``autosplit.schedule.generate.validate``'s.
 
 Terms:
   memory budget -- bytes per pipeline stage: a positive int / float, or a string with a unit,
@@ -33,12 +36,18 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def near_miss(value, choices: Sequence) -> str | None:
+    """The choice closest to a misspelled string ``value``, if one is close."""
+    near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1) if isinstance(value, str) else []
+    return near[0] if near else None
+
+
 def one_of(name: str, value, choices: Sequence) -> None:
     """``value`` must be one of ``choices``; a near miss is suggested."""
     if value in choices:
         return
-    near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1) if isinstance(value, str) else []
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    near = near_miss(value, choices)
+    hint = f" (did you mean {near!r}?)" if near else ""
     raise AutosplitError(f"{name}={value!r}: expected one of {', '.join(repr(c) for c in choices)}{hint}")
 
 

@@ -196,13 +196,13 @@ def _patch(timer: PhaseTimer) -> list:
                 torch schedules._batch_p2p
     wait     -- blocking on transfers: autosplit Watchdog.wait (all of it: the helper-thread hand-off,
                 polling, store checks); torch Work.wait() on the main thread
-    loss all-reduce -- autosplit's ParallelModule._global_mean (torch has no equivalent)
+    loss all-reduce -- autosplit's runtime/gradients.py global_mean (torch has no equivalent)
     """
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as tsched
     import torch.distributed.pipelining.stage as tstage
 
-    from autosplit.runtime import executor, faults, parallel_module
+    from autosplit.runtime import executor, faults, gradients
 
     targets = [
         (executor.PipelineExecutor, "_forward", "forward"),
@@ -211,7 +211,7 @@ def _patch(timer: PhaseTimer) -> list:
         (executor.PipelineExecutor, "_weight_grad", "backward"),
         (executor.PipelineExecutor, "_post", "post"),
         (faults.Watchdog, "wait", lambda self, work, doing, **k: "loss all-reduce" if "all-reduce" in doing else "wait"),
-        (parallel_module.ParallelModule, "_global_mean", "loss all-reduce"),
+        (gradients, "global_mean", "loss all-reduce"),
         (tstage._PipelineStageBase, "forward_one_chunk", "forward"),
         (tstage._PipelineStageBase, "backward_one_chunk", "backward"),
         (tstage._PipelineStageBase, "backward_weight_one_chunk", "backward"),

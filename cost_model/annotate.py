@@ -16,17 +16,22 @@ from autosplit.passes.infra import MetaPass
 
 
 class AnnotateCosts(MetaPass):
-    """Requires: meta['val'] on every node (MetaShapeProp).  Ensures: meta['cost'] on every node."""
+    """Requires: meta['val'] on every node (MetaShapeProp).  Ensures: meta['cost'] on every node, and
+    ``self.unknown_ops`` (also ``state.unknown_ops`` when given a PlanState)."""
 
     requires_meta = ("val",)
     ensures_meta = ("cost",)
 
-    def __init__(self):
+    def __init__(self, state=None):
         self.unknown_ops: list[str] = []
+        self.state = state
+        self.ensures_state = ("unknown_ops",) if state is not None else ()
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         unknown: set[str] = set()
         for node in graph_module.graph.nodes:
             node.meta["cost"] = node_cost(node, graph_module, unknown)
         self.unknown_ops = sorted(unknown)
+        if self.state is not None:
+            self.state.put(unknown_ops=list(self.unknown_ops))
         return PassResult(graph_module, False)

@@ -28,7 +28,7 @@ from torchvision import transforms
 from tqdm import tqdm
 
 import autosplit
-from autosplit.compiler import LINEAR_2D_FORMS, TP_MODES
+from autosplit.options import LINEAR_2D_FORMS, TP_MODES
 from autosplit.dump import dump_plan
 from autosplit.mesh import MeshShape
 from autosplit.schedule import SCHEDULES

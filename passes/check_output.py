@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 from autosplit.errors import AutosplitError
+from autosplit.passes.infra import MetaPass
 
 _WRAP = ("wrap the model so that forward returns one tensor, e.g. class Logits(nn.Module): "
          "def forward(self, x): return model(x)[0]  (or [\"logits\"])")
@@ -44,3 +46,13 @@ def check_single_output(gm: fx.GraphModule) -> None:
     if val is not None and not isinstance(val, torch.Tensor):
         raise AutosplitError(f"the model's forward returns {_describe(val)} (node '{result.name}'); autosplit "
                              f"trains on a single output tensor (the logits given to loss_fn): {_WRAP}")
+
+
+class CheckSingleOutput(MetaPass):
+    """``check_single_output`` as a pipeline step, after shape propagation (its message shows shapes)."""
+
+    requires_meta = ("val",)
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        check_single_output(graph_module)
+        return PassResult(graph_module, False)

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
 
+from autosplit.errors import AutosplitError
+from autosplit.passes.infra import MetaPass
 from autosplit.passes.shape_prop import tensor_bytes
 
 _NO_COMPUTE = ("placeholder", "output", "get_attr")
@@ -124,3 +127,28 @@ def _drop_empty(positions: list[int], nodes: list[fx.Node]) -> list[int]:
         else:
             kept.append(i)
     return kept
+
+
+class FindCuts(MetaPass):
+    """``find_cuts`` as a pipeline step.  Requires meta['val'] and meta['cost'] (work between
+    candidates).  Ensures ``state.cuts`` and ``state.segments``; refuses more stages than cuts allow."""
+
+    requires_meta = ("val", "cost")
+    ensures_state = ("cuts", "segments")
+
+    def __init__(self, state):
+        self.state = state
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        s = self.state
+        cuts = find_cuts(graph_module)
+        if s.n_stages > len(cuts) + 1:
+            raise AutosplitError(
+                f"pp({s.mesh.pp}) * chunks_per_rank({s.options.chunks_per_rank}) = {s.n_stages} stages, but the "
+                f"graph has only {len(cuts)} places to cut (at most {len(cuts) + 1} stages); use fewer pipeline stages")
+        nodes, segments, start = list(graph_module.graph.nodes), [], 0
+        for end in [c.position for c in cuts] + [len(nodes) - 1]:
+            segments.append(nodes[start:end + 1])
+            start = end + 1
+        s.put(cuts=cuts, segments=segments)
+        return PassResult(graph_module, False)

@@ -91,3 +91,16 @@ def tensor_bytes(value) -> int:
         return x
     tree_map(add, value)
     return total
+
+
+class ExampleShapeProp(MetaShapeProp):
+    """MetaShapeProp of the user's example microbatch: a failure also shows the example's shapes and
+    what it must be (one microbatch, batch dim first), the usual cause of a shape error there."""
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        try:
+            return super().call(graph_module)
+        except AutosplitError as exc:
+            shapes = ", ".join(str(tuple(x.shape)) for x in self.example_inputs)
+            raise AutosplitError(f"{exc}\nexample_input has shape {shapes}; it must be one microbatch of what the "
+                                 f"model's forward takes, batch dim first (e.g. (B, C, H, W))") from exc

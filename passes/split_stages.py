@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from autosplit.passes.infra import MetaPass
+from autosplit.passes.infra import MetaPass, PlanState
 
 
 def stage_io(nodes: list[fx.Node], n_stages: int) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
@@ -57,21 +57,21 @@ def _stage_graph(gm: fx.GraphModule, s: int, ins: list[fx.Node], outs: list[fx.N
 
 
 class SplitStages(MetaPass):
-    """Requires ``meta['stage']`` on every compute node.  Produces ``self.stages``: GraphModules."""
+    """Requires ``meta['stage']`` on every compute node.  Produces ``self.stages``: GraphModules, and
+    ``self.inputs`` / ``self.outputs``: each stage's input and output node names; given a PlanState,
+    it also ensures ``state.split`` (this pass, with those results)."""
 
-    requires_meta = ()
+    requires_meta = ("stage",)
 
-    def __init__(self, n_stages: int):
-        self.n_stages = n_stages
+    def __init__(self, n_stages: int, state: PlanState | None = None):
+        self.n_stages, self.state = n_stages, state
+        self.ensures_state = ("split",) if state is not None else ()
         self.stages: list[fx.GraphModule] = []
         self.inputs: list[list[str]] = []
         self.outputs: list[list[str]] = []
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         nodes = list(graph_module.graph.nodes)
-        for n in nodes:
-            if n.op not in ("get_attr", "output") and "stage" not in n.meta:
-                raise RuntimeError(f"SplitStages requires meta['stage'] on node '{n.name}'")
         ins, outs = stage_io(nodes, self.n_stages)
         for s in range(self.n_stages):
             last = s == self.n_stages - 1
@@ -79,4 +79,6 @@ class SplitStages(MetaPass):
             self.stages.append(fx.GraphModule(graph_module, graph, f"Stage{s}"))
             self.inputs.append([n.name for n in ins[s]])
             self.outputs.append([n.name for n in outs[s]] if not last else ["output"])
+        if self.state is not None:
+            self.state.put(split=self)
         return PassResult(graph_module, False)

@@ -20,7 +20,7 @@ CASES = [
     ("mesh_not_three", A, EVERY, ["expected three integers (pp, tp, dp)"], False),
     ("timeout_zero", A, EVERY, ["timeout_s=0 must be a positive, finite number of seconds"], False),
     ("timeout_negative", A, EVERY, ["timeout_s=-5.0 must be a positive"], False),
-    ("microbatches_zero", A, EVERY, ["num_microbatches=0 must be a positive integer"], False),
+    ("microbatches_zero", A, EVERY, ["num_microbatches=0 (int) must be a positive integer"], False),
     ("bad_schedule", A, EVERY, ["schedule='zigzag'", "expected one of"], False),
     ("loss_reduction_none", A, EVERY, ["reduction='none'", "scalar per microbatch"], False),
     ("tuple_output", A, EVERY, ["forward returns a tuple of 2 values", "single output tensor"], False),

@@ -1,4 +1,5 @@
 """autosplit.compile: chained stages equal the model; plans are balanced, inspectable and validated."""
+import argparse
 import copy
 import json
 
@@ -8,6 +9,7 @@ import torch
 
 import autosplit
 from autosplit.errors import AutosplitError, TraceError
+from autosplit.options import PlanOptions
 from tests.models import VARIANTS, HandViT, timm_cls
 
 
@@ -104,6 +106,12 @@ def test_summary_and_dump(tmp_path):
     (["--mesh", "2,4,1", "--tp-mode", "2d", "--tp-2d-form", "summa"], {"tp_mode": "2d", "tp_2d_form": "summa"}),
     (["--mesh", "2,2,1", "--sequence-parallel", "--memory-budget", "8GiB"], {"sequence_parallel": True,
                                                                              "memory_budget": "8GiB"}),
+    (["--mesh", "2,1,2", "--schedule", "interleaved", "--chunks-per-rank", "2", "--num-microbatches", "4",
+      "--autocast", "bf16", "--checkpoint", "block", "--dp-shard", "auto", "--memory-budget", "1GiB",
+      "--leaf-modules", "Attention", "--stage-bounds", "20,51,75,101"],
+     {"schedule": "interleaved", "chunks_per_rank": 2, "num_microbatches": 4, "autocast": torch.bfloat16,
+      "checkpoint": "block", "dp_shard": True, "memory_budget": "1GiB", "leaf_modules": ["Attention"],
+      "stage_bounds": [20, 51, 75, 101]}),
 ])
 def test_cli_plan_prints_the_plans_summary(tmp_path, capsys, flags, options):
     """The CLI's table is plan.summary() of the same compile: every option reaches the compiler."""
@@ -116,6 +124,41 @@ def test_cli_plan_prints_the_plans_summary(tmp_path, capsys, flags, options):
                              example_input=torch.empty(4, 3, 224, 224, device="meta"), **options)
     assert plan.summary() in out
     assert (tmp_path / "plan.json").exists()
+
+
+def _plan_flags() -> dict:
+    """dest -> argparse action of every flag of ``autosplit plan``."""
+    from autosplit.__main__ import _parser
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices["plan"]._actions}
+
+
+def test_every_plan_option_has_a_cli_flag_with_help():
+    flags = _plan_flags()
+    missing = [name for name in PlanOptions.names() if name not in flags]
+    assert not missing, f"PlanOptions fields without an `autosplit plan` flag: {missing}"
+    assert all(a.help for a in flags.values()), [d for d, a in flags.items() if not a.help]
+    assert set(flags["device"].choices) == {"h100", "h200", "a100", "cpu"}
+    from autosplit.__main__ import _parser
+    assert _parser().prog == "autosplit"
+
+
+def test_options_object_and_keywords_plan_the_same():
+    model, x = timm_cls(depth=2), torch.randn(2, 3, 32, 32)
+    kw = dict(schedule="gpipe", num_microbatches=3, checkpoint="stage", device="h200")
+    by_keywords = autosplit.compile(model, mesh=(2, 1, 1), example_input=x, **kw)
+    by_options = autosplit.compile(model, mesh=(2, 1, 1), example_input=x, options=PlanOptions(**kw))
+    overridden = autosplit.compile(model, mesh=(2, 1, 1), example_input=x, schedule="gpipe",
+                                   options=PlanOptions(**{**kw, "schedule": "1f1b"}))
+    assert by_keywords.summary() == by_options.summary() == overridden.summary()
+
+
+def test_unknown_option_is_named_with_the_valid_ones():
+    with pytest.raises(AutosplitError, match=r"parallelize\(\) got unknown option 'memory_budgt' \(did you mean "
+                                             r"'memory_budget' for 'memory_budgt'\?\); valid options: tp_mode, "):
+        autosplit.parallelize(timm_cls(depth=2), mesh=(1, 1, 1), memory_budgt="8GiB")   # before any rendezvous
+    with pytest.raises(AutosplitError, match=r"compile\(options=\{.*\}\): expected an autosplit.options.PlanOptions"):
+        autosplit.compile(timm_cls(depth=2), example_input=torch.randn(2, 3, 32, 32), options={"schedule": "gpipe"})
 
 
 # ---- bad input: each a clear error -----------------------------------------------------------------

@@ -48,12 +48,6 @@ GRANULARITIES = ("stage", "layer")
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def check_dp_shard(dp_shard) -> None:
-    if dp_shard not in (False, True, None, *GRANULARITIES):
-        raise AutosplitError(f"dp_shard={dp_shard!r}: expected False, True (the cost model chooses), "
-                             f"'stage' or 'layer'")
-
-
 def _structure(raw: fx.GraphModule, model, checkpoint: str | None, granularity: str):
     """The module the executor calls for ``raw``, and its layer units ("layer" only): lists of modules
     that FSDP shards together."""

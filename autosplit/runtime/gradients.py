@@ -81,3 +81,40 @@ def clip_grad_norm(named_params: list, sharded: dict, max_norm: float, world, wa
         for g in grads:
             g.mul_(coef)
     return norm
+
+
+def begin_step(partial_params: list) -> list:
+    """Before a step's backward: take the partial gradients aside (already reduced by earlier steps of a
+    gradient accumulation), so this step's backward starts them from zero.  Returns what was taken."""
+    earlier = [p.grad for p in partial_params]
+    for p in partial_params:
+        p.grad = None
+    return earlier
+
+
+def finish_step(program, scaler, loss_sum: torch.Tensor, earlier: list, num_microbatches: int) -> float:
+    """After a step's backward, in this order on every rank (NCCL's rule, see the module docstring):
+    the dp buckets' last reductions, the partial gradients (tp sum, dp average), the buffers' dp
+    broadcast, the loss scaler's unscale, the loss and overflow all-reduce, the scaler's update.
+
+    Args:
+        program: the RankPlanner (runtime/rank_plan.py) that ran the step: buckets, partial params,
+            modules, world, watchdog.
+        scaler: the LossScaler (runtime/loss_scaler.py); disabled unless autocast is float16.
+        loss_sum: the sum of this rank's microbatch losses (a tensor; 0 off the last stage).
+        earlier: ``begin_step``'s result.
+        num_microbatches: per step.
+    Returns the global batch's mean loss, the same on every rank.
+    """
+    world, watchdog = program.world, program.watchdog
+    if program.buckets is not None:
+        program.buckets.finish()
+    dp_sync = program.buckets is not None and program.buckets.enabled   # not inside no_sync
+    reduce_partial_grads(program.partial_params, earlier, world, watchdog, dp_sync)
+    program.sync_buffers()
+    params = [p for m in program.raw_modules for p in m.parameters()] if scaler.enabled else []
+    overflow = scaler.unscale(params, world.device) if scaler.enabled else None
+    loss, overflow_anywhere = global_mean(loss_sum, overflow, num_microbatches, world, watchdog)
+    if scaler.enabled:
+        scaler.update(overflow_anywhere, params)
+    return loss

@@ -1,15 +1,15 @@
 """``autosplit.parallelize``: the training entry point, run inside every process of the job.
 
-Terms: see runtime/world.py (world, backend, groups) and runtime/parallel_module.py (replica batch,
-microbatch, local params).
+Terms: see runtime/world.py (world, backend, groups), runtime/parallel_module.py (replica batch,
+microbatch, local params) and options.py (the planning options).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from autosplit.runtime.fsdp import check_dp_shard
+from autosplit.options import PlanOptions, check_dp_shard
 from autosplit.runtime.parallel_module import ParallelModule
 from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
 
@@ -19,26 +19,55 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 tp_mode: str = "1d", example_input=None, *, autocast: torch.dtype | None = None,
                 checkpoint: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                 bucket_mb: float = 25, dp_shard: bool | str = False, seed: int = 0,
-                init_fn: Callable | None = None, **compile_options) -> ParallelModule:
+                init_fn: Callable | None = None, device=None, memory_budget: float | str | None = None,
+                leaf_modules: Sequence = (), concrete_args: dict | None = None,
+                stage_bounds: Sequence[int] | None = None, sequence_parallel: bool = False,
+                tp_2d_form: str = "auto", options: PlanOptions | None = None, **unknown) -> ParallelModule:
     """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
 
-    ``mesh``: (pp, tp, dp); dp=-1 takes what the world size leaves.  ``loss_fn(logits, labels)``
-    defaults to cross-entropy.  ``autocast``: torch.bfloat16 or torch.float16 (with a loss scaler).
-    ``checkpoint="stage"`` recomputes each stage's forward in its backward, ``"block"`` each layer's.  ``compile_options`` go
-    to ``autosplit.compile`` (e.g. ``memory_budget=...``, ``sequence_parallel=True``); the cost model's
-    ``device`` defaults to the GPU's built-in profile, or on CPU to this machine measured by rank 0.
-    ``dp_shard``: shard parameters, gradients and optimizer state over dp with FSDP2
-    (runtime/fsdp.py): ``"stage"`` or ``"layer"`` units, or True to let the cost model choose.
-    Every rank must build ``model`` identically (same seed) before calling this.
-
-    A model built on the meta device (``with torch.device("meta"):``) is initialized here, each rank
-    allocating only its own stages' shards: with ``init_fn(name, tensor)`` (in place, full shape, torch's
-    generator seeded from (seed, name)) or each module's ``reset_parameters()``; the values are those
+    Every rank must build ``model`` identically (same seed) before calling this.  A model built on the
+    meta device (``with torch.device("meta"):``) is initialized here, each rank allocating only its own
+    stages' shards: with ``init_fn(name, tensor)`` (in place, full shape, torch's generator seeded from
+    (seed, name)) or each module's ``reset_parameters()``; the values are those
     ``autosplit.materialize(model, seed, init_fn)`` gives on one device, whatever the mesh.
+
+    Args:
+        model: the unchanged model.
+        mesh: (pp, tp, dp); dp=-1 takes what the world size leaves.
+        loss_fn: ``loss_fn(logits, labels)``, a scalar mean; default cross-entropy.
+        example_input: one microbatch to plan for now; None plans from the model's declared input size
+            and re-plans for the first step's microbatch.
+        timeout_s: the limit of every distributed wait.
+        bucket_mb: size of a data-parallel gradient bucket, in MiB.
+        seed, init_fn: how a meta model is initialized (above).
+        options: the planning options as a ``PlanOptions``; keyword arguments override its fields.
+        Every other argument is a planning option (``autosplit.options.PlanOptions`` documents each):
+        num_microbatches, schedule, chunks_per_rank, tp_mode, autocast (torch.bfloat16, or torch.float16
+        with a loss scaler), checkpoint ("stage" / "block"), dp_shard (FSDP2 over dp: "stage", "layer"
+        or True), device (None: the GPU's built-in profile, or on CPU this machine measured by rank 0),
+        memory_budget, leaf_modules, concrete_args, stage_bounds, sequence_parallel, tp_2d_form.
+        Any other keyword is refused with the list of valid ones.
     """
-    check_dp_shard(dp_shard)                # before any rendezvous: the same error on every rank
-    world = init_world(mesh, timeout_s, tp_mode)
-    return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), num_microbatches, schedule,
-                          chunks_per_rank, tp_mode, example_input, autocast=autocast, checkpoint=checkpoint,
-                          bucket_bytes=int(bucket_mb * 2**20),
-                          compile_options={**compile_options, "dp_shard": dp_shard}, seed=seed, init_fn=init_fn)
+    given = dict(num_microbatches=num_microbatches, schedule=schedule, chunks_per_rank=chunks_per_rank,
+                 tp_mode=tp_mode, autocast=autocast, checkpoint=checkpoint, dp_shard=dp_shard, device=device,
+                 memory_budget=memory_budget, leaf_modules=leaf_modules, concrete_args=concrete_args,
+                 stage_bounds=stage_bounds, sequence_parallel=sequence_parallel, tp_2d_form=tp_2d_form)
+    plan_options = _options(given, options, unknown)
+    check_dp_shard(plan_options.dp_shard)     # before any rendezvous: the same error on every rank
+    world = init_world(mesh, timeout_s, plan_options.tp_mode)
+    return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), plan_options, example_input,
+                          bucket_bytes=int(bucket_mb * 2**20), seed=seed, init_fn=init_fn)
+
+
+_SIGNATURE_DEFAULTS = dict(num_microbatches=8, device=None)   # where parallelize's default is not PlanOptions'
+
+
+def _options(given: dict, options: PlanOptions | None, unknown: dict) -> PlanOptions:
+    """The PlanOptions of a ``parallelize`` call: ``options`` (or parallelize's defaults) with the keyword
+    arguments that differ from parallelize's defaults applied; an unknown keyword is refused by name."""
+    if unknown:
+        PlanOptions.from_kwargs("parallelize", unknown)          # raises, naming them and the valid ones
+    changed = PlanOptions(**_SIGNATURE_DEFAULTS).changed(given)
+    if options is None:
+        return PlanOptions.from_kwargs("parallelize", {**_SIGNATURE_DEFAULTS, **changed})
+    return PlanOptions.from_kwargs("parallelize", changed, options)

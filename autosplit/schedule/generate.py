@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autosplit.errors import AutosplitError
+from autosplit.validate import one_of, positive_int
 
 from .actions import Action, B, F
 from .placement import Placement, placement_of
@@ -98,32 +99,33 @@ def forward_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank:
 
 
 def validate(name: str, pp: int, m: int, v: int, check_chunks: bool = True) -> None:
-    """Raise AutosplitError (a ValueError) naming the arithmetic if the schedule cannot be built."""
-    if name not in SCHEDULES:
-        raise AutosplitError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
+    """Raise AutosplitError (a ValueError) naming the arithmetic if the schedule cannot be built.
+
+    The one validator of (schedule, pp, num_microbatches, chunks_per_rank): ``build_schedule`` and
+    ``autosplit.options.PlanOptions.check`` (so ``compile`` and ``parallelize``) both call it.
+    """
+    one_of("schedule", name, SCHEDULES)
     for label, value in (("pp", pp), ("num_microbatches", m), ("chunks_per_rank", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise AutosplitError(f"{label} must be an integer >= 1, got {value!r}")
+        positive_int(label, value)
     if not check_chunks:
         return
     if name in ("1f1b", "zb-h1") and v != 1:
-        raise AutosplitError(
-            f"{name} schedule needs chunks_per_rank == 1, got {v}; "
-            f"use schedule 'interleaved' or 'zb-v' for chunks_per_rank >= 2")
+        raise AutosplitError(f"schedule={name!r} runs one chunk per rank (got chunks_per_rank={v}); "
+                             f"use schedule='interleaved' or 'zb-v' for several")
     if name == "zb-v" and v != 2:
-        raise AutosplitError(f"zb-v schedule needs chunks_per_rank == 2 (rank r holds stages r and 2*pp-1-r), "
-                             f"got {v}")
+        raise AutosplitError(f"schedule='zb-v' runs two chunks per rank in a V (rank r holds stages r and "
+                             f"2*pp-1-r); got chunks_per_rank={v}, use 2")
     if name == "gpipe" and v > 1 and m < pp:
         raise AutosplitError(
-            f"gpipe with chunks_per_rank({v}) > 1 needs num_microbatches({m}) >= pp({pp}); "
+            f"schedule='gpipe' with chunks_per_rank({v}) > 1 needs num_microbatches({m}) >= pp({pp}); "
             f"use num_microbatches >= {pp} or chunks_per_rank=1")
     if name == "interleaved":
         if v < 2:
             raise AutosplitError(
-                f"interleaved schedule needs chunks_per_rank >= 2, got {v}; use schedule '1f1b' for 1")
+                f"schedule='interleaved' needs chunks_per_rank >= 2 (got {v}); use schedule='1f1b' for 1")
         if m < pp:
             raise AutosplitError(
-                f"interleaved schedule needs num_microbatches({m}) >= pp({pp}), else chunk 1 on "
+                f"schedule='interleaved' needs num_microbatches({m}) >= pp({pp}), else chunk 1 on "
                 f"rank 0 waits for chunk 0 to come round the loop; use num_microbatches >= {pp}")
 
 

@@ -1,0 +1,96 @@
+"""Command-line flags for every ``PlanOptions`` field, and the PlanOptions a parsed command line gives.
+
+Terms: see options.py (the options).  Each flag's ``dest`` is the option's field name, so
+``plan_options(args)`` reads them back by name and ``tests/test_compile.py`` checks that every field
+has a flag.  Flags take text; the converters below turn it into the option's value:
+  --autocast bf16|fp16          torch.bfloat16 / torch.float16
+  --dp-shard off|stage|layer|auto   False / "stage" / "layer" / True (the cost model chooses)
+  --stage-bounds 3,7            [3, 7] (another plan's ``plan.bounds``)
+  --leaf-modules A,B            ["A", "B"] (class names or package.module.ClassName)
+  --concrete-args JSON          a JSON object, e.g. '{"attn_mask": null}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from autosplit.cost_model.profiles import NAMES
+from autosplit.options import TP_2D_FORMS, TP_MODES, PlanOptions
+from autosplit.schedule import SCHEDULES
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DP_SHARD = {"off": False, "stage": "stage", "layer": "layer", "auto": True}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 3,7") from None
+
+
+def _names(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object {{\"name\": value}}")
+    return value
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per PlanOptions field (defaults: PlanOptions' own), each with help text."""
+    d = PlanOptions()
+    g = parser.add_argument_group("plan options (autosplit.options.PlanOptions)")
+    g.add_argument("--tp-mode", dest="tp_mode", default=d.tp_mode, choices=TP_MODES,
+                   help="tensor-parallel layout: 1d (Megatron) or 2d (SUMMA/Optimus, tp = q*q; default %(default)s)")
+    g.add_argument("--schedule", dest="schedule", default=d.schedule, choices=SCHEDULES,
+                   help="pipeline schedule (default %(default)s)")
+    g.add_argument("--chunks-per-rank", dest="chunks_per_rank", type=int, default=d.chunks_per_rank,
+                   help="model chunks per pipeline rank (>= 2 for interleaved, 2 for zb-v; default %(default)s)")
+    g.add_argument("--num-microbatches", "--microbatches", dest="num_microbatches", type=int,
+                   default=d.num_microbatches, help="microbatches per step (default 2 * pp)")
+    g.add_argument("--device", dest="device", default=d.device, choices=NAMES,
+                   help="cost-model profile (default %(default)s; cpu is measured on this machine)")
+    g.add_argument("--memory-budget", dest="memory_budget", default=d.memory_budget,
+                   help="bytes per stage the cut must respect, e.g. 8GiB, 512MiB, 1.5GB (default: no limit)")
+    g.add_argument("--leaf-modules", dest="leaf_modules", type=_names, default=d.leaf_modules,
+                   help="comma-separated module classes not to trace into: class names found in the model, "
+                        "or package.module.ClassName")
+    g.add_argument("--concrete-args", dest="concrete_args", type=_json_object, default=d.concrete_args,
+                   help="JSON object of values for forward parameters after the input, e.g. '{\"attn_mask\": null}'")
+    g.add_argument("--stage-bounds", dest="stage_bounds", type=_ints, default=d.stage_bounds,
+                   help="reuse a cut: the last segment of each stage, comma-separated (another plan's plan.bounds)")
+    g.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",
+                   help="with --tp-mode 1d and tp > 1: also split the tokens between tensor-parallel regions")
+    g.add_argument("--autocast", dest="autocast", choices=sorted(AUTOCAST), default=None,
+                   help="plan for torch.autocast in bf16 or fp16 (default: off, float32)")
+    g.add_argument("--checkpoint", dest="checkpoint", choices=["stage", "block"], default=d.checkpoint,
+                   help="plan for activation recomputation per stage or per block (default: off)")
+    g.add_argument("--tp-2d-form", dest="tp_2d_form", default=d.tp_2d_form, choices=TP_2D_FORMS,
+                   help="with --tp-mode 2d: how linears multiply their blocks (default: the cost model's choice)")
+    g.add_argument("--dp-shard", dest="dp_shard", choices=sorted(DP_SHARD), default="off",
+                   help="shard parameters, gradients and optimizer state over dp with FSDP2: per stage, per "
+                        "layer, or auto (stage where it fits --memory-budget, else layer; default off)")
+
+
+def plan_options(args: argparse.Namespace, **overrides) -> PlanOptions:
+    """The PlanOptions of a command line parsed with ``add_plan_options``.
+
+    Args:
+        args: the parsed arguments.
+        overrides: fields to set instead (e.g. ``device=`` a profile measured once).
+    """
+    values = {name: getattr(args, name) for name in PlanOptions.names()}
+    values["autocast"] = AUTOCAST.get(args.autocast)
+    values["dp_shard"] = DP_SHARD[args.dp_shard]
+    values["leaf_modules"] = tuple(values["leaf_modules"])
+    values.update(overrides)
+    return PlanOptions(**values)

@@ -1,0 +1,177 @@
+"""Planning inside the job: the Plan for one microbatch shape, and this rank's runnable share of it.
+
+Terms (see runtime/parallel_module.py for replica batch and microbatch):
+  provisional  -- a plan built before any microbatch was seen (from the model's declared input size,
+                  batch of 1) so that ``parameters()`` can be handed to an optimizer; the first step
+                  re-plans for its real microbatch keeping the same cut (``stage_bounds``), so the
+                  parameters the optimizer holds stay the ones this rank trains.
+  raw modules  -- this rank's stage GraphModules (tp shards on the device, weight GEMMs split where
+                  the schedule defers W), holding the parameters under their original names.
+  modules      -- what the executor calls: the raw modules, wrapped for activation checkpointing or
+                  for FSDP2 (``dp_shard``).
+  partial params -- replicated parameters whose gradients each tp rank holds only a part of
+                  (runtime/gradients.py reduces them; they are not in the dp buckets).
+Pure planning is ``autosplit.compile``; this module adds what needs the world: the agreed cost
+profile, moving and wrapping modules, and the dp buckets' process group.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from autosplit.compiler import compile_with
+from autosplit.errors import AutosplitError
+from autosplit.inputs import default_input_shape
+from autosplit.meta_init import Initializer
+from autosplit.options import PlanOptions
+from autosplit.passes.split_backward import split_weight_gemms
+from autosplit.passes.tp_random import fork_sharded_random
+from autosplit.runtime import tp_collectives
+from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
+from autosplit.runtime.buffers import BufferSync
+from autosplit.runtime.checkpointing import checkpointed
+from autosplit.runtime.data_parallel import GradBuckets
+from autosplit.runtime.executor import PipelineExecutor
+from autosplit.runtime.fsdp import StageSharding
+from autosplit.runtime.loss_check import checked_loss
+from autosplit.runtime.params import adopt_parameters, graph_order_params, materialize_local
+from autosplit.runtime.profile import agreed_profile
+from autosplit.runtime.tp_collectives import bind_axis_groups
+from autosplit.schedule import SPLIT_BACKWARD
+
+log = logging.getLogger("autosplit")      # the library logs; it never prints
+
+
+class RankPlanner:
+    """Builds (and re-builds for a new microbatch shape) the Plan and this rank's modules.
+
+    Args:
+        model: the user's model (the parameters' home; a meta model is materialized shard by shard).
+        world: runtime/world.py's World (mesh, coordinates, groups, device).
+        watchdog: runtime/faults.py's Watchdog (every wait goes through it).
+        options: the PlanOptions; ``options.device`` None means the agreed profile of this machine.
+        loss_fn: ``loss_fn(logits, labels)``, run on the last stage.
+        bucket_bytes: size of a data-parallel gradient bucket.
+        initializer: a meta model's Initializer (autosplit/meta_init.py), or None.
+    """
+
+    def __init__(self, model: torch.nn.Module, world, watchdog, options: PlanOptions, loss_fn: Callable,
+                 bucket_bytes: int, initializer: Initializer | None):
+        self.model, self.world, self.watchdog, self.options = model, world, watchdog, options
+        self.loss_fn, self.bucket_bytes, self.initializer = loss_fn, bucket_bytes, initializer
+        self.plan = None
+        self.provisional = False
+        self.profile = None
+        self.raw_modules: list = []
+        self.modules: list = []
+        self.partial_params: list = []
+        self.sharding: StageSharding | None = None
+        self.buckets = None
+        self.executor: PipelineExecutor | None = None
+        self._buffer_sync: BufferSync | None = None
+
+    def sharded(self) -> dict:
+        """Name -> ShardedParam of the parameters split over tp (empty before planning or at tp = 1)."""
+        return self.plan.tp_plan.sharded if self.plan is not None and self.plan.tp_plan is not None else {}
+
+    def require(self) -> None:
+        """Plan now if no microbatch was seen yet: a provisional plan from the model's own input size."""
+        if self.plan is None:
+            self.build(torch.empty(1, *default_input_shape(self.model), device="meta"))
+            self.provisional = True
+
+    def plan_for(self, mb: tuple, agree: Callable[..., None]) -> None:
+        """Make the plan fit microbatch ``mb`` (plan, or re-plan a provisional plan keeping its cut),
+        check ``mb`` against it, then ``agree()`` with every rank.  A planning error is first told to
+        every rank (``agree(error=...)``: they wait in the agreement), then raised here too."""
+        try:
+            if self.plan is None:
+                self.build(mb)
+            elif self.provisional and [tuple(x.shape) for x in mb] != [tuple(s) for s in self.plan.example_shapes]:
+                self.build(mb, bounds=self.plan.bounds)
+        except AutosplitError as exc:
+            agree(error=str(exc))
+            raise
+        self.provisional = False
+        self.check_shapes(mb)
+        agree()
+
+    def check_shapes(self, mb: tuple) -> None:
+        got = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in mb]
+        want = list(zip(map(tuple, self.plan.example_shapes), self.plan.example_dtypes))
+        if got != want:
+            raise AutosplitError(f"step inputs give microbatches of (shape, dtype) {got}, but the plan was built "
+                                 f"for {want}; keep the batch size, image size and dtype of the first step")
+
+    def build(self, microbatch, bounds=None) -> None:
+        """Plan for ``microbatch`` (its shapes only) and build this rank's modules, buckets and executor.
+
+        Args:
+            microbatch: a tensor or tuple of tensors with one microbatch's shapes and dtypes.
+            bounds: keep this cut (a provisional plan's ``plan.bounds``) instead of the options'.
+        """
+        example = tuple(microbatch) if isinstance(microbatch, (tuple, list)) else (microbatch,)
+        example = tuple(torch.empty_like(x, device="meta") for x in example)
+        world, opts = self.world, self.options
+        changes = {"stage_bounds": bounds} if bounds is not None else {}
+        if opts.device is None:                 # measured (CPU) once, then reused for re-planning
+            self.profile = self.profile or agreed_profile(world, self.watchdog)
+            changes["device"] = self.profile
+        mesh = (world.mesh.pp, world.mesh.tp, world.mesh.dp)
+        self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts))
+        self.provisional = False
+        if world.rank == 0:
+            log.info("planned:\n%s", self.plan.summary())
+        self._build_modules()
+
+    def _build_modules(self) -> None:
+        world, plan, opts = self.world, self.plan, self.options
+        coord = world.coord
+        modules = plan.stage_modules(coord.pp, coord.tp)
+        if self.raw_modules and not plan.dp_shard:   # a re-plan keeps the tensors (the Parameter
+            for old, new in zip(self.raw_modules, modules):   # objects the optimizer was given, loaded buffers)
+                adopt_parameters(old, new)
+        if self.initializer is not None:      # a meta model: this rank's shards (all on the first build)
+            materialize_local(modules, self.initializer, self.sharded(), coord.tp, world.device)
+        modules = [m.to(world.device) for m in modules]
+        modules = [fork_sharded_random(m) for m in modules] if world.mesh.tp > 1 else modules
+        # I / W schedules defer weight gradients to W; under tp, B overlaps them with the backward
+        # all-reduce / reduce-scatter of the entries' input gradients (runtime/tp_collectives.py).
+        # Not under dp_shard: FSDP2 reduce-scatters a module's gradients when its backward ends.
+        overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard
+        if opts.schedule in SPLIT_BACKWARD or overlap:
+            modules = [split_weight_gemms(m)[0] for m in modules]
+        stages = plan.placement.stages(coord.pp)
+        partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
+        if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
+            self.sharding = self.sharding or StageSharding(world, self.model, plan.dp_shard, opts.checkpoint,
+                                                           opts.autocast)
+            self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial)
+            self.buckets = self.sharding.grads
+        else:
+            self.raw_modules = modules
+            self.modules = [checkpointed(m, self.model, opts.checkpoint) for m in self.raw_modules]
+        axes = ("tp", "tp_row", "tp_col") if world.grid_mesh is not None else ("tp",)
+        bind_axis_groups({a: world.group(a) for a in axes}, self.watchdog)
+        # in graph order: every rank of a group flattens the same parameters in the same order
+        self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
+        if self.buckets is None and world.mesh.dp > 1:   # parameters never change owner, so build once
+            # partial-grad params are reduced over dp by gradients.reduce_partial_grads, after their tp sum
+            partial_ids = {id(p) for p in self.partial_params}
+            self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m) if id(p) not in partial_ids]
+                                        for s, m in zip(stages, self.raw_modules)},
+                                       world.group("dp"), world.mesh.dp, self.watchdog, self.bucket_bytes)
+        self.executor = PipelineExecutor(world, plan, self.modules, checked_loss(self.loss_fn), self.watchdog,
+                                         opts.autocast, self.buckets.arm if self.buckets else None)
+
+    def sync_buffers(self) -> None:
+        """Buffers a forward updated (BatchNorm statistics) become dp rank 0's on every replica
+        (runtime/buffers.py), so replicas never drift and ``full_state_dict`` agrees everywhere."""
+        if self.world.mesh.dp == 1:
+            return
+        if self._buffer_sync is None or self._buffer_sync.modules is not self.raw_modules:
+            self._buffer_sync = BufferSync(self.raw_modules, self.world.group("dp"), self.world.rank_at(dp=0),
+                                           self.watchdog)
+        self._buffer_sync.sync()

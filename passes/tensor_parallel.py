@@ -1,0 +1,68 @@
+"""The tensor-parallel rewrite as a planning pass: 1D (Megatron, optionally sequence parallel) or 2D.
+
+Terms: see passes/tp_rewrite.py (region, TensorParallelPlan, local root), passes/tp_sequence.py
+(sequence parallelism) and passes/tp2d.py (the q x q grid, linear_2d forms).
+  local graph -- the rewritten graph with tp rank 0's parameter shards: the pass returns a new
+                 GraphModule over it, so the following passes see local shapes (after the next
+                 shape propagation); ``plan.stage_modules(r, tp_rank)`` builds the other ranks'.
+
+With tp = 1 the graph is unchanged and every node is ``{"tp": Replicate()}`` (dp splits rows only).
+"""
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+from torch.fx.passes.infra.pass_base import PassResult
+
+from autosplit.cost_model.comm import linear_2d_time
+from autosplit.passes.infra import MetaPass, PlanState
+from autosplit.passes.shape_prop import tensor_bytes
+from autosplit.passes.tp2d import shard_2d
+from autosplit.passes.tp_rewrite import shard_tensor_parallel
+from autosplit.passes.tp_sequence import apply_sequence_parallel
+
+LINEAR_2D_FORMS = ("allgather", "summa")
+
+
+def form_chooser(choice: str, q: int, profile):
+    """fn(node, x_val, w_shape) -> the 2D linear form: the user's, or the one the cost model prices lower."""
+    def form(node, x, w_shape):
+        if choice != "auto":
+            return choice
+        x_bytes = tensor_bytes(x) / (q * q)                        # the (B/q, ..., in/q) block
+        w_bytes = math.prod(w_shape) * x.element_size() / (q * q)  # the (out/q, in/q) block
+        times = {f: sum(linear_2d_time(x_bytes, w_bytes, q, f, profile)) for f in LINEAR_2D_FORMS}
+        return min(LINEAR_2D_FORMS, key=times.get)
+    return form
+
+
+class TensorParallel(MetaPass):
+    """Requires meta['val'].  Ensures ``state.tp_plan`` (None when tp = 1), and sets meta['spec'] on the
+    traced nodes (not declared in ``ensures_meta``: the nodes a rewrite inserts, such as the
+    collectives and re-read parameters, carry none)."""
+
+    requires_meta = ("val",)
+    ensures_state = ("tp_plan",)
+
+    def __init__(self, state: PlanState):
+        self.state = state
+
+    def call(self, graph_module: fx.GraphModule) -> PassResult:
+        s, opts, tp = self.state, self.state.options, self.state.mesh.tp
+        if tp == 1:
+            for n in graph_module.graph.nodes:
+                n.meta["spec"] = {"tp": Replicate()}
+            s.put(tp_plan=None)
+            return PassResult(graph_module, False)
+        if opts.tp_mode == "2d":
+            q = math.isqrt(tp)
+            tp_plan = shard_2d(graph_module, q, form_chooser(opts.tp_2d_form, q, s.profile))
+        else:
+            tp_plan = shard_tensor_parallel(graph_module, tp)
+            if opts.sequence_parallel:
+                apply_sequence_parallel(graph_module, tp_plan)
+        s.put(tp_plan=tp_plan)
+        graph = graph_module.graph
+        return PassResult(fx.GraphModule(tp_plan.local_root(0, graph), graph, type(s.model).__name__), True)
