@@ -59,20 +59,25 @@ class LayoutGraph:
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
                  sequence_parallel: bool):
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy)."""
-        self.inputs = inputs
+        self.inputs, self.tp = inputs, tp
         self.unit = math.isqrt(tp) if tp_mode == "2d" else 1
-        gm = fx.GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
-        self.gm, self.tp_plan = self._build(gm, tp, tp_mode, sequence_parallel)
-        self.nodes = list(self.gm.graph.nodes)
-        first = self._record(2 * self.unit)     # sizes >= 2: a size-1 dim's stride is arbitrary
-        second = self._record(3 * self.unit)
-        self._affine = [(a, b) for a, b in zip(first, second)]
+        builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in (2, 3)]
+        (self.gm, self.tp_plan), (other, _) = builds      # sizes >= 2: a size-1 dim's stride is arbitrary
+        self.nodes, others = list(self.gm.graph.nodes), list(other.graph.nodes)
+        if [(n.name, n.target) for n in self.nodes] != [(n.name, n.target) for n in others]:
+            raise AutosplitError(f"the tensor-parallel rewrite (tp={tp}, {tp_mode}) of this model gives different "
+                                 f"graphs for microbatch sizes {2 * self.unit} and {3 * self.unit}; the search "
+                                 f"cannot price it at other sizes")
+        self._affine = [(_leaves(a.meta.get("val")), _leaves(b.meta.get("val"))) for a, b in zip(self.nodes, others)]
+        self._args = _baked_args(self.nodes, others)
         self.gemms = set(weight_gemm_nodes(self.gm))
+        self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
         self.b = None
         self.unknown_ops: list[str] = []
 
-    def _build(self, gm, tp, tp_mode, sp):
-        MetaShapeProp(_with_batch(self.inputs, self.unit))(gm)
+    def _build(self, traced, b, tp, tp_mode, sp):
+        gm = fx.GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
+        MetaShapeProp(_with_batch(self.inputs, b))(gm)
         if tp == 1:
             return gm, None
         if tp_mode == "2d":
@@ -81,11 +86,9 @@ class LayoutGraph:
             plan = shard_tensor_parallel(gm, tp)
             if sp:
                 apply_sequence_parallel(gm, plan)
-        return fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__), plan
-
-    def _record(self, b: int) -> list:
-        MetaShapeProp(_with_batch(self.inputs, b))(self.gm)
-        return [_leaves(n.meta.get("val")) for n in self.nodes]
+        gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
+        MetaShapeProp(_with_batch(self.inputs, b))(gm)
+        return gm, plan
 
     def at(self, b: int) -> fx.GraphModule:
         """The graph with every node's ``val`` and ``cost`` at microbatch size b (shapes of tp rank 0)."""
@@ -94,6 +97,8 @@ class LayoutGraph:
         if b % self.unit:
             raise AutosplitError(f"microbatch size {b} does not divide by q({self.unit}) of the 2D grid")
         k = b // self.unit - 2                    # b = unit * (2 + k): value = first + k * (second - first)
+        for n, spec, one, two in self._args:      # sizes the rewrite wrote into the graph (2D's gathered rows)
+            n.args, n.kwargs = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
         try:
             for n, ((one, spec), (two, _)) in zip(self.nodes, self._affine):
                 n.meta["val"] = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
@@ -104,6 +109,46 @@ class LayoutGraph:
         self.unknown_ops, self.b = annotate.unknown_ops, b
         self.cuts = find_cuts(self.gm)
         return self.gm
+
+
+def _baked_args(nodes: list[fx.Node], others: list[fx.Node]) -> list:
+    """(node, spec, leaves at 2 unit, leaves at 3 unit) of every node whose arguments differ between the
+    two builds: integers the rewrite derived from the microbatch size, extrapolated like the shapes."""
+    index = {o: n for n, o in zip(nodes, others)}
+    out = []
+    for n, o in zip(nodes, others):
+        mine, spec = tree_flatten((n.args, n.kwargs))
+        theirs, _ = tree_flatten((o.args, o.kwargs))
+        theirs = [index.get(x, x) if isinstance(x, fx.Node) else x for x in theirs]
+        if mine != theirs:
+            out.append((n, spec, mine, theirs))
+    return out
+
+
+def _parameter_owners(gm: fx.GraphModule, nodes: list[fx.Node]):
+    """What compile's stage assignment and SplitStages need, as node indices: (index, user indices) of
+    the parameter reads and what is computed from parameters alone, last first (each goes to its first
+    user's stage); (index, parameter names) of every node that uses parameters; bytes per name."""
+    index = {n: k for k, n in enumerate(nodes)}
+    from_params, users = set(), []
+    for n in nodes:
+        if n.op == "get_attr" or (n.op == "call_function" and n.all_input_nodes
+                                  and all(a in from_params for a in n.all_input_nodes)):
+            from_params.add(n)
+    for n in reversed(nodes):
+        if n in from_params and n.users:
+            users.append((index[n], [index[u] for u in n.users]))
+    params = dict(gm.named_parameters())
+    names = []
+    for k, n in enumerate(nodes):
+        if n.op == "call_module":
+            used = [f"{n.target}.{name}" for name, _ in gm.get_submodule(n.target).named_parameters()]
+        elif n.op == "get_attr" and n.target in params:
+            used = [n.target]
+        else:
+            continue
+        names.append((k, used))
+    return users, names, {name: p.numel() * p.element_size() for name, p in params.items()}
 
 
 def trace_model(model, inputs: tuple[torch.Tensor, ...], leaf_modules=(), concrete_args=None) -> fx.GraphModule:
@@ -126,7 +171,7 @@ def _extrapolate(one, two, k: int):
         return _scale(one, two, k)
     if isinstance(one, torch.Size):
         return torch.Size(_scale(x, y, k) for x, y in zip(one, two))
-    if one != two:
+    if one is not two and one != two:
         raise _NotAffine
     return one
 
