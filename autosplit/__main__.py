@@ -19,6 +19,7 @@ import time
 import torch
 
 import autosplit
+from autosplit.cli_search import add_search_parser, run_search
 from autosplit.compiler import LINEAR_2D_FORMS, TP_MODES
 from autosplit.cost_model.profiles import NAMES, get_profile
 from autosplit.schedule import SCHEDULES
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan for activation recomputation per stage or per block")
     plan.add_argument("--memory-budget", default=None, help="bytes per stage, e.g. 8GiB")
     plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
+    add_search_parser(sub)
     export = sub.add_parser("export", help="write a sharded checkpoint's model as a plain state_dict file")
     export.add_argument("checkpoint", help="the directory given to pm.save_checkpoint")
     export.add_argument("out", help="the file to write (torch.save of the state dict)")
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "search":
+            return run_search(args)
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)

@@ -18,10 +18,14 @@ import functools
 
 import numpy as np
 
-from autosplit.cost_model import collective_time, graph_time, p2p_time
+import torch
+from torch.utils._pytree import tree_leaves
+
+from autosplit.cost_model import collective_time, op_time, p2p_time
+from autosplit.cost_model.roofline import output_dtype
 from autosplit.cost_model.sharding import StageDataParallel
 from autosplit.cost_model.step_time import StageTimes, StepPrediction, predict_step
-from autosplit.cost_model.weight_grad import split_backward_time
+from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds
 from autosplit.schedule import SPLIT_BACKWARD, check_schedule, placement_of
@@ -50,8 +54,11 @@ class Group:
         self.seg = SegmentCosts(self.segments, cuts, tp, profile, [], checkpoint=checkpoint, layers=layers,
                                 input_bytes=input_bytes)
         # per node, as compile sums them per stage: fwd, bwd + recompute, W, tp fwd, tp bwd
-        self.node_parts = np.array([(*_node_times(n, profile, self.seg), split_backward_time(
-            [n], layout_graph.gemms, profile)[1], *collective_time(n, tp, profile)) for n in nodes]).reshape(-1, 5)
+        base = _node_parts(layout_graph, b, profile)
+        if checkpoint is not None:
+            base = base.copy()
+            base[:, 1] += [self.seg.recompute_time([n]) if f else 0.0 for n, f in zip(nodes, base[:, 0])]
+        self.node_parts = base
         self.send = [p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
         self.work = sum(self.seg.time)               # seconds per microbatch, all stages, compute + tp
         self.params = sum(self.seg.params)
@@ -89,9 +96,22 @@ class Group:
         return sums, [sum(sizes[n] for n in group) for group in names]
 
 
-def _node_times(node, profile, seg: SegmentCosts) -> tuple[float, float]:
-    fwd, bwd = graph_time([node], profile)
-    return fwd, bwd + seg.recompute_time([node])
+def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
+    """(nodes, 5): per node the forward and backward time (graph_time), W (split_backward_time) and the
+    tp collective's forward and backward (collective_time), without recomputation; cached on the graph per b."""
+    cache = layout_graph.__dict__.setdefault("node_parts", {})
+    if b not in cache:
+        gemms, tp = layout_graph.gemms, layout_graph.tp
+        rows = []
+        for n in layout_graph.nodes:
+            if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
+                rows.append((0.0, 0.0, 0.0, *collective_time(n, tp, profile)))
+                continue
+            f, bw = op_time(n.meta["cost"], output_dtype(n), profile)
+            w = min(weight_grad_time(n, profile), bw) if n in gemms else 0.0
+            rows.append((f, bw, w, *collective_time(n, tp, profile)))
+        cache[b] = np.array(rows, dtype=float).reshape(-1, 5)
+    return cache[b]
 
 
 def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget) \
