@@ -13,7 +13,9 @@ from autosplit.passes.partition import balanced_bounds
 from autosplit.strategy.cuts import CutSolver
 from autosplit.strategy.layout import LayoutGraph, trace_model
 
-from tests.models import tp_timm, tp_torchvision
+from tests.models import VARIANTS, tp_timm, tp_torchvision
+
+VARIANTS_TIMM = VARIANTS["timm_cls"]
 
 X = torch.empty(1, 3, 32, 32)
 
@@ -104,3 +106,18 @@ def test_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "autosplit search" in out and "step ms" in out and "rejected" in out
     assert len([line for line in out.splitlines() if line[:1].isdigit()]) == 3
+
+
+def test_parallelize_auto_trains_like_one_device(pool2):
+    """Every rank runs the same search and picks its first candidate; training equals one device."""
+    from tests.checks_search import auto_mesh_errors, auto_mesh_matches_single_device
+    out = pool2.run(auto_mesh_matches_single_device)
+    choice = autosplit.search(VARIANTS_TIMM(), 2, X, global_batch=8, device="h100")[0]
+    for rank, r in enumerate(out):
+        assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        assert r["mesh"] == choice.mesh and r["m"] == choice.options["num_microbatches"]
+        assert r["schedule"] == choice.options["schedule"]
+        assert len(r["logged"]) == (1 if rank == 0 else 0)
+    errors = pool2.run(auto_mesh_errors)
+    for e in errors:
+        assert "mesh='auto' needs global_batch" in e[0] and "on CPU needs device=" in e[1]
