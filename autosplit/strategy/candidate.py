@@ -17,8 +17,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,12 @@ class SearchResult(list):
         for i, c in enumerate(self, 1):
             p = c.parts
             rows.append((str(i), c.label, f"{c.step_time * 1e3:.3f}", *(f"{p[k] * 1e3:.3f}" for k in
-                         ("compute", "bubble", "exposed_comm", "dp_comm")), _gib(c.memory)))
+                         ("compute", "bubble", "exposed_comm", "dp_comm")), _bytes(c.memory)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         counts = self.rejected_counts()
-        lines.append(f"priced {self.evaluated}, pruned {self.pruned} (lower bound >= the {len(self)}th best), "
+        lines.append(f"priced {self.evaluated}, pruned {self.pruned} (time lower bound above the top {len(self)}), "
                      f"rejected {len(self.rejected)}" + (": " + ", ".join(f"{k} {n}" for k, n in
                                                                      sorted(counts.items())) if counts else ""))
         examples = {}

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 from autosplit.cost_model import collective_time, op_time, p2p_time
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.cost_model.sharding import StageDataParallel
-from autosplit.cost_model.step_time import StageTimes, StepPrediction, predict_step
+from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds
@@ -114,19 +114,39 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
     return cache[b]
 
 
-def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget) \
-        -> tuple[StepPrediction, int, list[int]] | str:
-    """(prediction, memory of the fullest rank, cut) of one configuration, or why it does not fit."""
-    S, seg = pp * v, group.seg
-    seg.in_flight = list(in_flight(schedule, pp, m, v))
+PRUNED = "pruned"
+
+
+def _stage_times(group: Group, bounds, split: bool, dpc) -> tuple[list[StageTimes], list]:
+    sums, param_bytes = group.stages(bounds)
+    ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
+    stages, costs = [], []
+    for s, (a, b) in enumerate(ranges):
+        f, bw, w, tf, tb = (float(x) for x in sums[s])
+        costs.append(dpc(a, b, param_bytes[s]))
+        stages.append(StageTimes(fwd=f, bwd=bw, w=w if split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
+                                 dp=costs[-1].time))
+    return stages, costs
+
+
+def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget,
+          incumbent: float = float("inf")):
+    """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
+    or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
+    S, seg, split = pp * v, group.seg, schedule in SPLIT_BACKWARD
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0)
+    bounds = group.bounds(S)
+    if budget is None:                        # the cut is final: bound before simulating anything
+        stages, _ = _stage_times(group, bounds, split, dpc)
+        if lower_bound(schedule, pp, m, v, stages) > incumbent:
+            return PRUNED
+    seg.in_flight = list(in_flight(schedule, pp, m, v))
 
     def memory(s, a, b):                      # compile's: the dp state as sharded instead of 4 x params
         kept, recompute = group.activations(a, b)
         return (OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + seg.in_flight[s] * kept + recompute
                 - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes)
 
-    bounds = group.bounds(S)
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     if budget is not None and any(memory(s, a, b) > budget for s, (a, b) in enumerate(ranges)):
         try:
@@ -134,16 +154,13 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
         except PlanError:
             return f"no cut into {S} stages fits {budget / 2**30:.1f} GiB per stage"
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
-    split = schedule in SPLIT_BACKWARD
-    stages, stage_memory = [], []
-    sums, param_bytes = group.stages(bounds)
+    stages, costs = _stage_times(group, bounds, split, dpc)
+    if lower_bound(schedule, pp, m, v, stages) > incumbent:
+        return PRUNED
+    stage_memory = []
     for s, (a, b) in enumerate(ranges):
-        f, bw, w, tf, tb = (float(x) for x in sums[s])
-        dp_cost = dpc(a, b, param_bytes[s])
-        stages.append(StageTimes(fwd=f, bwd=bw, w=w if split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
-                                 dp=dp_cost.time))
         kept, recompute = group.activations(a, b)
-        stage_memory.append(int(dp_cost.memory_bytes) + seg.in_flight[s] * kept + recompute)
+        stage_memory.append(int(costs[s].memory_bytes) + seg.in_flight[s] * kept + recompute)
     place = placement_of(schedule, pp, v)
     rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
     if budget is not None and rank_memory > budget:

@@ -33,7 +33,7 @@ from autosplit.cost_model import get_profile
 from autosplit.errors import AutosplitError
 from autosplit.model_layers import layer_paths
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
-from autosplit.strategy.costing import Group, price
+from autosplit.strategy.costing import PRUNED, Group, price
 from autosplit.strategy.layout import LayoutGraph, trace_model
 from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
 
@@ -104,6 +104,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             continue
         graph.at(2 * graph.unit)
         n_segments = len(graph.cuts) + 1
+        most = min(n_segments, 2 * len(layers)) if layers else n_segments
         for pp, tp, dp in meshes:
             mesh = (pp, tp, dp)
             if global_batch % dp:
@@ -122,10 +123,11 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                                              f"({layout.q}) != 0 (2D splits rows over tp_row)", "tensor parallel"))
                     continue
                 for schedule, v in schedules(pp):
-                    if pp * v > n_segments:
+                    if pp * v > most:
                         rejected.append(Rejected(mesh, {**base, "schedule": schedule, "chunks_per_rank": v},
-                                                 f"pp({pp}) * chunks_per_rank({v}) = {pp * v} stages > "
-                                                 f"{n_segments} segments the graph can be cut into", "stages"))
+                                                 f"pp({pp}) * chunks_per_rank({v}) = {pp * v} stages > {most} "
+                                                 f"(segments the graph can be cut into, at most 2 per layer)",
+                                                 "stages"))
                         continue
                     specs.append((layout, graph, pp, dp, m, b, schedule, v))
 
@@ -155,10 +157,14 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
     for k, (bound, label, group, pp, dp, schedule, v, m, shard, options) in enumerate(bounded):
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
-            pruned = len(bounded) - k
+            pruned += len(bounded) - k
             break
         mesh = (pp, group.graph.tp, dp)
-        result = price(group, pp, dp, schedule, v, m, shard, budget)
+        incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
+        result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
+        if result is PRUNED:
+            pruned += 1
+            continue
         if isinstance(result, str):
             rejected.append(Rejected(mesh, options, result, "memory"))
             continue

@@ -12,6 +12,8 @@ Terms:
   schedule  -- pp = 1: "1f1b" (every schedule is the same single stage); pp > 1: "1f1b", "interleaved"
                with chunks_per_rank 2 and 4, "zb-h1", "zb-v" (chunks 2).  GPipe is left out: the same
                bubble as 1F1B with m instead of pp microbatches in flight.
+  stages    -- pp * chunks_per_rank <= the segments the graph can be cut into, and <= 2 per layer
+               (``model_layers.layer_paths``): a stage holds at least half a layer.
   checkpoint -- None, "stage", "block".   dp_shard -- False, or "stage" / "layer" when dp > 1;
                zero-bubble schedules only with False (the compiler refuses FSDP with a split backward).
 """
