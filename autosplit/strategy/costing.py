@@ -45,25 +45,35 @@ class Group:
 
     def __init__(self, layout_graph, b: int, checkpoint, profile, layers, input_bytes: int):
         self.graph, self.b, self.checkpoint, self.profile, self.layers = layout_graph, b, checkpoint, profile, layers
+        self.input_bytes = input_bytes
         gm = layout_graph.at(b)
         nodes, cuts = list(gm.graph.nodes), layout_graph.cuts
         ends = [c.position for c in cuts] + [len(nodes) - 1]
         self.segments = [nodes[a + 1:e + 1] for a, e in zip([-1, *ends], ends)]
         self.segment_of = np.repeat(np.arange(len(ends)), np.diff([-1, *ends]))
-        tp = layout_graph.tp
-        self.seg = SegmentCosts(self.segments, cuts, tp, profile, [], checkpoint=checkpoint, layers=layers,
-                                input_bytes=input_bytes)
         # per node, as compile sums them per stage: fwd, bwd + recompute, W, tp fwd, tp bwd
         base = _node_parts(layout_graph, b, profile)
         if checkpoint is not None:
             base = base.copy()
-            base[:, 1] += [self.seg.recompute_time([n]) if f else 0.0 for n, f in zip(nodes, base[:, 0])]
+            rec = SegmentCosts([], [], 1, profile, [], checkpoint=checkpoint, layers=layers).recompute_time
+            base[:, 1] += [rec([n]) if f else 0.0 for n, f in zip(nodes, base[:, 0])]
         self.node_parts = base
         self.send = [p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
-        self.work = sum(self.seg.time)               # seconds per microbatch, all stages, compute + tp
-        self.params = sum(self.seg.params)
-        self.saved = sum(self.seg.saved)
-        self._solver = None
+        # the bounds' inputs, from the nodes (compile's SegmentCosts is built only when a configuration of
+        # this group is priced): one microbatch through every stage, and the bytes the memory bound needs
+        self.work = float(base[:, [0, 1, 3, 4]].sum())
+        self.params = sum(n.meta["cost"].param_bytes for n in nodes)
+        self.saved = sum(n.meta["cost"].saved_bytes for n in nodes)
+        self._seg = self._solver = None
+
+    @property
+    def seg(self) -> SegmentCosts:
+        """compile's SegmentCosts of this group (the cut's inputs and the memory model)."""
+        if self._seg is None:
+            self.graph.at(self.b)
+            self._seg = SegmentCosts(self.segments, self.graph.cuts, self.graph.tp, self.profile, [],
+                                     checkpoint=self.checkpoint, layers=self.layers, input_bytes=self.input_bytes)
+        return self._seg
 
     @property
     def n_segments(self) -> int:

@@ -37,7 +37,7 @@ from autosplit.strategy.costing import PRUNED, Group, price
 from autosplit.strategy.layout import LayoutGraph, trace_model
 from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
 
-_SLACK = 1e-9        # a bound must beat the incumbent by more than float noise to prune
+_SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
 
 
 def _options(layout, schedule, v, m, checkpoint, shard, budget) -> dict:
