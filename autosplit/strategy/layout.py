@@ -61,14 +61,23 @@ class LayoutGraph:
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy)."""
         self.inputs, self.tp = inputs, tp
         self.unit = math.isqrt(tp) if tp_mode == "2d" else 1
-        builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in (2, 3)]
-        (self.gm, self.tp_plan), (other, _) = builds      # sizes >= 2: a size-1 dim's stride is arbitrary
-        self.nodes, others = list(self.gm.graph.nodes), list(other.graph.nodes)
+        # 2D writes the row count into the graph (gather's full size): rewrite at both sizes and extrapolate
+        # those integers too; the 1D rewrites write only head and token counts, so one rewrite serves.
+        sizes = (2, 3) if tp_mode == "2d" else (2,)
+        builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in sizes]
+        self.gm, self.tp_plan = builds[0]                 # sizes >= 2: a size-1 dim's stride is arbitrary
+        self.nodes = list(self.gm.graph.nodes)
+        first = [_leaves(n.meta.get("val")) for n in self.nodes]
+        if len(builds) == 1:
+            MetaShapeProp(_with_batch(inputs, 3 * self.unit))(self.gm)
+            others = self.nodes
+        else:
+            others = list(builds[1][0].graph.nodes)
         if [(n.name, n.target) for n in self.nodes] != [(n.name, n.target) for n in others]:
             raise AutosplitError(f"the tensor-parallel rewrite (tp={tp}, {tp_mode}) of this model gives different "
                                  f"graphs for microbatch sizes {2 * self.unit} and {3 * self.unit}; the search "
                                  f"cannot price it at other sizes")
-        self._affine = [(_leaves(a.meta.get("val")), _leaves(b.meta.get("val"))) for a, b in zip(self.nodes, others)]
+        self._affine = list(zip(first, [_leaves(n.meta.get("val")) for n in others]))
         self._args = _baked_args(self.nodes, others)
         self.gemms = set(weight_gemm_nodes(self.gm))
         self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
@@ -77,7 +86,12 @@ class LayoutGraph:
 
     def _build(self, traced, b, tp, tp_mode, sp):
         gm = fx.GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
-        MetaShapeProp(_with_batch(self.inputs, b))(gm)
+        if getattr(traced, "propagated_at", {}).get(b) is not None:     # the shared trace, propagated once per b
+            for n, val in zip(gm.graph.nodes, traced.propagated_at[b]):
+                n.meta["val"] = val
+        else:
+            MetaShapeProp(_with_batch(self.inputs, b))(gm)
+            traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
         if tp == 1:
             return gm, None
         if tp_mode == "2d":
