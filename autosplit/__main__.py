@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "search":
-            return run_search(args)
+            return run_search(args, build_model)
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)

@@ -26,8 +26,8 @@ def add_search_parser(sub) -> None:
     p.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
 
 
-def run_search(args) -> int:
-    from autosplit.__main__ import build_model
+def run_search(args, build_model) -> int:
+    """``build_model(spec, image_size)``: __main__'s model builder (passed in: no import cycle)."""
     from autosplit.strategy import search
     try:
         model = build_model(args.model, args.image_size)

@@ -23,9 +23,10 @@ import math
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autosplit.cost_model import AnnotateCosts
+from autosplit.cost_model.roofline import output_dtype
 from autosplit.errors import AutosplitError
 from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
@@ -103,6 +104,23 @@ class LayoutGraph:
         gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
         MetaShapeProp(_with_batch(self.inputs, b))(gm)
         return gm, plan
+
+    def floors(self, b: int, profile) -> tuple[float, float, float]:
+        """(seconds of FLOPs at peak, saved bytes, parameter bytes) of one microbatch of b through the whole
+        graph: a lower bound of its compute time (a roofline op takes at least flops / peak) and its exact
+        saved activations; affine in b, from the costs at 2 unit and 3 unit (computed once)."""
+        if not hasattr(self, "_floors"):
+            rows = []
+            for size in (2 * self.unit, 3 * self.unit):
+                self.at(size)
+                tensors = [n for n in self.nodes if any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val")))]
+                rows.append((sum((n.meta["cost"].fwd_flops + n.meta["cost"].bwd_flops)
+                                 / profile.flops_for(output_dtype(n)) for n in tensors),
+                             sum(n.meta["cost"].saved_bytes for n in self.nodes)))
+            self._floors = rows, sum(n.meta["cost"].param_bytes for n in self.nodes)
+        ((t2, s2), (t3, s3)), params = self._floors
+        k = b // self.unit - 2
+        return t2 + k * (t3 - t2), s2 + k * (s3 - s2), params
 
     def at(self, b: int) -> fx.GraphModule:
         """The graph with every node's ``val`` and ``cost`` at microbatch size b (shapes of tp rank 0)."""

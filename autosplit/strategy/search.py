@@ -10,15 +10,17 @@ Order of work, cheapest refusals first:
   2. enumerate meshes, microbatch counts, schedules, checkpointing and dp sharding (space.py), rejecting
      what the compiler would refuse (batch and rows divisibility, stages beyond the graph's cuts,
      zero-bubble with dp_shard);
-  3. price each group once (costing.Group), then for each configuration two sound lower bounds:
+  3. for each configuration two sound lower bounds, from each layout's costs at two sizes (affine in b):
        memory >= (dp state of all parameters + saved activations without checkpointing) / pp: the
          fullest rank holds at least the mean of what all ranks hold;
-       step time >= m * (compute + tp time of one microbatch through all stages) / pp: some rank is at
-         least that busy, and the timed schedule runs a rank's computes one after another;
+       step time >= m * (FLOPs at peak of one microbatch through all stages) / pp: some rank is at
+         least that busy (an op takes at least flops / peak), and the timed schedule runs a rank's
+         computes one after another;
      reject what the memory bound puts over the budget, and price the rest in increasing order of the
      time bound, stopping once the bound exceeds the ``top``-th best step time found (everything
      after it is slower than ``top`` configurations already found: pruned, never wrongly);
-  4. pricing a configuration (costing.price) cuts, checks memory, and runs the timed schedule.
+  4. pricing a configuration (costing.price; its group's costs built on first use) cuts, bounds again
+     with the stage times (step_time.lower_bound), checks memory, and runs the timed schedule.
 The result is deterministic (no clocks or randomness in the choices), so every rank of a job that
 searches reaches the same ranking.
 """
@@ -132,33 +134,34 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                     specs.append((layout, graph, pp, dp, m, b, schedule, v))
 
     groups, bounded = {}, []
-    for layout, graph, pp, dp, m, b, schedule, v in sorted(specs, key=lambda s: (id(s[1]), s[5])):
+    for layout, graph, pp, dp, m, b, schedule, v in specs:
+        flops_time, saved, params = graph.floors(b, profile)
         for checkpoint in checkpoints():
-            key = (id(graph), b, checkpoint)
-            if key not in groups:
-                groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes)
-            group = groups[key]
             for shard, why in shardings(dp, schedule):
                 options = _options(layout, schedule, v, m, checkpoint, shard, budget)
                 if why:
                     rejected.append(Rejected((pp, layout.tp, dp), options, why, "schedule"))
                     continue
-                state = (4 / dp + 1 if shard else 4) * group.params
-                floor = (state + (group.saved if checkpoint is None else 0)) / pp - pp * v
+                state = (4 / dp + 1 if shard else 4) * params
+                floor = (state + (saved if checkpoint is None else 0)) / pp - pp * v
                 if budget is not None and floor > budget:
                     rejected.append(Rejected((pp, layout.tp, dp), options,
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
-                bounded.append((m * group.work / pp, describe((pp, layout.tp, dp), options), group, pp, dp,
-                                schedule, v, m, shard, options))
+                bounded.append((m * flops_time / pp, describe((pp, layout.tp, dp), options), (graph, b, checkpoint),
+                                pp, dp, schedule, v, m, shard, options))
 
     bounded.sort(key=lambda c: (c[0], c[1]))
     found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
-    for k, (bound, label, group, pp, dp, schedule, v, m, shard, options) in enumerate(bounded):
+    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options) in enumerate(bounded):
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
+        if key not in groups:                 # priced once per (layout, b, checkpoint), when first needed
+            graph, b, checkpoint = key
+            groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes)
+        group = groups[key]
         mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
         result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
