@@ -164,6 +164,9 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         group = groups[key]
         mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
+        if m * group.work / pp > incumbent:   # the same bound with the group's full op times
+            pruned += 1
+            continue
         result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
         if result is PRUNED:
             pruned += 1
