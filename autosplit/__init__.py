@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
+    "search": "autosplit.strategy",          # a package not named search: its module would replace the function
     "compile": "autosplit.compiler",
     "parallelize": "autosplit.runtime.parallelize",
     "materialize": "autosplit.meta_init",      # not autosplit/materialize.py: a submodule of that name

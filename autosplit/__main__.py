@@ -24,6 +24,7 @@ import torch
 
 import autosplit
 from autosplit.cli_options import add_plan_options, plan_options
+from autosplit.cli_search import add_search_parser, run_search
 from autosplit.cost_model.profiles import get_profile
 from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
     plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
     add_plan_options(plan)
+    add_search_parser(sub)
     export = sub.add_parser("export", help="write a sharded checkpoint's model as a plain state_dict file",
                             description="Turn a directory written by pm.save_checkpoint into a torch.save'd "
                                         "state dict of the unchanged model.")
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "search":
+            return run_search(args, build_model)
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)

@@ -35,7 +35,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autosplit.schedule import Action, Group, build_schedule, lower
+from autosplit.schedule import Action, Group, build_schedule, lower, placement_of
 from autosplit.schedule.actions import RECV_B, RECV_F, B, F, I, W
 from autosplit.schedule.timing import ScheduleDeadlock, dependencies
 
@@ -261,3 +261,26 @@ def predict_plan(plan, device=None) -> StepPrediction:
     """``predict_step`` of a compiled Plan (its schedule, mesh and StageInfos; see plan_stage_times)."""
     return predict_step(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
                         plan_stage_times(plan, device))
+
+
+def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
+                stages: Sequence[StageTimes]) -> float:
+    """A bound ``predict_step(...).total`` never goes below, without running the schedule (the search
+    prunes with it).  For each rank r, whose lowest stage is l (looped or V placement):
+      its first compute is a forward of some stage >= l, after that microbatch's forwards of stages < l;
+      its computes run one after another (m forwards and backwards of each of its stages);
+      without a split backward its last compute is a backward of a stage >= l, and that microbatch's
+      backwards of stages < l all follow it.
+    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers
+    and dp sync only add.  With equal stages and 1F1B this is the exact (m + pp - 1)(F + B)."""
+    place = placement_of(schedule, pp, chunks_per_rank)
+    split = schedule in ("zb-h1", "zb-v")
+    fwd = [t.fwd + t.tp_fwd for t in stages]
+    bwd = [t.bwd + t.tp_bwd for t in stages]
+    bound = 0.0
+    for r in range(pp):
+        mine = place.stages(r)
+        low = min(mine)
+        busy = num_microbatches * sum(fwd[s] + bwd[s] for s in mine)
+        bound = max(bound, sum(fwd[:low]) + busy + (0.0 if split else sum(bwd[:low])))
+    return bound

@@ -78,3 +78,21 @@ def test_plan_prediction_is_the_summary_line(kw):
     pred = predict_plan(plan)
     assert pred.total > pred.compute > 0
     assert pred.line() in plan.summary()
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("gpipe", 1)])
+def test_lower_bound_never_exceeds_the_prediction(name, v):
+    """The search prunes with lower_bound: it must hold for any stage times (random here)."""
+    import random
+    from autosplit.cost_model.step_time import lower_bound
+    rng = random.Random(0)
+    for pp, m in ((2, 2), (3, 5), (4, 8)):
+        for _ in range(5):
+            stages = [StageTimes(fwd=rng.random(), bwd=2 * rng.random(), w=0.0, tp_fwd=0.1 * rng.random(),
+                                 tp_bwd=0.1 * rng.random(), send=0.2 * rng.random(), dp=rng.random())
+                      for _ in range(pp * v)]
+            if name.startswith("zb"):
+                stages = [StageTimes(t.fwd, t.bwd, t.bwd * rng.random(), t.tp_fwd, t.tp_bwd, t.send, t.dp) for t in stages]
+            assert lower_bound(name, pp, m, v, stages) <= predict_step(name, pp, m, v, stages).total * (1 + 1e-12)
+    equal = [StageTimes(1.0, 2.0)] * 4
+    assert lower_bound("1f1b", 4, 8, 1, equal) == predict_step("1f1b", 4, 8, 1, equal).total

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from autosplit.options import PlanOptions, check_dp_shard
+from autosplit.runtime.auto_mesh import auto_arguments
 from autosplit.runtime.parallel_module import ParallelModule
 from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
 
@@ -22,7 +23,8 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 init_fn: Callable | None = None, device=None, memory_budget: float | str | None = None,
                 leaf_modules: Sequence = (), concrete_args: dict | None = None,
                 stage_bounds: Sequence[int] | None = None, sequence_parallel: bool = False,
-                tp_2d_form: str = "auto", options: PlanOptions | None = None, **unknown) -> ParallelModule:
+                tp_2d_form: str = "auto", global_batch: int | None = None, options: PlanOptions | None = None,
+                **unknown) -> ParallelModule:
     """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
 
     Every rank must build ``model`` identically (same seed) before calling this.  A model built on the
@@ -41,6 +43,9 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
         bucket_mb: size of a data-parallel gradient bucket, in MiB.
         seed, init_fn: how a meta model is initialized (above).
         options: the planning options as a ``PlanOptions``; keyword arguments override its fields.
+        global_batch: samples per optimizer step over all replicas; needed by ``mesh="auto"``, which
+            replaces mesh, schedule, microbatches, tp mode, sequence parallelism, checkpointing and dp
+            sharding with the strategy search's fastest configuration (runtime/auto_mesh.py).
         Every other argument is a planning option (``autosplit.options.PlanOptions`` documents each):
         num_microbatches, schedule, chunks_per_rank, tp_mode, autocast (torch.bfloat16, or torch.float16
         with a loss scaler), checkpoint ("stage" / "block"), dp_shard (FSDP2 over dp: "stage", "layer"
@@ -53,6 +58,11 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                  memory_budget=memory_budget, leaf_modules=leaf_modules, concrete_args=concrete_args,
                  stage_bounds=stage_bounds, sequence_parallel=sequence_parallel, tp_2d_form=tp_2d_form)
     plan_options = _options(given, options, unknown)
+    if isinstance(mesh, str) and mesh == "auto":      # every rank runs the same pure search (auto_mesh.py)
+        fixed = {k: getattr(plan_options, k) for k in ("device", "memory_budget", "leaf_modules", "concrete_args")}
+        chosen = auto_arguments(model, example_input, global_batch, fixed, plan_options.autocast)
+        return parallelize(model, loss_fn=loss_fn, timeout_s=timeout_s, bucket_mb=bucket_mb, seed=seed,
+                           init_fn=init_fn, **chosen)
     check_dp_shard(plan_options.dp_shard)     # before any rendezvous: the same error on every rank
     world = init_world(mesh, timeout_s, plan_options.tp_mode)
     return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), plan_options, example_input,

@@ -1,0 +1,93 @@
+"""What the search returns: ranked Candidates, the Rejected ones with their reasons, and the table.
+
+Terms:
+  Candidate -- one full configuration: ``mesh`` (pp, tp, dp) and ``options`` (the ``parallelize`` /
+               ``compile`` keywords it implies), with its predicted ``step_time`` (seconds), ``parts``
+               (compute, bubble, exposed_comm, dp_comm: seconds of the slowest rank, adding up to
+               step_time; cost_model/step_time.py) and ``memory`` (bytes on the fullest rank: the sum
+               of its stages' predicted memory).
+  Rejected  -- a configuration the search did not price, with ``why`` (the arithmetic) and ``kind``
+               (what the table counts: "tensor parallel", "batch", "stages", "memory", "schedule").
+  pruned    -- configurations whose lower bound on step time was already no better than the
+               ``top``-th best found: dominated, not infeasible (counted, not listed).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: tuple[int, int, int]
+    options: dict
+    step_time: float
+    memory: int
+    parts: dict = field(default_factory=dict)
+    bounds: tuple[int, ...] = ()          # the stage cut (plan.bounds of the plan it compiles to)
+
+    @property
+    def label(self) -> str:
+        return describe(self.mesh, self.options)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    mesh: tuple[int, int, int]
+    options: dict
+    why: str
+    kind: str
+
+
+def describe(mesh, options: dict) -> str:
+    """A short text of a configuration: ``(2,4,8) 1d sp interleaved v2 m16 ckpt=block shard=stage``."""
+    o = options
+    words = [f"({mesh[0]},{mesh[1]},{mesh[2]})"]
+    if mesh[1] > 1:
+        words.append(o.get("tp_mode", "1d") + (" sp" if o.get("sequence_parallel") else ""))
+    v = o.get("chunks_per_rank", 1)
+    words.append(o.get("schedule", "1f1b") + (f" v{v}" if v > 1 else ""))
+    words.append(f"m{o.get('num_microbatches')}")
+    if o.get("checkpoint"):
+        words.append(f"ckpt={o['checkpoint']}")
+    if o.get("dp_shard"):
+        words.append(f"shard={o['dp_shard']}")
+    return " ".join(words)
+
+
+class SearchResult(list):
+    """The ranked Candidates (fastest first), with ``rejected``, ``pruned`` and ``seconds``."""
+
+    def __init__(self, ranked, rejected: list[Rejected], pruned: int, evaluated: int, seconds: float):
+        super().__init__(ranked)
+        self.rejected, self.pruned, self.evaluated, self.seconds = rejected, pruned, evaluated, seconds
+
+    def rejected_counts(self) -> Counter:
+        return Counter(r.kind for r in self.rejected)
+
+    def table(self) -> str:
+        rows = [("rank", "configuration", "step ms", "compute", "bubble", "exp.comm", "dp sync", "memory")]
+        for i, c in enumerate(self, 1):
+            p = c.parts
+            rows.append((str(i), c.label, f"{c.step_time * 1e3:.3f}", *(f"{p[k] * 1e3:.3f}" for k in
+                         ("compute", "bubble", "exposed_comm", "dp_comm")), _bytes(c.memory)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        counts = self.rejected_counts()
+        lines.append(f"priced {self.evaluated}, pruned {self.pruned} (time lower bound above the top {len(self)}), "
+                     f"rejected {len(self.rejected)}" + (": " + ", ".join(f"{k} {n}" for k, n in
+                                                                     sorted(counts.items())) if counts else ""))
+        examples = {}
+        for r in self.rejected:
+            examples.setdefault(r.kind, r)
+        lines += [f"  e.g. {describe(r.mesh, r.options)}: {r.why}" for r in examples.values()]
+        lines.append(f"searched in {self.seconds:.2f} s")
+        return "\n".join(lines)

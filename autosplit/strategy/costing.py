@@ -1,0 +1,178 @@
+"""Pricing one configuration with compile's own cost model, from one layout's rescaled graph.
+
+Terms:
+  group   -- (layout, microbatch size b, checkpoint): everything that does not depend on the stage cut,
+             the schedule, m or dp: ``SegmentCosts`` of the graph at b (per segment: fwd + bwd time with
+             tp collectives and recompute, boundary time, parameter and saved bytes), and per segment the
+             parts the predictor needs (fwd, bwd, W, tp forward / backward seconds).
+  cut     -- ``balanced_bounds``' cut (strategy/cuts.py ``CutSolver``, exact and shared by every stage count);
+             where it does not fit the memory budget, ``balanced_bounds`` itself with compile's memory
+             function decides, so the cut is always the one ``autosplit.compile`` makes.
+  memory  -- per stage exactly as compile's StageInfo.memory_bytes (SegmentCosts.memory with the dp state
+             of cost_model/sharding.py); per rank the sum over the stages it holds.
+  price   -- ``cost_model.step_time.predict_step`` of the stage times: what ``plan.summary()`` shows.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from autosplit.cost_model import collective_time, op_time, p2p_time
+from autosplit.cost_model.roofline import output_dtype
+from autosplit.cost_model.sharding import StageDataParallel
+from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step
+from autosplit.cost_model.weight_grad import weight_grad_time
+from autosplit.errors import PlanError
+from autosplit.passes.partition import balanced_bounds
+from autosplit.schedule import SPLIT_BACKWARD, check_schedule, placement_of
+from autosplit.strategy.cuts import CutSolver
+from autosplit.segment_costs import OPTIMIZER_FACTOR, SegmentCosts
+
+
+@functools.lru_cache(maxsize=1024)
+def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Microbatches each stage holds at the schedule's peak: compile's rule, from the unit simulator."""
+    result, place = check_schedule(schedule, pp, m, v), placement_of(schedule, pp, v)
+    return tuple(max(1, -(-result.peak_activations[place.rank(s)] // place.v)) for s in range(place.num_stages))
+
+
+class Group:
+    """Cut-independent costs of (layout, b, checkpoint); see the module docstring."""
+
+    def __init__(self, layout_graph, b: int, checkpoint, profile, layers, input_bytes: int):
+        self.graph, self.b, self.checkpoint, self.profile, self.layers = layout_graph, b, checkpoint, profile, layers
+        self.input_bytes = input_bytes
+        gm = layout_graph.at(b)
+        nodes, cuts = list(gm.graph.nodes), layout_graph.cuts
+        ends = [c.position for c in cuts] + [len(nodes) - 1]
+        self.segments = [nodes[a + 1:e + 1] for a, e in zip([-1, *ends], ends)]
+        self.segment_of = np.repeat(np.arange(len(ends)), np.diff([-1, *ends]))
+        # per node, as compile sums them per stage: fwd, bwd + recompute, W, tp fwd, tp bwd
+        base = _node_parts(layout_graph, b, profile)
+        if checkpoint is not None:
+            base = base.copy()
+            rec = SegmentCosts([], [], 1, profile, [], checkpoint=checkpoint, layers=layers).recompute_time
+            base[:, 1] += [rec([n]) if f else 0.0 for n, f in zip(nodes, base[:, 0])]
+        self.node_parts = base
+        self.send = [p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
+        # the bounds' inputs, from the nodes (compile's SegmentCosts is built only when a configuration of
+        # this group is priced): one microbatch through every stage, and the bytes the memory bound needs
+        self.work = float(base[:, [0, 1, 3, 4]].sum())
+        self.params = sum(n.meta["cost"].param_bytes for n in nodes)
+        self.saved = sum(n.meta["cost"].saved_bytes for n in nodes)
+        self._seg = self._solver = None
+
+    @property
+    def seg(self) -> SegmentCosts:
+        """compile's SegmentCosts of this group (the cut's inputs and the memory model)."""
+        if self._seg is None:
+            self.graph.at(self.b)
+            self._seg = SegmentCosts(self.segments, self.graph.cuts, self.graph.tp, self.profile, [],
+                                     checkpoint=self.checkpoint, layers=self.layers, input_bytes=self.input_bytes)
+        return self._seg
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.segments)
+
+    def bounds(self, n_stages: int) -> list[int]:
+        if self._solver is None:
+            self._solver = CutSolver(self.seg.time, self.seg.out_time, self.seg.params)
+        return self._solver.bounds(n_stages)
+
+    def activations(self, first: int, last: int):
+        if self.checkpoint == "block" and (first, last) not in self.seg._activations:
+            self.graph.at(self.b)                    # block checkpointing reads the nodes' shapes at b
+        return self.seg.activations(first, last)
+
+    def stages(self, bounds: list[int]) -> tuple[np.ndarray, list[int]]:
+        """Per stage the summed node parts (S, 5) and parameter bytes, with compile's assignment: a node
+        in the stage of its segment, a parameter read (and what is computed from parameters alone) in
+        the stage of its first user."""
+        stage_of_segment = np.searchsorted(np.array(bounds), np.arange(len(self.segments)))
+        stage = stage_of_segment[self.segment_of]
+        for k, users in self.graph.param_users:
+            stage[k] = min(stage[u] for u in users)
+        S = len(bounds)
+        sums = np.stack([np.bincount(stage, weights=self.node_parts[:, i], minlength=S) for i in range(5)], axis=1)
+        names = [set() for _ in range(S)]
+        for k, used in self.graph.param_names:
+            names[stage[k]].update(used)
+        sizes = self.graph.param_bytes
+        return sums, [sum(sizes[n] for n in group) for group in names]
+
+
+def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
+    """(nodes, 5): per node the forward and backward time (graph_time), W (split_backward_time) and the
+    tp collective's forward and backward (collective_time), without recomputation; cached on the graph per b."""
+    cache = layout_graph.__dict__.setdefault("node_parts", {})
+    if b not in cache:
+        gemms, tp = layout_graph.gemms, layout_graph.tp
+        rows = []
+        for n in layout_graph.nodes:
+            if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
+                rows.append((0.0, 0.0, 0.0, *collective_time(n, tp, profile)))
+                continue
+            f, bw = op_time(n.meta["cost"], output_dtype(n), profile)
+            w = min(weight_grad_time(n, profile), bw) if n in gemms else 0.0
+            rows.append((f, bw, w, *collective_time(n, tp, profile)))
+        cache[b] = np.array(rows, dtype=float).reshape(-1, 5)
+    return cache[b]
+
+
+PRUNED = "pruned"
+
+
+def _stage_times(group: Group, bounds, split: bool, dpc) -> tuple[list[StageTimes], list]:
+    sums, param_bytes = group.stages(bounds)
+    ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
+    stages, costs = [], []
+    for s, (a, b) in enumerate(ranges):
+        f, bw, w, tf, tb = (float(x) for x in sums[s])
+        costs.append(dpc(a, b, param_bytes[s]))
+        stages.append(StageTimes(fwd=f, bwd=bw, w=w if split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
+                                 dp=costs[-1].time))
+    return stages, costs
+
+
+def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget,
+          incumbent: float = float("inf")):
+    """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
+    or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
+    S, seg, split = pp * v, group.seg, schedule in SPLIT_BACKWARD
+    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0)
+    bounds = group.bounds(S)
+    if budget is None:                        # the cut is final: bound before simulating anything
+        stages, _ = _stage_times(group, bounds, split, dpc)
+        if lower_bound(schedule, pp, m, v, stages) > incumbent:
+            return PRUNED
+    seg.in_flight = list(in_flight(schedule, pp, m, v))
+
+    def memory(s, a, b):                      # compile's: the dp state as sharded instead of 4 x params
+        kept, recompute = group.activations(a, b)
+        return (OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + seg.in_flight[s] * kept + recompute
+                - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes)
+
+    ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
+    if budget is not None and any(memory(s, a, b) > budget for s, (a, b) in enumerate(ranges)):
+        try:
+            bounds = balanced_bounds(seg.time, seg.out_time, S, memory, budget, seg_params=seg.params)
+        except PlanError:
+            return f"no cut into {S} stages fits {budget / 2**30:.1f} GiB per stage"
+        ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
+    stages, costs = _stage_times(group, bounds, split, dpc)
+    if lower_bound(schedule, pp, m, v, stages) > incumbent:
+        return PRUNED
+    stage_memory = []
+    for s, (a, b) in enumerate(ranges):
+        kept, recompute = group.activations(a, b)
+        stage_memory.append(int(costs[s].memory_bytes) + seg.in_flight[s] * kept + recompute)
+    place = placement_of(schedule, pp, v)
+    rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
+    if budget is not None and rank_memory > budget:
+        return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
+    return predict_step(schedule, pp, m, v, stages), rank_memory, bounds

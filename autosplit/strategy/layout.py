@@ -1,0 +1,217 @@
+"""One tensor-parallel layout's graph, priced at any microbatch size without tracing again.
+
+Terms:
+  layout   -- (tp, tp_mode, sequence_parallel): what the graph looks like on tp rank 0 (the tp rewrite).
+              Traced, shape-propagated and rewritten once per layout, as ``autosplit.compile`` does, from
+              the stable passes (trace, MetaShapeProp, shard_tensor_parallel / apply_sequence_parallel,
+              shard_2d); 2D linears use the all-gather form (the search passes tp_2d_form="allgather").
+  unit     -- the smallest microbatch the layout admits: q = sqrt(tp) for 2D (rows split over tp_row),
+              else 1.  Microbatch sizes are multiples of it.
+  rescale  -- every shape and integer a node computes is affine in the microbatch size b (the batch dim
+              scales, nothing else does), so two shape propagations (b = 2 unit, 3 unit) give every
+              node's value at any b: ``at(b)`` rewrites ``meta['val']`` with meta tensors of the
+              extrapolated shapes instead of running the graph again (~20x faster), then the cost model
+              annotates it exactly as compile does.  A value that is not affine (a shape that does not
+              scale linearly) makes ``at`` fall back to a real propagation at b.
+              ``tests/test_search.py`` checks it against a fresh trace at other sizes.
+  segment costs -- ``autosplit.segment_costs.SegmentCosts`` of the rescaled graph, per checkpoint mode.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from autosplit.cost_model import AnnotateCosts
+from autosplit.cost_model.roofline import output_dtype
+from autosplit.errors import AutosplitError
+from autosplit.passes.check_output import check_single_output
+from autosplit.passes.cut_points import find_cuts
+from autosplit.passes.shape_prop import MetaShapeProp
+from autosplit.passes.split_backward import weight_gemm_nodes
+from autosplit.passes.tp2d import shard_2d
+from autosplit.passes.tp_rewrite import shard_tensor_parallel
+from autosplit.passes.tp_sequence import apply_sequence_parallel
+from autosplit.trace import trace
+
+
+def _with_batch(inputs: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
+    """The example inputs with batch dim b, on the meta device."""
+    return tuple(torch.empty((b, *x.shape[1:]), dtype=x.dtype, device="meta") for x in inputs)
+
+
+class _Tensor(tuple):
+    """A recorded tensor leaf: (shape, stride, dtype); strides matter (a reshape of a transposed
+    tensor copies, of a contiguous one it is a free view)."""
+
+
+def _leaves(val) -> tuple[list, object]:
+    leaves, spec = tree_flatten(val)
+    return [_Tensor((tuple(x.shape), tuple(x.stride()), x.dtype)) if isinstance(x, torch.Tensor) else x
+            for x in leaves], spec
+
+
+class LayoutGraph:
+    """The rank-0 graph of one layout, rescalable to any microbatch size (see the module docstring)."""
+
+    def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
+                 sequence_parallel: bool):
+        """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy)."""
+        self.inputs, self.tp = inputs, tp
+        self.unit = math.isqrt(tp) if tp_mode == "2d" else 1
+        # 2D writes the row count into the graph (gather's full size): rewrite at both sizes and extrapolate
+        # those integers too; the 1D rewrites write only head and token counts, so one rewrite serves.
+        sizes = (2, 3) if tp_mode == "2d" else (2,)
+        builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in sizes]
+        self.gm, self.tp_plan = builds[0]                 # sizes >= 2: a size-1 dim's stride is arbitrary
+        self.nodes = list(self.gm.graph.nodes)
+        first = [_leaves(n.meta.get("val")) for n in self.nodes]
+        if len(builds) == 1:
+            MetaShapeProp(_with_batch(inputs, 3 * self.unit))(self.gm)
+            others = self.nodes
+        else:
+            others = list(builds[1][0].graph.nodes)
+        if [(n.name, n.target) for n in self.nodes] != [(n.name, n.target) for n in others]:
+            raise AutosplitError(f"the tensor-parallel rewrite (tp={tp}, {tp_mode}) of this model gives different "
+                                 f"graphs for microbatch sizes {2 * self.unit} and {3 * self.unit}; the search "
+                                 f"cannot price it at other sizes")
+        self._affine = list(zip(first, [_leaves(n.meta.get("val")) for n in others]))
+        self._args = _baked_args(self.nodes, others)
+        self.gemms = set(weight_gemm_nodes(self.gm))
+        self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
+        self.b = None
+        self.unknown_ops: list[str] = []
+
+    def _build(self, traced, b, tp, tp_mode, sp):
+        gm = fx.GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
+        if getattr(traced, "propagated_at", {}).get(b) is not None:     # the shared trace, propagated once per b
+            for n, val in zip(gm.graph.nodes, traced.propagated_at[b]):
+                n.meta["val"] = val
+        else:
+            MetaShapeProp(_with_batch(self.inputs, b))(gm)
+            traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
+        if tp == 1:
+            return gm, None
+        if tp_mode == "2d":
+            plan = shard_2d(gm, self.unit, lambda node, x, w: "allgather")
+        else:
+            plan = shard_tensor_parallel(gm, tp)
+            if sp:
+                apply_sequence_parallel(gm, plan)
+        gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
+        MetaShapeProp(_with_batch(self.inputs, b))(gm)
+        return gm, plan
+
+    def floors(self, b: int, profile) -> tuple[float, float, float]:
+        """(seconds of FLOPs at peak, saved bytes, parameter bytes) of one microbatch of b through the whole
+        graph: a lower bound of its compute time (a roofline op takes at least flops / peak) and its exact
+        saved activations; affine in b, from the costs at 2 unit and 3 unit (computed once)."""
+        if not hasattr(self, "_floors"):
+            rows = []
+            for size in (2 * self.unit, 3 * self.unit):
+                self.at(size)
+                tensors = [n for n in self.nodes if any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val")))]
+                rows.append((sum((n.meta["cost"].fwd_flops + n.meta["cost"].bwd_flops)
+                                 / profile.flops_for(output_dtype(n)) for n in tensors),
+                             sum(n.meta["cost"].saved_bytes for n in self.nodes)))
+            self._floors = rows, sum(n.meta["cost"].param_bytes for n in self.nodes)
+        ((t2, s2), (t3, s3)), params = self._floors
+        k = b // self.unit - 2
+        return t2 + k * (t3 - t2), s2 + k * (s3 - s2), params
+
+    def at(self, b: int) -> fx.GraphModule:
+        """The graph with every node's ``val`` and ``cost`` at microbatch size b (shapes of tp rank 0)."""
+        if b == self.b:
+            return self.gm
+        if b % self.unit:
+            raise AutosplitError(f"microbatch size {b} does not divide by q({self.unit}) of the 2D grid")
+        k = b // self.unit - 2                    # b = unit * (2 + k): value = first + k * (second - first)
+        for n, spec, one, two in self._args:      # sizes the rewrite wrote into the graph (2D's gathered rows)
+            n.args, n.kwargs = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
+        try:
+            for n, ((one, spec), (two, _)) in zip(self.nodes, self._affine):
+                n.meta["val"] = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
+        except _NotAffine:
+            MetaShapeProp(_with_batch(self.inputs, b))(self.gm)
+        annotate = AnnotateCosts()
+        annotate(self.gm)
+        self.unknown_ops, self.b = annotate.unknown_ops, b
+        self.cuts = find_cuts(self.gm)
+        return self.gm
+
+
+def _baked_args(nodes: list[fx.Node], others: list[fx.Node]) -> list:
+    """(node, spec, leaves at 2 unit, leaves at 3 unit) of every node whose arguments differ between the
+    two builds: integers the rewrite derived from the microbatch size, extrapolated like the shapes."""
+    index = {o: n for n, o in zip(nodes, others)}
+    out = []
+    for n, o in zip(nodes, others):
+        mine, spec = tree_flatten((n.args, n.kwargs))
+        theirs, _ = tree_flatten((o.args, o.kwargs))
+        theirs = [index.get(x, x) if isinstance(x, fx.Node) else x for x in theirs]
+        if mine != theirs:
+            out.append((n, spec, mine, theirs))
+    return out
+
+
+def _parameter_owners(gm: fx.GraphModule, nodes: list[fx.Node]):
+    """What compile's stage assignment and SplitStages need, as node indices: (index, user indices) of
+    the parameter reads and what is computed from parameters alone, last first (each goes to its first
+    user's stage); (index, parameter names) of every node that uses parameters; bytes per name."""
+    index = {n: k for k, n in enumerate(nodes)}
+    from_params, users = set(), []
+    for n in nodes:
+        if n.op == "get_attr" or (n.op == "call_function" and n.all_input_nodes
+                                  and all(a in from_params for a in n.all_input_nodes)):
+            from_params.add(n)
+    for n in reversed(nodes):
+        if n in from_params and n.users:
+            users.append((index[n], [index[u] for u in n.users]))
+    params = dict(gm.named_parameters())
+    names = []
+    for k, n in enumerate(nodes):
+        if n.op == "call_module":
+            used = [f"{n.target}.{name}" for name, _ in gm.get_submodule(n.target).named_parameters()]
+        elif n.op == "get_attr" and n.target in params:
+            used = [n.target]
+        else:
+            continue
+        names.append((k, used))
+    return users, names, {name: p.numel() * p.element_size() for name, p in params.items()}
+
+
+def trace_model(model, inputs: tuple[torch.Tensor, ...], leaf_modules=(), concrete_args=None) -> fx.GraphModule:
+    """The model traced once (train and eval mode, as compile does), refused as compile refuses it."""
+    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
+    MetaShapeProp(_with_batch(inputs, 1))(gm)
+    check_single_output(gm)
+    return gm
+
+
+class _NotAffine(Exception):
+    pass
+
+
+def _extrapolate(one, two, k: int):
+    if isinstance(one, _Tensor):
+        shape, stride = ([_scale(x, y, k) for x, y in zip(one[i], two[i])] for i in (0, 1))
+        return torch.empty_strided(shape, stride, dtype=one[2], device="meta")
+    if isinstance(one, int) and not isinstance(one, bool):
+        return _scale(one, two, k)
+    if isinstance(one, torch.Size):
+        return torch.Size(_scale(x, y, k) for x, y in zip(one, two))
+    if one is not two and one != two:
+        raise _NotAffine
+    return one
+
+
+def _scale(x, y, k: int):
+    if not (isinstance(x, int) and isinstance(y, int)):
+        raise _NotAffine
+    value = x + k * (y - x)
+    if value < 0:
+        raise _NotAffine
+    return value

@@ -1,0 +1,185 @@
+"""``autosplit.search``: rank every parallel configuration of a model on W devices by predicted step time.
+
+Terms: see space.py (layout, Bd, m, b, the enumerated options), costing.py (group, cut, memory, price),
+candidate.py (Candidate, Rejected, pruned).
+
+Order of work, cheapest refusals first:
+  1. trace the model once; per layout, rewrite a copy for tensor parallelism (a refusal, e.g. heads not
+     dividing by tp, rejects the layout, and every multiple of that tp: divisibility refusals are
+     inherited by multiples);
+  2. enumerate meshes, microbatch counts, schedules, checkpointing and dp sharding (space.py), rejecting
+     what the compiler would refuse (batch and rows divisibility, stages beyond the graph's cuts,
+     zero-bubble with dp_shard);
+  3. for each configuration two sound lower bounds, from each layout's costs at two sizes (affine in b):
+       memory >= (dp state of all parameters + saved activations without checkpointing) / pp: the
+         fullest rank holds at least the mean of what all ranks hold;
+       step time >= m * (FLOPs at peak of one microbatch through all stages) / pp: some rank is at
+         least that busy (an op takes at least flops / peak), and the timed schedule runs a rank's
+         computes one after another;
+     reject what the memory bound puts over the budget, and price the rest in increasing order of the
+     time bound, stopping once the bound exceeds the ``top``-th best step time found (everything
+     after it is slower than ``top`` configurations already found: pruned, never wrongly);
+  4. pricing a configuration (costing.price; its group's costs built on first use) cuts, bounds again
+     with the stage times (step_time.lower_bound), checks memory, and runs the timed schedule.
+The result is deterministic (no clocks or randomness in the choices), so every rank of a job that
+searches reaches the same ranking.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import defaultdict
+
+from autosplit import validate
+from autosplit.cost_model import get_profile
+from autosplit.errors import AutosplitError
+from autosplit.model_layers import layer_paths
+from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
+from autosplit.strategy.costing import PRUNED, Group, price
+from autosplit.strategy.layout import LayoutGraph, trace_model
+from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
+
+_SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
+
+
+def _options(layout, schedule, v, m, checkpoint, shard, budget) -> dict:
+    o = {"num_microbatches": m, "schedule": schedule, "chunks_per_rank": v, "tp_mode": layout.tp_mode,
+         "sequence_parallel": layout.sequence_parallel, "dp_shard": shard, "checkpoint": checkpoint}
+    if layout.tp_mode == "2d":
+        o["tp_2d_form"] = "allgather"
+    if budget is not None:
+        o["memory_budget"] = budget
+    return o
+
+
+def search(model, world_size: int, example_input, *, global_batch: int, device="h100", memory_budget=None,
+           top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None) -> SearchResult:
+    """Ranked configurations of ``model`` on ``world_size`` devices, fastest predicted step first.
+
+    Args:
+        model: the unchanged model (parameters may be on the meta device).
+        world_size: number of devices W; every mesh (pp, tp, dp) with pp * tp * dp = W is considered.
+        example_input: one example of what the model's forward takes, batch dim first, with any batch
+            size (e.g. torch.empty(1, 3, 224, 224, device="meta")): only its per-sample shape and dtype
+            are used; each configuration sets the batch dim to its own microbatch size.
+        global_batch: samples per optimizer step over all replicas; replica k of dp gets global_batch / dp.
+        device: the cost-model profile ("h100", "h200", "a100", "cpu" or a DeviceProfile).
+        memory_budget: bytes per rank (a number or "80GiB"); None: no limit.
+        top: how many configurations to return.
+        prune: False prices every configuration (the brute force the tests compare against).
+        leaf_modules, concrete_args: as for ``autosplit.compile``.
+    Returns:
+        A SearchResult: a list of Candidates (``.mesh``, ``.options`` for ``parallelize``/``compile``,
+        ``.step_time`` s, ``.memory`` bytes, ``.parts``), with ``.rejected`` (each with ``.why``),
+        ``.pruned``, ``.table()``.
+    """
+    start = time.perf_counter()
+    validate.model(model)
+    for name, value in (("world_size", world_size), ("global_batch", global_batch), ("top", top)):
+        validate.positive_int(name, value)
+    inputs = validate.example_inputs(model, example_input)
+    budget = validate.memory_budget(memory_budget)
+    leaves = validate.leaf_modules(model, leaf_modules)
+    validate.concrete_args(model, len(inputs), concrete_args)
+    profile = get_profile(device)
+    layers = layer_paths(model)
+    sample_bytes = sum(x[:1].numel() * x.element_size() for x in inputs)
+    traced = trace_model(model, inputs, leaves, concrete_args)
+
+    rejected: list[Rejected] = []
+    specs = []                                  # (layout, graph, pp, dp, m, b, schedule, v)
+    failed = defaultdict(list)                  # tp_mode -> [(tp, message)]
+    for layout in layouts(world_size):
+        meshes = [(pp, layout.tp, world_size // (pp * layout.tp)) for pp in divisors(world_size // layout.tp)]
+        base = {"tp_mode": layout.tp_mode, "sequence_parallel": layout.sequence_parallel}
+        known = next(((t, msg) for t, msg in failed[layout.tp_mode] if layout.tp % t == 0), None)
+        graph = None
+        if known is None:
+            try:
+                graph = LayoutGraph(traced, inputs, layout.tp, layout.tp_mode, layout.sequence_parallel)
+            except AutosplitError as exc:
+                known = (layout.tp, str(exc).splitlines()[0])
+                failed[layout.tp_mode].append(known)
+        if graph is None:
+            why = known[1] if known[0] == layout.tp else f"as for tp={known[0]} (a divisor): {known[1]}"
+            rejected += [Rejected(mesh, base, why, "tensor parallel") for mesh in meshes]
+            continue
+        graph.at(2 * graph.unit)
+        n_segments = len(graph.cuts) + 1
+        most = min(n_segments, 2 * len(layers)) if layers else n_segments
+        for pp, tp, dp in meshes:
+            mesh = (pp, tp, dp)
+            if global_batch % dp:
+                rejected.append(Rejected(mesh, base, f"global_batch({global_batch}) % dp({dp}) = "
+                                                     f"{global_batch % dp}", "batch"))
+                continue
+            per_replica = global_batch // dp
+            counts = microbatch_counts(pp, per_replica)
+            if not counts:
+                rejected.append(Rejected(mesh, base, f"no microbatch count m with pp({pp}) <= m <= 4*pp dividing "
+                                                     f"the per-replica batch {per_replica}", "batch"))
+            for m in counts:
+                b = per_replica // m
+                if b % layout.q:
+                    rejected.append(Rejected(mesh, {**base, "num_microbatches": m}, f"microbatch rows {b} % q"
+                                             f"({layout.q}) != 0 (2D splits rows over tp_row)", "tensor parallel"))
+                    continue
+                for schedule, v in schedules(pp):
+                    if pp * v > most:
+                        rejected.append(Rejected(mesh, {**base, "schedule": schedule, "chunks_per_rank": v},
+                                                 f"pp({pp}) * chunks_per_rank({v}) = {pp * v} stages > {most} "
+                                                 f"(segments the graph can be cut into, at most 2 per layer)",
+                                                 "stages"))
+                        continue
+                    specs.append((layout, graph, pp, dp, m, b, schedule, v))
+
+    groups, bounded = {}, []
+    for layout, graph, pp, dp, m, b, schedule, v in specs:
+        flops_time, saved, params = graph.floors(b, profile)
+        for checkpoint in checkpoints():
+            for shard, why in shardings(dp, schedule):
+                options = _options(layout, schedule, v, m, checkpoint, shard, budget)
+                if why:
+                    rejected.append(Rejected((pp, layout.tp, dp), options, why, "schedule"))
+                    continue
+                state = (4 / dp + 1 if shard else 4) * params
+                floor = (state + (saved if checkpoint is None else 0)) / pp - pp * v
+                if budget is not None and floor > budget:
+                    rejected.append(Rejected((pp, layout.tp, dp), options,
+                                             f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
+                                             f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
+                    continue
+                bounded.append((m * flops_time / pp, describe((pp, layout.tp, dp), options), (graph, b, checkpoint),
+                                pp, dp, schedule, v, m, shard, options))
+
+    bounded.sort(key=lambda c: (c[0], c[1]))
+    found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
+    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options) in enumerate(bounded):
+        if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
+            pruned += len(bounded) - k
+            break
+        if key not in groups:                 # priced once per (layout, b, checkpoint), when first needed
+            graph, b, checkpoint = key
+            groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes)
+        group = groups[key]
+        mesh = (pp, group.graph.tp, dp)
+        incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
+        if m * group.work / pp > incumbent:   # the same bound with the group's full op times
+            pruned += 1
+            continue
+        result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
+        if result is PRUNED:
+            pruned += 1
+            continue
+        if isinstance(result, str):
+            rejected.append(Rejected(mesh, options, result, "memory"))
+            continue
+        pred, memory, bounds = result
+        found.append(Candidate(mesh, options, pred.total, memory, {
+            "compute": pred.compute, "bubble": pred.bubble, "exposed_comm": pred.exposed_comm,
+            "dp_comm": pred.dp_comm}, tuple(bounds)))
+        heapq.heappush(best, -pred.total)
+        if len(best) > top:
+            heapq.heappop(best)
+    ranked = sorted(found, key=lambda c: (c.step_time, c.label))[:top]
+    return SearchResult(ranked, rejected, pruned, len(found), time.perf_counter() - start)

@@ -1,0 +1,84 @@
+"""The space the search enumerates, and the refusals it knows before pricing anything.
+
+Terms:
+  world     -- the number of ranks, W = pp * tp * dp.
+  layout    -- (tp, tp_mode, sequence_parallel): tp_mode "1d" (sequence parallelism on or off when
+               tp > 1) or "2d" (tp = q * q, q >= 2; sequence parallelism does not apply).
+  Bd        -- the per-replica batch, global_batch / dp (dp must divide it).
+  m, b      -- microbatches per step and microbatch size, m * b = Bd.  m runs over the divisors of Bd
+               with pp <= m <= 4 pp when pp > 1 (fewer leave the pipeline mostly idle; interleaved
+               needs m >= pp anyway) and m in {1, 2, 4, 8} when pp = 1 (gradient accumulation saves
+               activation memory); 2D needs q | b (rows over tp_row).
+  schedule  -- pp = 1: "1f1b" (every schedule is the same single stage); pp > 1: "1f1b", "interleaved"
+               with chunks_per_rank 2 and 4, "zb-h1", "zb-v" (chunks 2).  GPipe is left out: the same
+               bubble as 1F1B with m instead of pp microbatches in flight.
+  stages    -- pp * chunks_per_rank <= the segments the graph can be cut into, and <= 2 per layer
+               (``model_layers.layer_paths``): a stage holds at least half a layer.
+  checkpoint -- None, "stage", "block".   dp_shard -- False, or "stage" / "layer" when dp > 1;
+               zero-bubble schedules only with False (the compiler refuses FSDP with a split backward).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autosplit.schedule import SPLIT_BACKWARD
+from autosplit.segment_costs import CHECKPOINTS
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    tp_mode: str
+    sequence_parallel: bool
+
+    @property
+    def q(self) -> int:
+        return math.isqrt(self.tp) if self.tp_mode == "2d" else 1
+
+
+def layouts(world: int) -> list[Layout]:
+    out = []
+    for tp in divisors(world):
+        out.append(Layout(tp, "1d", False))
+        if tp > 1:
+            out.append(Layout(tp, "1d", True))
+            q = math.isqrt(tp)
+            if q * q == tp:
+                out.append(Layout(tp, "2d", False))
+    return out
+
+
+def schedules(pp: int) -> list[tuple[str, int]]:
+    """(schedule, chunks_per_rank) pairs for pp pipeline ranks."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-v", 2)]
+
+
+def microbatch_counts(pp: int, per_replica: int) -> list[int]:
+    if pp == 1:
+        return [m for m in (1, 2, 4, 8) if per_replica % m == 0]
+    return [m for m in divisors(per_replica) if pp <= m <= 4 * pp]
+
+
+def shardings(dp: int, schedule: str) -> list[tuple[object, str | None]]:
+    """(dp_shard, why not) pairs: why not is the compiler's refusal, or None."""
+    if dp == 1:
+        return [(False, None)]
+    out = [(False, None)]
+    for s in ("stage", "layer"):
+        why = None
+        if schedule in SPLIT_BACKWARD:
+            why = (f"schedule={schedule!r} with dp_shard={s!r}: FSDP2 reduce-scatters a module's gradients when "
+                   f"its backward ends, but a zero-bubble schedule computes the weight gradients later, in W")
+        out.append((s, why))
+    return out
+
+
+def checkpoints() -> tuple:
+    return CHECKPOINTS

@@ -1,0 +1,58 @@
+"""Strategy search time and peak memory: ViT-B/16 on 8, ViT-H/14 on 64, a ViT-22B-like model on 1024
+devices (H100 profile, 80 GiB per device).  Each model is built on the meta device.
+
+    python benchmarks/bench_search.py [--only NAME]
+
+Prints, per case: wall seconds, CPU seconds of this process (the machine is shared; CPU time is what
+the search itself costs), peak traced Python memory (tracemalloc) and max RSS, and the first choice.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+import tracemalloc
+
+import timm
+import torch
+
+import autosplit
+
+CASES = {   # name: (model factory, world, global batch)
+    "vit_b16@8": (lambda: timm.create_model("vit_base_patch16_224"), 8, 256),
+    "vit_h14@64": (lambda: timm.create_model("vit_huge_patch14_224"), 64, 1024),
+    "vit_22b@1024": (lambda: timm.models.VisionTransformer(img_size=224, patch_size=14, embed_dim=6144, depth=48,
+                                                           num_heads=48, mlp_ratio=4), 1024, 4096),
+}
+
+
+def run(name: str) -> dict:
+    factory, world, batch = CASES[name]
+    with torch.device("meta"):
+        model = factory()
+    x = torch.empty(1, 3, 224, 224, device="meta")
+    tracemalloc.start()
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = autosplit.search(model, world, x, global_batch=batch, device="h100", memory_budget="80GiB", top=5)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {"case": name, "wall_s": wall, "cpu_s": cpu, "peak_traced_MiB": peak / 2**20,
+            "max_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "priced": result.evaluated, "pruned": result.pruned, "rejected": len(result.rejected),
+            "best": result[0].label if result else None,
+            "best_ms": result[0].step_time * 1e3 if result else None, "table": result.table()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=sorted(CASES), default=None)
+    args = p.parse_args()
+    for name in [args.only] if args.only else CASES:
+        r = run(name)
+        print(r.pop("table"))
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Strategy search (autosplit/strategy, ``autosplit.search``): exact against compile, sound pruning.
+
+Tiny models only: the searches here take about a second each.
+"""
+import random
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.cost_model.step_time import predict_plan
+from autosplit.passes.partition import balanced_bounds
+from autosplit.strategy.cuts import CutSolver
+from autosplit.strategy.layout import LayoutGraph, trace_model
+
+from tests.models import VARIANTS, tp_timm, tp_torchvision
+
+VARIANTS_TIMM = VARIANTS["timm_cls"]
+
+X = torch.empty(1, 3, 32, 32)
+
+
+def _compiled(model, c, global_batch, device="h100"):
+    b = global_batch // c.mesh[2] // c.options["num_microbatches"]
+    return autosplit.compile(model, mesh=c.mesh, example_input=torch.empty(b, 3, 32, 32), device=device,
+                             **c.options)
+
+
+@pytest.mark.parametrize("tp,mode,sp", [(1, "1d", False), (2, "1d", True), (4, "2d", False)])
+def test_rescaled_graph_equals_a_fresh_compile(tp, mode, sp):
+    """Shapes and costs extrapolated to microbatch size b are those compile computes tracing at b."""
+    model = tp_timm()
+    graph = LayoutGraph(trace_model(model, (X,)), (X,), tp, mode, sp)
+    for b in (4, 10):
+        graph.at(b)
+        plan = autosplit.compile(model, mesh=(1, tp, 1), example_input=torch.empty(b, 3, 32, 32), tp_mode=mode,
+                                 sequence_parallel=sp, **({"tp_2d_form": "allgather"} if mode == "2d" else {}))
+        ours = [(n.name, n.meta["cost"], n.args) for n in graph.nodes]
+        theirs = [(n.name, n.meta["cost"], n.args) for n in plan.graph.graph.nodes]
+        assert [(a, c) for a, c, _ in ours] == [(a, c) for a, c, _ in theirs]
+        assert [c.nbytes for c in graph.cuts] == [c.nbytes for c in autosplit.passes.cut_points.find_cuts(plan.graph)]
+
+
+def test_cut_solver_is_balanced_bounds():
+    rng = random.Random(0)
+    for trial in range(150):
+        K = rng.randint(1, 25)
+        seg = [rng.choice([0.0, 1.0, 2.0, rng.random()]) for _ in range(K)]
+        out = [rng.choice([0.0, 0.5, rng.random()]) for _ in range(K)]
+        params = [rng.choice([0, 0, 5, 7]) for _ in range(K)] if trial % 2 else None
+        solver = CutSolver(seg, out, params)
+        for S in rng.sample(range(1, K + 1), min(K, 4)):
+            assert solver.bounds(S) == balanced_bounds(seg, out, S, seg_params=params)
+
+
+@pytest.mark.parametrize("world,budget", [(4, None), (8, 400_000)])
+def test_pruned_search_equals_brute_force(world, budget):
+    model = tp_timm()
+    kw = dict(global_batch=32, device="h100", memory_budget=budget, top=8)
+    pruned = autosplit.search(model, world, X, **kw)
+    brute = autosplit.search(model, world, X, prune=False, **kw)
+    assert pruned.pruned > 0 and brute.pruned == 0 and brute.evaluated > pruned.evaluated
+    assert [(c.label, c.step_time, c.memory) for c in pruned] == [(c.label, c.step_time, c.memory) for c in brute]
+    if budget is not None:
+        assert any(r.kind == "memory" for r in brute.rejected)
+
+
+def test_predictions_equal_compile():
+    """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a sample)."""
+    model, batch = tp_timm(), 32
+    every = autosplit.search(model, 8, X, global_batch=batch, memory_budget=400_000, top=10**6, prune=False)
+    picks = list(every[:3]) + random.Random(1).sample(list(every[3:]), 12)
+    for c in picks:
+        plan = _compiled(model, c, batch)
+        pred = predict_plan(plan)
+        assert pred.total == pytest.approx(c.step_time, rel=1e-9), c.label
+        assert pred.compute == pytest.approx(c.parts["compute"], rel=1e-9)
+        assert tuple(plan.bounds) == c.bounds
+        ranks = [sum(plan.stages[s].memory_bytes for s in plan.placement.stages(r)) for r in range(c.mesh[0])]
+        assert max(ranks) == c.memory <= 400_000
+
+
+def test_rejections_say_why():
+    model = tp_torchvision()                  # 4 heads
+    result = autosplit.search(model, 8, X, global_batch=20, memory_budget=300_000, top=3)
+    why = {r.kind: r.why for r in result.rejected}
+    assert "4 attention heads do not divide by tp(8)" in why["tensor parallel"]
+    assert "global_batch(20) % dp(8) = 4" in why["batch"]
+    assert "dp_shard" in why["schedule"] and "memory" in why
+    assert all(c.memory <= 300_000 for c in result)
+    table = result.table()
+    assert "rejected" in table and "tensor parallel" in table and result[0].label in table
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(autosplit.AutosplitError, match="global_batch"):
+        autosplit.search(tp_timm(), 4, X, global_batch=0)
+    with pytest.raises(autosplit.AutosplitError, match="world_size"):
+        autosplit.search(tp_timm(), 2.5, X, global_batch=8)
+
+
+def test_cli_prints_the_table(capsys):
+    from autosplit.__main__ import main
+    assert main(["search", "tests.models:tp_timm", "--world", "4", "--batch", "16", "--memory", "400KB",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "autosplit search" in out and "step ms" in out and "rejected" in out
+    assert len([line for line in out.splitlines() if line[:1].isdigit()]) == 3
+
+
+def test_parallelize_auto_trains_like_one_device(pool2):
+    """Every rank runs the same search and picks its first candidate; training equals one device."""
+    from tests.checks_search import auto_mesh_errors, auto_mesh_matches_single_device
+    out = pool2.run(auto_mesh_matches_single_device)
+    choice = autosplit.search(VARIANTS_TIMM(), 2, X, global_batch=8, device="h100")[0]
+    for rank, r in enumerate(out):
+        assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        assert r["mesh"] == choice.mesh and r["m"] == choice.options["num_microbatches"]
+        assert r["schedule"] == choice.options["schedule"]
+        assert len(r["logged"]) == (1 if rank == 0 else 0)
+    errors = pool2.run(auto_mesh_errors)
+    for e in errors:
+        assert "mesh='auto' needs global_batch" in e[0] and "on CPU needs device=" in e[1]
