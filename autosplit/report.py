@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from autosplit.cost_model.step_time import predict_plan
+from autosplit.errors import AutosplitError
+
 if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
     from autosplit.plan import Plan, StageInfo
 
@@ -57,7 +60,7 @@ def summary_table(plan: Plan) -> str:
     head = (f"autosplit plan: mesh {plan.mesh}, {plan.n_stages} stages, schedule {plan.schedule}, "
             f"{plan.num_microbatches} microbatches of [{shapes}], device model {plan.device}, "
             f"autocast {plan.autocast or 'off (float32)'}, checkpoint {plan.checkpoint or 'off'}")
-    foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {_ratio(equal)} {BASELINE}"]
+    foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {_ratio(equal)} {BASELINE}", _step_line(plan)]
     if plan.checkpoint:
         what = "its inputs" if plan.checkpoint == "stage" else "the tensors entering each layer"
         foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
@@ -79,6 +82,15 @@ def summary_table(plan: Plan) -> str:
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
     return "\n".join([head, *lines, *foot])
+
+
+def _step_line(plan: Plan) -> str:
+    """The timed schedule's step prediction (cost_model/step_time.py); a profile known only by an
+    unregistered name cannot be priced again here: predict_plan(plan, device=profile) can."""
+    try:
+        return predict_plan(plan).line()
+    except AutosplitError as exc:
+        return f"predicted step: n/a ({exc.args[0].split(';')[0]}; use predict_plan(plan, device=profile))"
 
 
 def _grid_note(plan: Plan) -> list[str]:

@@ -1,0 +1,263 @@
+"""Predicted seconds of one training step: a timed run of the lowered schedule with real durations.
+
+Terms:
+  StageTimes -- per global stage, seconds per microbatch: ``fwd`` and ``bwd`` compute (bwd includes a
+                checkpointed stage's recomputed forward), ``w`` (the part of bwd a split-backward
+                schedule defers to W; I = bwd - w), ``tp_fwd`` / ``tp_bwd`` (blocking tensor-parallel
+                collectives inside the forward / backward), ``send`` (one direction of the stage's
+                output boundary: the activation forward, or its gradient back), and ``dp`` (the
+                stage's data-parallel gradient sync, seconds per step).
+  timed run  -- the schedule's lowered lists (schedule/lower.py) under the simulator's NCCL rules
+                (schedule/simulate.py), with durations instead of unit steps:
+                  a compute starts when the previous compute of its rank ended, its data dependencies
+                  ended (schedule/timing.py ``dependencies``) and the group bringing its input is done;
+                  it lasts fwd + tp_fwd (F), bwd + tp_bwd (B), bwd - w + tp_bwd (I) or w (W);
+                  a group becomes *active* once the compute before it in its rank's list ended (NCCL's
+                  stream waits for the compute stream) and the rank's previous group is done (one queue
+                  per rank, only its head runs); a transfer starts when both its groups are active and
+                  lasts the producing boundary's ``send``; a group is done when all its transfers are.
+  dp sync    -- per rank one stream: a stage's ``dp`` starts once its last backward (B or W) ended and
+                the rank's previous dp sync is done (replicated dp all-reduces there; FSDP's all-gathers
+                are counted there too, an upper bound on what its prefetch exposes).
+  slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
+  parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds),
+                ``exposed_comm`` (its blocking tp collectives, plus how much later it ends than with free
+                point-to-point transfers), ``dp_comm`` (dp sync past its last compute), ``bubble`` (the rest:
+                idle waiting for other ranks).
+
+With every F = B = 1 and free communication the timed run ends at the unit simulator's step count,
+and 1F1B's bubble is (pp - 1)(F + B) (tests/test_step_time.py).
+Pure: no process group, no torch; the lowered structure is cached per (schedule, pp, m, v).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autosplit.schedule import Action, Group, build_schedule, lower
+from autosplit.schedule.actions import RECV_B, RECV_F, B, F, I, W
+from autosplit.schedule.timing import ScheduleDeadlock, dependencies
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One global stage's durations (see the module docstring); seconds."""
+    fwd: float
+    bwd: float
+    w: float = 0.0
+    tp_fwd: float = 0.0
+    tp_bwd: float = 0.0
+    send: float = 0.0
+    dp: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Seconds per step of the slowest rank: total = compute + bubble + exposed_comm + dp_comm."""
+    total: float
+    compute: float
+    bubble: float
+    exposed_comm: float
+    dp_comm: float
+    rank: int                       # the slowest pipeline rank
+    rank_ends: tuple[float, ...]    # per pipeline rank, when its step ends
+
+    def line(self) -> str:
+        dp = f" + dp sync {self.dp_comm * 1e3:.3f}" if self.dp_comm else ""
+        return (f"predicted step: {self.total * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + bubble "
+                f"{self.bubble * 1e3:.3f} + exposed comm {self.exposed_comm * 1e3:.3f}{dp} (slowest rank, "
+                f"pp rank {self.rank})")
+
+
+@dataclass(frozen=True)
+class _Node:
+    """One value of the timed run: a compute's end, a group's activation, or a group's end."""
+    kind: str                 # "compute", "active", "done"
+    rank: int
+    deps: tuple[int, ...]     # node indices whose values it waits for
+    action: object = None     # the compute (kind "compute")
+    transfers: tuple = ()     # kind "done": ((peer active node, boundary stage), ...)
+
+
+@functools.lru_cache(maxsize=256)
+def _structure(schedule: str, pp: int, m: int, v: int) -> tuple[list[_Node], list[int], int]:
+    """The timed run's dependency graph (nodes in an order where every dependency comes first)."""
+    sched = build_schedule(schedule, pp, m, v)
+    lists, place, S = lower(sched), sched.placement, sched.num_stages
+    recv_group = {}                                  # receive Action -> (rank, group index)
+    send_group = {}                                  # send Action -> (rank, group index)
+    for r, items in lists.items():
+        g = 0
+        for item in items:
+            if isinstance(item, Group):
+                for a in item.actions:
+                    (recv_group if a.kind.is_recv else send_group)[a] = (r, g)
+                g += 1
+    specs: dict[tuple, tuple] = {}     # ("c", Action) / ("a" | "d", (rank, group)) -> (rank, deps, action, transfers)
+    for r, items in lists.items():
+        last_compute, g = None, 0
+        for item in items:
+            if isinstance(item, Group):
+                deps = [("c", last_compute)] if last_compute is not None else []
+                if g:
+                    deps.append(("d", (r, g - 1)))
+                specs[("a", (r, g))] = (r, deps, None, ())
+                transfers = []
+                for a in item.actions:
+                    peer = a.matching()
+                    table = send_group if peer.kind.is_send else recv_group
+                    # the boundary is the producing stage's output: SEND_F / RECV_B of stage s and
+                    # SEND_B / RECV_F of stage s+1 all carry stage s's output (or its gradient)
+                    boundary = min(a.stage, a.peer_stage)
+                    transfers.append((("a", table[peer]), boundary))
+                specs[("d", (r, g))] = (r, [("a", (r, g))] + [t[0] for t in transfers], None, tuple(transfers))
+                g += 1
+            else:
+                deps = [("c", last_compute)] if last_compute is not None else []
+                deps += [("c", d) for d in dependencies(item, S)]
+                feed = _feed(item)
+                if feed is not None and feed in recv_group:
+                    deps.append(("d", recv_group[feed]))
+                specs[("c", item)] = (r, deps, item, ())
+                last_compute = item
+    order = _topological(specs)
+    index = {key: k for k, key in enumerate(order)}
+    nodes = []
+    for key in order:
+        r, deps, action, transfers = specs[key]
+        kind = {"c": "compute", "a": "active", "d": "done"}[key[0]]
+        nodes.append(_Node(kind, r, tuple(index[d] for d in deps), action,
+                           tuple((index[t], b) for t, b in transfers)))
+    return nodes, [place.rank(s) for s in range(S)], S
+
+
+def _feed(a: Action) -> Action | None:
+    """The receive that brings compute ``a`` its input (as the simulator's ``_feed``)."""
+    if a.kind is W:
+        return None
+    return Action(a.stage, RECV_F if a.kind is F else RECV_B, a.microbatch)
+
+
+def _topological(specs: dict[tuple, tuple]) -> list[tuple]:
+    """Kahn's order of the spec keys; a cycle means the schedule cannot finish (never for a schedule
+    the simulator accepted)."""
+    users: dict[tuple, list[tuple]] = {k: [] for k in specs}
+    missing = {}
+    for k, (_, deps, _, _) in specs.items():
+        missing[k] = len(deps)
+        for d in deps:
+            users[d].append(k)
+    ready = [k for k, n in missing.items() if n == 0]
+    order = []
+    while ready:
+        k = ready.pop()
+        order.append(k)
+        for u in users[k]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                ready.append(u)
+    if len(order) != len(specs):
+        raise ScheduleDeadlock(f"the timed run cannot order {len(specs) - len(order)} of its events: the "
+                               f"lowered schedule has a cycle")
+    return order
+
+
+def _duration(a, t: StageTimes) -> float:
+    if a.kind is F:
+        return t.fwd + t.tp_fwd
+    if a.kind is B:
+        return t.bwd + t.tp_bwd
+    if a.kind is I:
+        return t.bwd - t.w + t.tp_bwd
+    return t.w
+
+
+def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool) -> list[float]:
+    value = [0.0] * len(nodes)
+    for k, n in enumerate(nodes):
+        if n.kind == "compute":
+            start = max((value[d] for d in n.deps), default=0.0)
+            value[k] = start + _duration(n.action, stages[n.action.stage])
+        elif n.kind == "active":
+            value[k] = max((value[d] for d in n.deps), default=0.0)
+        else:
+            mine = value[n.deps[0]]
+            value[k] = max((max(mine, value[peer]) + (stages[b].send if p2p else 0.0) for peer, b in n.transfers),
+                           default=mine)
+    return value
+
+
+def _rank_ends(nodes, value, pp: int) -> list[float]:
+    ends = [0.0] * pp
+    for k, n in enumerate(nodes):
+        if n.kind != "active":
+            ends[n.rank] = max(ends[n.rank], value[k])
+    return ends
+
+
+def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
+                 stages: Sequence[StageTimes]) -> StepPrediction:
+    """Seconds of one step of ``schedule`` (see the module docstring).
+
+    Args:
+        schedule: one of autosplit.schedule.SCHEDULES; its placement maps stages to ranks.
+        pp, num_microbatches, chunks_per_rank: the pipeline's shape (pp * chunks_per_rank stages).
+        stages: one StageTimes per global stage, in stage order.
+    """
+    nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank)
+    if len(stages) != S:
+        raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
+    timed = _run(nodes, stages, p2p=True)
+    free = _run(nodes, stages, p2p=False)
+    ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
+    compute, tp, last_bwd = [0.0] * pp, [0.0] * pp, [0.0] * S
+    for k, n in enumerate(nodes):
+        if n.kind == "compute":
+            a, t = n.action, stages[n.action.stage]
+            tp[n.rank] += t.tp_fwd if a.kind is F else t.tp_bwd if a.kind is not W else 0.0
+            compute[n.rank] += _duration(a, t) - (t.tp_fwd if a.kind is F else t.tp_bwd if a.kind is not W else 0.0)
+            if a.kind is not F:
+                last_bwd[a.stage] = max(last_bwd[a.stage], timed[k])
+    totals = []
+    for r in range(pp):
+        clock = 0.0
+        for s in sorted((s for s in range(S) if rank_of[s] == r), key=lambda s: last_bwd[s]):
+            clock = max(clock, last_bwd[s]) + stages[s].dp
+        totals.append(max(ends[r], clock))
+    r = max(range(pp), key=lambda q: (totals[q], -q))
+    exposed = tp[r] + max(0.0, ends[r] - free_ends[r])
+    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] - compute[r] - exposed,
+                          exposed_comm=exposed, dp_comm=totals[r] - ends[r], rank=r, rank_ends=tuple(totals))
+
+
+def plan_stage_times(plan, device=None) -> list[StageTimes]:
+    """StageTimes of a compiled Plan, from what its StageInfos hold: fwd / bwd / W seconds, dp sync, and
+    ``comm_time`` split into the tp collectives (priced again per stage from ``plan.graph``, the same
+    ``collective_time`` the compiler summed) and the boundary (the rest: send forward + gradient back).
+
+    Args:
+        plan: an autosplit Plan (read, not imported: the cost model sits below the compiler).
+        device: the profile the plan was compiled with; default ``plan.profile`` where a Plan carries
+            one, else ``plan.device`` by name ("h100", "cpu", ...).
+    """
+    from autosplit.cost_model.comm import collective_time
+    from autosplit.cost_model.profiles import get_profile
+    profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
+    tp = [[0.0, 0.0] for _ in plan.stages]
+    for n in plan.graph.graph.nodes:
+        stage = n.meta.get("stage")
+        if stage is not None:
+            f, b = collective_time(n, plan.mesh.tp, profile)
+            tp[stage][0] += f
+            tp[stage][1] += b
+    split = plan.schedule in ("zb-h1", "zb-v")
+    return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if split else 0.0, tp_fwd=f, tp_bwd=b,
+                       send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time)
+            for s, (f, b) in zip(plan.stages, tp)]
+
+
+def predict_plan(plan, device=None) -> StepPrediction:
+    """``predict_step`` of a compiled Plan (its schedule, mesh and StageInfos; see plan_stage_times)."""
+    return predict_step(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
+                        plan_stage_times(plan, device))
