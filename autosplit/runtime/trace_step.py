@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from autosplit.cost_model.step_time import predict_plan
+
 log = logging.getLogger("autosplit")
 PREFIX = "autosplit::"
 _COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")
@@ -88,7 +90,7 @@ def trace_step(pm, images, labels, path) -> StepTrace:
     mine = _own_events(prof)
     ranks = _exchange(world, watchdog, mine)
     events = _chrome_events(ranks, world)
-    report = _report(pm.plan, ranks, events, loss, path)
+    report = _report(pm.plan, pm.profile or pm.compile_options.get("device"), events, loss, path)
     if world.rank == 0:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -153,13 +155,8 @@ def _chrome_events(ranks: list[list], world) -> list[dict]:
     return out
 
 
-def _report(plan, ranks: list[list], events: list[dict], loss: float, path) -> StepTrace:
+def _report(plan, profile, events: list[dict], loss: float, path) -> StepTrace:
     """Measured vs predicted: net compute per (stage, kind), nested communication per stage, the step."""
-    try:  # TEMP until the search's predictor lands
-        from autosplit.cost_model.step_time import predict_plan     # the search's predictor (plan costs)
-        predicted = predict_plan(plan).total
-    except ImportError:
-        predicted = 1.0
     net: dict[tuple[int, str], list[float]] = {}
     comm: dict[int, list[float]] = {}
     by_rank: dict[int, list[dict]] = {}
@@ -196,4 +193,4 @@ def _report(plan, ranks: list[list], events: list[dict], loss: float, path) -> S
     kinds = {k: (mean(kinds_meas[k]), mean(kinds_pred[k])) for k in kinds_meas}
     step = max(e["ts"] + e["dur"] for e in events if e.get("name") == "step") * 1e-6
     return StepTrace(path=Path(path) if path is not None else None, loss=loss, events=events, step_time=step,
-                     predicted_step=predicted, stages=stages, kinds=kinds)
+                     predicted_step=predict_plan(plan, device=profile).total, stages=stages, kinds=kinds)
