@@ -8,7 +8,7 @@ Terms (op class, work, fit: see measured.py):
   sizes   -- shapes around what a small ViT's microbatches give (tokens x width 192, 4 x width, heads
              of 64, tensor-parallel halves), from tiny to a few hundred MFLOP per op: small GEMMs are
              slower per FLOP and the fit's alpha captures that.
-  budget  -- seconds of timed repeats per chain (after one warm-up); the median of the repeats counts.
+  budget  -- seconds of timed repeats per chain (after one warm-up); their mean counts (see _samples).
 The thread count is whatever torch uses already; we never change it.  No process is spawned.
 """
 from __future__ import annotations
@@ -109,7 +109,9 @@ def _samples(kind: str, k: int, shape, x_shape, y_shape, budget: float, device) 
     while len(times) < 3 or (time.perf_counter() - start < budget and len(times) < 50):
         times.append(step())
     ops, fw, bw = per_class[main]
-    return {main: [(ops, fw, statistics.median(t[0] for t in times), bw, statistics.median(t[1] for t in times))]}
+    # the mean, not the median: ranks sharing cores are time-sliced, and only the mean over the window
+    # sees the share of a core each gets (a median picks the slices that ran alone)
+    return {main: [(ops, fw, statistics.fmean(t[0] for t in times), bw, statistics.fmean(t[1] for t in times))]}
 
 
 def measure_compute(budget: float = 2.0, device="cpu") -> dict:
