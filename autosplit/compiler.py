@@ -127,4 +127,5 @@ def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions) ->
                 graph=gm, modules=state.split.stages, tp_plan=state.tp_plan,
                 schedule_grid=state.schedule_result.format_grid(),
                 autocast=None if options.autocast is None else str(options.autocast).removeprefix("torch."),
-                checkpoint=options.checkpoint, layer_end_segments=state.layer_ends, dp_shard=state.dp_shard)
+                checkpoint=options.checkpoint, layer_end_segments=state.layer_ends, dp_shard=state.dp_shard,
+                profile=state.profile)

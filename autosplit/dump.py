@@ -87,7 +87,7 @@ def dump_plan(plan: Plan, directory, profile=None) -> list[str]:
         plan: the Plan to write.
         directory: created if missing; files already there are overwritten.
         profile: the DeviceProfile the plan was made with, for report.html's memory budget and
-            communication times (default: the built-in profile ``plan.device`` names, if any).
+            communication times (default: ``plan.profile``, else the built-in profile ``plan.device`` names).
     """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)

@@ -54,6 +54,7 @@ class Plan:
     checkpoint: str | None = None             # None, "stage" or "block"
     layer_end_segments: list[int] = field(default_factory=list)   # per layer, the segment it ends in
     dp_shard: str | None = None               # "stage" / "layer": FSDP2 units over dp; None: replicated
+    profile: object = field(default=None, repr=False)   # the cost_model.DeviceProfile it was priced with
     _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -50,10 +50,13 @@ def kind_colour(kind: str) -> str:
 
 
 def _profile(plan: Plan, profile):
-    """The device profile the plan was made for: the one given, else a built-in name (a measured CPU
-    profile is not rebuilt here: measuring again would give other numbers)."""
+    """The device profile the plan was made for: the one given, else the plan's own (``plan.profile``,
+    set by compile), else a built-in name (a measured CPU profile is not rebuilt here: measuring again
+    would give other numbers)."""
     if profile is not None:
         return profile
+    if plan.profile is not None:
+        return plan.profile
     name = plan.device.lower()
     return get_profile(name) if name in NAMES and name != "cpu" else None
 

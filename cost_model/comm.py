@@ -10,9 +10,14 @@ Ring algorithms, each of the n - 1 steps moving nbytes / n per rank:
   all_gather, reduce_scatter: (n - 1) * alpha + (n - 1) / n * nbytes * beta
   all_reduce = reduce_scatter + all_gather: 2 (n - 1) * alpha + 2 (n - 1) / n * nbytes * beta
 A group of one rank communicates nothing: 0 s.
+Measured (``profile.comm``, measured.py): a collective kind measured on groups of n ranks is priced by
+its own fit, alpha(kind, n) + beta(kind, n) * nbytes, which holds whatever the backend really does
+(gloo has no reduce-scatter: the runtime all-reduces and slices, and that is what was timed); a kind
+or group size not measured falls back to the formulas above.
 """
 from __future__ import annotations
 
+from autosplit.cost_model.measured import measured_comm_time
 from autosplit.cost_model.profiles import get_profile
 from autosplit.passes.shape_prop import tensor_bytes
 
@@ -22,29 +27,33 @@ def p2p_time(nbytes: float, profile) -> float:
     if nbytes <= 0:
         return 0.0
     p = get_profile(profile)
-    return p.link_latency + nbytes / p.link_bandwidth
+    measured = measured_comm_time(p, "send_recv", nbytes, 2)
+    return measured if measured is not None else p.link_latency + nbytes / p.link_bandwidth
 
 
-def _ring(phases: int, nbytes: float, n: int, profile) -> float:
+def _ring(phases: int, nbytes: float, n: int, profile, kind: str) -> float:
     if n <= 1:
         return 0.0
     p = get_profile(profile)
+    measured = measured_comm_time(p, kind, nbytes, n)
+    if measured is not None:
+        return measured
     return phases * ((n - 1) * p.link_latency + (n - 1) / n * nbytes / p.link_bandwidth)
 
 
 def all_reduce_time(nbytes: float, n: int, profile) -> float:
     """Ring all-reduce of an ``nbytes`` tensor over ``n`` ranks."""
-    return _ring(2, nbytes, n, profile)
+    return _ring(2, nbytes, n, profile, "all_reduce")
 
 
 def all_gather_time(nbytes: float, n: int, profile) -> float:
     """Ring all-gather producing an ``nbytes`` tensor on each of ``n`` ranks."""
-    return _ring(1, nbytes, n, profile)
+    return _ring(1, nbytes, n, profile, "all_gather")
 
 
 def reduce_scatter_time(nbytes: float, n: int, profile) -> float:
     """Ring reduce-scatter of an ``nbytes`` tensor over ``n`` ranks (each keeps nbytes / n)."""
-    return _ring(1, nbytes, n, profile)
+    return _ring(1, nbytes, n, profile, "reduce_scatter")
 
 
 def broadcast_time(nbytes: float, n: int, profile) -> float:
@@ -53,6 +62,9 @@ def broadcast_time(nbytes: float, n: int, profile) -> float:
     if n <= 1:
         return 0.0
     p = get_profile(profile)
+    measured = measured_comm_time(p, "broadcast", nbytes, n)
+    if measured is not None:
+        return measured
     return (n - 1).bit_length() * p.link_latency + nbytes / p.link_bandwidth
 
 

@@ -13,6 +13,9 @@ Terms:
   device type     -- "cuda" or "cpu": where the profiled device runs, so the planner applies that device's
                      autocast op lists (CUDA keeps layer_norm / softmax in float32 under autocast, CPU does not).
   profile         -- a frozen ``DeviceProfile`` holding the numbers above, plus the memory size.
+  measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
+                     size) fits from a measured profile (measured.py); without them the roofline and
+                     the link's alpha-beta price everything, as for the datasheet GPUs.
 
 Built-in profiles come from the vendor datasheets (dense figures, i.e. without 2:4 sparsity):
   H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/):
@@ -48,6 +51,8 @@ class DeviceProfile:
     memory_bytes: int         # device memory size
     op_overhead: float = 4e-6  # s per op launched (CUDA kernel launch + framework dispatch)
     device_type: str = "cuda"  # whose autocast rules apply: "cuda" or "cpu"
+    compute: dict | None = None   # measured: op class -> (forward fit, backward fit) (measured.py); None: roofline
+    comm: dict | None = None      # measured: "kind/n" -> (alpha s, beta s/B) (measured.py); None: link alpha-beta
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

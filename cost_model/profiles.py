@@ -17,10 +17,12 @@ NAMES = tuple(_BUILTIN) + ("cpu",)
 
 @functools.lru_cache(maxsize=1)
 def _cpu_profile() -> DeviceProfile:
-    """This machine, measured in about half a second.  The two-process link measurement is left out:
-    a library call must not spawn processes (that re-runs an unguarded user script); call
-    ``calibrate(link=True)`` for it and pass the profile."""
-    return calibrate(seconds=0.5, link=False)
+    """This machine: its measured profile for one process when one is cached (profile_cache.py;
+    ``python -m autosplit.runtime.measure_profile --ranks 1`` writes it), else measured in about half
+    a second.  The two-process link measurement is left out: a library call must not spawn processes
+    (that re-runs an unguarded user script); call ``calibrate(link=True)`` for it and pass the profile."""
+    from autosplit.cost_model import profile_cache       # the cache module imports this one's peers
+    return profile_cache.load(profile_cache.machine_key("cpu", 1)) or calibrate(seconds=0.5, link=False)
 
 
 def get_profile(name_or_profile) -> DeviceProfile:

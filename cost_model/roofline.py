@@ -6,6 +6,8 @@ Terms:
   time    -- max(flops / peak, traffic / mem_bandwidth), separately for forward and backward.
              plus ``profile.op_overhead`` per pass that does any work (a kernel launch); no overlap
              between ops is modelled.
+  measured -- a profile with measured fits (``profile.compute``, measured.py) prices each op by its
+              class instead: alpha + work / rate, forward and backward.
 """
 from __future__ import annotations
 
@@ -17,11 +19,18 @@ from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.flops import NodeCost, node_cost
+from autosplit.cost_model.measured import measured_op_time, op_class
 
 
-def op_time(cost: NodeCost, dtype: torch.dtype, profile) -> tuple[float, float]:
-    """(forward s, backward s) of one op in ``dtype`` on ``profile`` (a DeviceProfile or its name)."""
+def op_time(cost: NodeCost, dtype: torch.dtype, profile, cls: str | None = None) -> tuple[float, float]:
+    """(forward s, backward s) of one op in ``dtype`` on ``profile`` (a DeviceProfile or its name).
+
+    ``cls``: the op's class (measured.op_class); with a measured profile (``profile.compute``) the
+    class's fits price it instead of the roofline.
+    """
     p = get_profile(profile)
+    if cls is not None and p.compute is not None and cls in p.compute:
+        return measured_op_time(cost, cls, dtype, p)
     peak = p.flops_for(dtype)
     fwd = max(cost.fwd_flops / peak, cost.fwd_bytes / p.mem_bandwidth)
     bwd = max(cost.bwd_flops / peak, cost.bwd_bytes / p.mem_bandwidth)
@@ -48,6 +57,6 @@ def graph_time(nodes: Iterable[fx.Node], profile) -> tuple[float, float]:
         if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
             continue
         cost = n.meta.get("cost") or node_cost(n, n.graph.owning_module)
-        f, b = op_time(cost, output_dtype(n), p)
+        f, b = op_time(cost, output_dtype(n), p, op_class(n, cost) if p.compute is not None else None)
         fwd, bwd = fwd + f, bwd + b
     return fwd, bwd

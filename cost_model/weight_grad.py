@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model.flops import node_cost
+from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.roofline import op_time, output_dtype
 
@@ -32,6 +33,9 @@ def weight_grad_time(node: fx.Node, profile) -> float:
     """Seconds of the W GEMM of one weight GEMM node (see the module docstring)."""
     p = get_profile(profile)
     cost = node.meta.get("cost") or node_cost(node, node.graph.owning_module)
+    if p.compute is not None and cost.bwd_flops:       # measured: dW is one of backward's two GEMMs
+        bwd = op_time(cost, output_dtype(node), p, op_class(node, cost))[1]
+        return bwd * cost.fwd_flops / cost.bwd_flops
     x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
     traffic = _bytes(x) + 2 * _bytes(node.meta.get("val")) + cost.param_bytes   # X, dY read; dW written
     return max(cost.fwd_flops / p.flops_for(output_dtype(node)), traffic / p.mem_bandwidth) + p.op_overhead
@@ -44,7 +48,8 @@ def split_backward_time(nodes: Iterable[fx.Node], gemms: set[fx.Node], profile) 
         if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
             continue
         cost = n.meta.get("cost") or node_cost(n, n.graph.owning_module)
-        bwd = op_time(cost, output_dtype(n), profile)[1]
+        p = get_profile(profile)
+        bwd = op_time(cost, output_dtype(n), p, op_class(n, cost) if p.compute is not None else None)[1]
         w = min(weight_grad_time(n, profile), bwd) if n in gemms else 0.0
         i_time, w_time = i_time + bwd - w, w_time + w
     return i_time, w_time

@@ -1,6 +1,13 @@
+import os
+import tempfile
+
 import pytest
 
 from tests.dist_pool import Pool
+
+# measured cost-model profiles (cost_model/profile_cache.py): the tests never read or write the user's
+# cache; every process they start inherits this directory
+os.environ["AUTOSPLIT_PROFILE_DIR"] = tempfile.mkdtemp(prefix="autosplit-profiles-")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 
 class _Bucket:
@@ -106,7 +107,8 @@ class GradBuckets:
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
-            self.watchdog.wait(bucket.work, "data-parallel gradient all-reduce")
+            with record_function("autosplit::dp all_reduce"):     # pm.trace_step's communication lane
+                self.watchdog.wait(bucket.work, "data-parallel gradient all-reduce")
             bucket.flat.div_(self.dp)                   # the .grad views see the average
             bucket.work = None
             bucket.ready.clear()

@@ -16,6 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from autosplit.runtime.fsdp import grad_square
 from autosplit.runtime.tp_collectives import reduce_grad
@@ -37,8 +38,9 @@ def reduce_partial_grads(params: list, earlier: list, world, watchdog, dp_sync: 
         flat[offset:offset + n] = (part + before if before is not None else part).reshape(-1)
         offset += n
     if dp_sync:
-        work = dist.all_reduce(flat, group=world.group("dp"), async_op=True)
-        watchdog.wait(work, "data-parallel all-reduce of partial gradients")
+        with record_function("autosplit::dp all_reduce of partial gradients"):   # pm.trace_step's lanes
+            work = dist.all_reduce(flat, group=world.group("dp"), async_op=True)
+            watchdog.wait(work, "data-parallel all-reduce of partial gradients")
         flat.div_(world.mesh.dp)
     offset = 0
     for p in params:                    # views of the reduced buffer, as the dp buckets' are
@@ -54,8 +56,9 @@ def global_mean(loss_sum: torch.Tensor, overflow: torch.Tensor | None, num_micro
     flag = overflow.reshape(1) if overflow is not None else torch.zeros(1, device=world.device)
     total = torch.cat([loss_sum.reshape(1).to(world.device, torch.float64) / num_microbatches,
                        flag.to(torch.float64)])
-    work = dist.all_reduce(total, async_op=True)
-    watchdog.wait(work, "loss all-reduce", host=True)
+    with record_function("autosplit::loss all_reduce"):          # pm.trace_step's communication lane
+        work = dist.all_reduce(total, async_op=True)
+        watchdog.wait(work, "loss all-reduce", host=True)
     loss, overflowed = total.tolist()
     return loss / (world.mesh.tp * world.mesh.dp), overflowed > 0
 

@@ -266,3 +266,16 @@ class ParallelModule:
             return
         check_agreement(self.world, self.watchdog, self.plan, self.model, not self._params_agreed, error)
         self._agreed, self._params_agreed = self.plan, True
+
+    # ---- measurement (runtime/trace_step.py) ------------------------------------------------------
+    def trace_step(self, images, labels, path):
+        """One training step under torch.profiler on every rank; rank 0 writes the merged Chrome trace
+        to ``path``.  Returns a ``StepTrace`` (measured vs predicted per stage, action kind and step).
+
+        Args:
+            images: this replica's batch, as for ``step``.
+            labels: its labels.
+            path: the Chrome-trace JSON file rank 0 writes (None: no file).
+        """
+        from autosplit.runtime.trace_step import trace_step
+        return trace_step(self, images, labels, path)

@@ -23,6 +23,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from autosplit.tp import ops
 from autosplit.tp.ops import pad, shard
@@ -52,10 +53,13 @@ def _group(axis: str):
 
 def _wait(work, what: str, kind: str = "other") -> None:
     t0 = time.perf_counter()
-    if _WATCHDOG[0] is not None:
-        _WATCHDOG[0].wait(work, what)
-    else:
-        work.wait()
+    # a profiler range per collective wait ("autosplit::all_reduce over tp"): pm.trace_step's
+    # communication lane (runtime/trace_step.py)
+    with record_function(f"autosplit::{what}"):
+        if _WATCHDOG[0] is not None:
+            _WATCHDOG[0].wait(work, what)
+        else:
+            work.wait()
     EXPOSED[kind] += time.perf_counter() - t0
 
 

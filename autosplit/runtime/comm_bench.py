@@ -1,0 +1,105 @@
+"""Time each collective kind the runtime uses, on groups of every size, in a live world.
+
+Terms:
+  kinds     -- all_reduce, all_gather, reduce_scatter (tp_collectives' own functions: on gloo the
+               reduce-scatter is an all-reduce and a slice, and that is what gets timed), broadcast, and
+               send_recv (one-way time of a point-to-point transfer: half a ping-pong between ranks
+               2i and 2i+1).
+  groups    -- for a size n dividing the world size, the world is cut into consecutive groups of n
+               ranks (``dist.new_subgroups``: tensor-parallel groups are consecutive ranks) and every
+               group runs the same collective at the same time, as tp or dp groups do in a step, so
+               the ranks compete for the machine's cores and links as they will in training.
+  nbytes    -- the FULL tensor of the collective (comm.py's convention): the gathered result of an
+               all_gather, the input of a reduce_scatter.
+  timing    -- per (kind, n, nbytes): a barrier over the world, one warm-up, then ``reps`` calls back
+               to back, each waited through the Watchdog; a rank's time is the mean per call.
+Ordering (NCCL's rule): every rank runs the same loop in the same order: each group creation, each
+barrier and each collective of its own group; pairs for send_recv are fixed by rank parity.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from autosplit.runtime import tp_collectives as T
+
+SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def group_sizes(world_size: int) -> list[int]:
+    return [n for n in range(2, world_size + 1) if world_size % n == 0]
+
+
+def _barrier(world, watchdog) -> None:
+    group = world.control_group          # a host-side rendezvous under NCCL
+    watchdog.wait(dist.barrier(group=group, async_op=True), "profile measurement barrier", host=True,
+                  on_host=group is not None)
+
+
+def _collective(kind: str, axis: str, group, n: int, nbytes: int, device) -> callable:
+    """One call of ``kind`` on ``nbytes`` (the full tensor) over this rank's group of ``n``."""
+    elems = max(n, nbytes // 4 // n * n)
+    full = torch.ones(elems, device=device)
+    part = torch.ones(elems // n, device=device)
+    src = dist.get_global_rank(group, 0)
+    if kind == "all_reduce":
+        return lambda: T._all_reduce(full, axis)
+    if kind == "all_gather":
+        return lambda: T._all_gather(part, 0, axis, elems)
+    if kind == "reduce_scatter":
+        return lambda: T._reduce_scatter(full, 0, axis)
+    return lambda: T._wait(dist.broadcast(full, src=src, group=group, async_op=True), f"broadcast over {axis}")
+
+
+def _ping_pong(world, watchdog, nbytes: int):
+    """Rank 2i sends ``nbytes`` to 2i+1 and gets them back; one call = one round trip (two transfers)."""
+    rank = world.rank
+    peer = rank ^ 1
+    buf = torch.ones(max(1, nbytes // 4), device=world.device)
+    if peer >= world.size:
+        return lambda: None
+
+    def call():
+        first, second = (dist.isend, dist.irecv) if rank % 2 == 0 else (dist.irecv, dist.isend)
+        watchdog.wait(first(buf, peer), "profile measurement ping-pong")
+        watchdog.wait(second(buf, peer), "profile measurement ping-pong")
+    return call
+
+
+def _timed(fn, reps: int) -> float:
+    fn()                                  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str, int, int, float]]:
+    """This rank's (kind, n, nbytes, seconds per call) for every kind, group size and size (see Terms).
+
+    Args:
+        world: the runtime World (every rank of it calls this together).
+        watchdog: bounds every wait.
+        reps: timed calls per measurement.
+        sizes: the full-tensor sizes in bytes.
+    """
+    out = []
+    for n in group_sizes(world.size):
+        group, _ = dist.new_subgroups(group_size=n)
+        axis = f"measure/{n}"
+        T.bind_axis_groups({axis: group}, watchdog)
+        for kind in KINDS:
+            for nbytes in sizes:
+                call = _collective(kind, axis, group, n, nbytes, world.device)
+                _barrier(world, watchdog)
+                out.append((kind, n, nbytes, _timed(call, reps)))
+    for nbytes in sizes:                  # point to point, all pairs at once
+        call = _ping_pong(world, watchdog, nbytes)
+        _barrier(world, watchdog)
+        out.append(("send_recv", 2, nbytes, _timed(call, reps) / 2))
+    return out

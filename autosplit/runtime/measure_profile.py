@@ -1,0 +1,147 @@
+"""Measure this machine's cost-model profile in a live world, agree on it, and cache it on disk.
+
+Terms:
+  measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py) and
+               ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py); see
+               cost_model/measured.py.  On a GPU the compute numbers stay the datasheet's (the built-in
+               profile) and only the communication is measured.
+  agreement  -- every rank measures at the same time (so CPU ranks compete for the cores as they do in
+               training), puts its numbers into the job's store, and rank 0 builds the profile: its own
+               compute fits (all ranks ran the same ops under the same load) and, per measured
+               collective, the SLOWEST rank's time (a collective ends when its last rank does); every
+               rank then reads that one profile back.  Every wait is bounded by the Watchdog.
+  cache      -- rank 0 writes the profile under cost_model/profile_cache.py's key (host, processor,
+               cores, threads, ranks on this machine, torch version); ``parallelize`` on CPU uses it
+               when present (runtime/profile.py).
+  spawn      -- ``measure_here(ranks)`` (and ``python -m autosplit.runtime.measure_profile --ranks N``)
+               starts N gloo processes on this machine to do all of the above; nothing else spawns.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+
+import torch
+
+from autosplit.cost_model import calibrate, profile_cache, profile_for_gpu
+from autosplit.cost_model.measured import comm_key, fit_alpha_beta
+from autosplit.cost_model.op_bench import measure_compute
+from autosplit.runtime.comm_bench import measure_comm
+
+_CALLS = [0]
+
+
+def local_ranks(world) -> int:
+    """Processes of the job on this machine (torchrun's LOCAL_WORLD_SIZE; else the whole world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+
+
+def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = True):
+    """The measured profile, the same on every rank (see *agreement*); rank 0 caches it when ``save``.
+
+    Args:
+        world: the runtime World; every rank calls this together.
+        watchdog: bounds every wait.
+        compute_budget: seconds of timed repeats for the compute fits (CPU only).
+        save: write the profile to the on-disk cache (rank 0).
+    """
+    cuda = world.device.type == "cuda"
+    with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
+        compute = None if cuda else measure_compute(compute_budget, world.device)
+        base = None if cuda else calibrate(seconds=0.5, link=False)
+    comm = measure_comm(world, watchdog)
+    _CALLS[0] += 1
+    key = f"autosplit/measured_profile/{_CALLS[0]}/"
+    world.store.set(f"{key}{world.rank}", pickle.dumps(comm))
+    if world.rank == 0:
+        keys = [f"{key}{r}" for r in range(world.size)]
+        watchdog.until(lambda: world.store.check(keys), "waiting for every rank's profile measurements")
+        slowest: dict = {}
+        for k in keys:
+            for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
+                slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
+        profile = _build(world, base, compute, slowest)
+        world.store.set(f"{key}profile", pickle.dumps(profile))
+        if save:
+            profile_cache.save(profile_cache.machine_key(world.device, local_ranks(world)), profile)
+        return profile
+    watchdog.until(lambda: world.store.check([f"{key}profile"]), "waiting for rank 0's measured profile")
+    return pickle.loads(world.store.get(f"{key}profile"))
+
+
+def _build(world, base, compute, slowest: dict):
+    """The profile from rank 0's compute fits and the slowest rank's collective times."""
+    samples: dict = {}
+    for (kind, n, nbytes), seconds in slowest.items():
+        samples.setdefault(comm_key(kind, n), []).append((nbytes, seconds))
+    comm = {k: fit_alpha_beta(v) for k, v in samples.items()}
+    p2p = comm.get(comm_key("send_recv", 2))
+    if world.device.type == "cuda":
+        base = profile_for_gpu(torch.cuda.get_device_name(world.device))
+        name = f"{base.name} (datasheet compute, measured NCCL communication, {world.size} ranks)"
+    else:
+        name = f"cpu (measured: {profile_cache.machine_key('cpu')['processor']}, {torch.get_num_threads()} " \
+               f"threads x {local_ranks(world)} ranks)"
+    link = {} if p2p is None or not p2p[1] else {"link_latency": p2p[0], "link_bandwidth": 1 / p2p[1]}
+    return dataclasses.replace(base, name=name, compute=compute, comm=comm, **link)
+
+
+def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.world import init_world
+    try:
+        world = init_world((1, 1, ranks))
+        profile = measure_profile(world, Watchdog(world.store, rank, world.mesh, world.timeout_s, world.backend))
+        if rank == 0:
+            results.put(("ok", profile_cache.to_dict(profile)))
+    except BaseException as exc:          # report it to the parent, whatever it is
+        results.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def measure_here(ranks: int, threads: int = 1, timeout: float = 300.0):
+    """Spawn ``ranks`` gloo processes with ``threads`` threads each, measure and cache the profile for
+    that layout, and return it.
+
+    Args:
+        ranks: processes to start on this machine (the ranks a job will run here).
+        threads: torch threads per process (the cache key has it: use what the job will use).
+        timeout: seconds to wait for the result.
+    """
+    import torch.multiprocessing as mp
+    from autosplit.cost_model.calibrate import _free_port
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, threads, results), daemon=True) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    try:
+        status, value = results.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(f"profile measurement failed: {value}")
+    return profile_cache.from_dict(value)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Measure and cache this machine's cost-model profile.")
+    parser.add_argument("--ranks", type=int, default=2, help="processes a job runs on this machine")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args(argv)
+    profile = measure_here(args.ranks, args.threads)
+    key = profile_cache.machine_key("cpu", args.ranks)
+    key["threads"] = args.threads
+    print(f"{profile.name}\ncached in {profile_cache.cache_dir() / (profile_cache.key_name(key) + '.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""How well the cost model predicts a real step: predicted vs measured step time on this CPU.
+
+Model: timm's VisionTransformer(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=6,
+num_classes=10), fp32, global batch 16, on 2 and 4 gloo ranks (one thread each; the machine's cores
+are shared by the ranks, as the measured profile was).  For every configuration (mesh, schedule,
+microbatches, chunks, sequence parallelism):
+
+  measured  -- the slowest rank's ``pm.step`` (forward + backward of every microbatch, tp / dp / pp
+               communication, loss all-reduce; the optimizer step is the user's and is not counted),
+               each step after a barrier, median over the timed rounds; configurations of one world
+               size are built side by side in one job and timed one step each per round, in an order
+               that rotates every round.
+  predicted -- ``predict_plan(pm.plan, device=pm.profile)`` (cost_model/step_time.py, the same model
+               ``plan.summary()`` prints), with the profile measured on this machine for that many
+               ranks (runtime/measure_profile.py; measured first unless cached), and for comparison
+               with the quick built-in CPU profile (matmul peak, copy bandwidth, op overhead; no
+               per-class fits, link alpha-beta from two idle processes' defaults).
+  error     -- (predicted - measured) / measured.
+
+Run from the repository root:  python benchmarks/bench_cost_model.py            (writes docs/benchmarks.md)
+                               python benchmarks/bench_cost_model.py --rounds 3  (quicker, print only)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import cpu_name, launch, write_section
+
+START = "<!-- bench_cost_model:start -->"
+END = "<!-- bench_cost_model:end -->"
+REPO = Path(__file__).resolve().parent.parent
+BATCH = 16
+VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=6, num_classes=10)
+
+# (name, world, mesh (pp, tp, dp), schedule, microbatches, chunks per rank, sequence parallel)
+CONFIGS = [
+    ("pp2 1f1b m4", 2, (2, 1, 1), "1f1b", 4, 1, False),
+    ("pp2 1f1b m8", 2, (2, 1, 1), "1f1b", 8, 1, False),
+    ("pp2 gpipe m4", 2, (2, 1, 1), "gpipe", 4, 1, False),
+    ("pp2 interleaved v2 m4", 2, (2, 1, 1), "interleaved", 4, 2, False),
+    ("pp2 zb-h1 m4", 2, (2, 1, 1), "zb-h1", 4, 1, False),
+    ("tp2 m2", 2, (1, 2, 1), "1f1b", 2, 1, False),
+    ("tp2 sp m2", 2, (1, 2, 1), "1f1b", 2, 1, True),
+    ("dp2 m2", 2, (1, 1, 2), "1f1b", 2, 1, False),
+    ("pp2 tp2 1f1b m4", 4, (2, 2, 1), "1f1b", 4, 1, False),
+    ("pp2 tp2 sp 1f1b m4", 4, (2, 2, 1), "1f1b", 4, 1, True),
+    ("pp4 1f1b m8", 4, (4, 1, 1), "1f1b", 8, 1, False),
+    ("pp4 interleaved v2 m8", 4, (4, 1, 1), "interleaved", 8, 2, False),
+    ("pp2 dp2 1f1b m4", 4, (2, 1, 2), "1f1b", 4, 1, False),
+    ("tp2 dp2 m2", 4, (1, 2, 2), "1f1b", 2, 1, False),
+    ("tp2 sp dp2 m2", 4, (1, 2, 2), "1f1b", 2, 1, True),
+]
+
+
+def wait_for_quiet(limit: float = 4.0, patience_s: float = 600.0) -> float:
+    """The 1-minute load average once it is at most ``limit`` (or after ``patience_s``)."""
+    deadline = time.monotonic() + patience_s
+    while os.getloadavg()[0] > limit and time.monotonic() < deadline:
+        print(f"load {os.getloadavg()[0]:.1f} > {limit}: waiting", flush=True)
+        time.sleep(60)
+    return os.getloadavg()[0]
+
+
+def _rank(rank: int, args) -> dict:
+    import torch
+    import torch.distributed as dist
+    import timm
+    import autosplit
+    from autosplit.cost_model import calibrate
+    from autosplit.cost_model.step_time import predict_plan
+    torch.set_num_threads(1)
+    world = args["world"]
+    configs = [c for c in CONFIGS if c[1] == world]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    quick = calibrate(seconds=0.5, link=False) if rank == 0 else None
+    pms, out = {}, {}
+    for name, _, mesh, schedule, m, v, sp in configs:
+        torch.manual_seed(0)
+        pm = autosplit.parallelize(timm.models.VisionTransformer(**VIT), mesh=mesh, num_microbatches=m,
+                                   schedule=schedule, chunks_per_rank=v, sequence_parallel=sp,
+                                   example_input=torch.randn(BATCH // mesh[2] // m, 3, 32, 32))
+        rows = slice(pm.dp_rank * BATCH // mesh[2], (pm.dp_rank + 1) * BATCH // mesh[2])
+        pms[name] = (pm, x[rows], y[rows])
+        pred = predict_plan(pm.plan, device=pm.profile)
+        out[name] = {"times": [], "pred": pred.total, "parts": (pred.compute, pred.bubble, pred.exposed_comm,
+                                                                pred.dp_comm), "profile": pm.profile.name}
+        if rank == 0:
+            plan = autosplit.compile(timm.models.VisionTransformer(**VIT), mesh=mesh,
+                                     example_input=torch.randn(BATCH // mesh[2] // m, 3, 32, 32),
+                                     schedule=schedule, chunks_per_rank=v, num_microbatches=m,
+                                     sequence_parallel=sp, device=quick)
+            out[name]["quick"] = predict_plan(plan, device=quick).total
+        for _ in range(args["warmup"]):
+            pm.step(*pms[name][1:])
+    names = list(pms)
+    for r in range(args["rounds"]):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            pm, xs, ys = pms[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(xs, ys)
+            out[name]["times"].append(time.perf_counter() - t0)
+    return out
+
+
+RANK_VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=6, num_classes=10)
+RANK_BATCH, RANK_WORLD = 64, 4
+
+
+def _candidates(profile, top: int):
+    """The search's ranked candidates for the ranking check (autosplit.search, planned with ``profile``)."""
+    import torch
+    import timm
+    import autosplit
+    with torch.device("meta"):
+        model = timm.models.VisionTransformer(**RANK_VIT)
+    return autosplit.search(model, RANK_WORLD, torch.empty(1, 3, 32, 32), global_batch=RANK_BATCH,
+                            device=profile, memory_budget=profile.memory_bytes // RANK_WORLD, top=top)
+
+
+def _ranking_rank(rank: int, args) -> dict:
+    """Build every candidate side by side and time its steps in rotating order (as ``_rank``)."""
+    import torch
+    import torch.distributed as dist
+    import timm
+    import autosplit
+    from autosplit.cost_model import profile_cache
+    torch.set_num_threads(1)
+    profile = profile_cache.load(profile_cache.machine_key("cpu", RANK_WORLD))
+    cands = _candidates(profile, args["top"])
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(RANK_BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (RANK_BATCH,), generator=g)
+    built, out = [], {}
+    for k, c in enumerate(cands):
+        torch.manual_seed(0)
+        pm = autosplit.parallelize(timm.models.VisionTransformer(**RANK_VIT), mesh=c.mesh, **c.options)
+        dp = pm.dp_size
+        rows = slice(pm.dp_rank * RANK_BATCH // dp, (pm.dp_rank + 1) * RANK_BATCH // dp)
+        built.append((k, pm, x[rows], y[rows]))
+        out[k] = {"mesh": tuple(c.mesh), "options": {o: str(v) for o, v in c.options.items()},
+                  "pred": c.step_time, "times": []}
+        pm.step(x[rows], y[rows])                       # plan and warm up
+    for r in range(args["rounds"]):
+        for k, pm, xs, ys in built[r % len(built):] + built[:r % len(built)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(xs, ys)
+            out[k]["times"].append(time.perf_counter() - t0)
+    return out
+
+
+def run_ranking(rounds: int, top: int) -> list[dict]:
+    per_rank = launch(worker, RANK_WORLD, {"world": RANK_WORLD, "rounds": rounds, "ranking": True, "top": top},
+                      timeout=3600)
+    rows = []
+    for k in sorted(per_rank[0]):
+        steps = [max(r[k]["times"][i] for r in per_rank) for i in range(rounds)]
+        rows.append({**per_rank[0][k], "measured": statistics.median(steps)})
+    return rows
+
+
+def ranking_table(rows: list[dict]) -> tuple[str, str]:
+    best = min(r["measured"] for r in rows)
+    lines = ["| search rank | mesh (pp, tp, dp) | options | predicted ms | measured ms | measured / fastest |",
+             "|---|---|---|---|---|---|"]
+    for k, r in enumerate(rows):
+        opts = ", ".join(f"{o}={v}" for o, v in r["options"].items())
+        lines.append(f"| {k + 1} | {r['mesh']} | {opts} | {r['pred'] * 1e3:.0f} | {r['measured'] * 1e3:.0f} | "
+                     f"{r['measured'] / best:.3f} |")
+    first = rows[0]["measured"] / best
+    verdict = (f"the search's first choice measures {first:.3f} x the fastest measured candidate "
+               f"({'within' if first <= 1.10 else 'NOT within'} 10 %)")
+    return "\n".join(lines), verdict
+
+
+def worker(rank: int, port: int, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args["world"]),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args["world"]), OMP_NUM_THREADS="1")
+    try:
+        results.put((rank, (_ranking_rank if args.get("ranking") else _rank)(rank, args)))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        import traceback
+        results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def run_world(world: int, rounds: int, warmup: int) -> dict:
+    per_rank = launch(worker, world, {"world": world, "rounds": rounds, "warmup": warmup}, timeout=1800)
+    rows = {}
+    for name in per_rank[0]:
+        steps = [max(r[name]["times"][i] for r in per_rank) for i in range(rounds)]
+        rows[name] = {**per_rank[0][name], "measured": statistics.median(steps), "steps": steps}
+    return rows
+
+
+def ensure_profiles(worlds, remeasure: bool) -> dict:
+    from autosplit.cost_model import profile_cache
+    from autosplit.runtime.measure_profile import measure_here
+    names = {}
+    for w in worlds:
+        key = profile_cache.machine_key("cpu", w)
+        key["threads"] = 1
+        cached = None if remeasure else profile_cache.load(key)
+        names[w] = (cached or measure_here(w, threads=1)).name
+    return names
+
+
+def table(rows: dict) -> tuple[str, float, float]:
+    lines = ["| configuration | ranks | measured ms | predicted ms | error | parts: compute / bubble / exposed comm / dp ms "
+             "| quick profile ms (error) |", "|---|---|---|---|---|---|---|"]
+    errors = []
+    for name, world, *_ in CONFIGS:
+        if name not in rows:
+            continue
+        r = rows[name]
+        err = (r["pred"] - r["measured"]) / r["measured"]
+        errors.append(abs(err))
+        q = r.get("quick")
+        quick = f"{q * 1e3:.1f} ({(q - r['measured']) / r['measured']:+.0%})" if q else "-"
+        parts = " / ".join(f"{p * 1e3:.1f}" for p in r["parts"])
+        lines.append(f"| {name} | {world} | {r['measured'] * 1e3:.1f} | {r['pred'] * 1e3:.1f} | {err:+.1%} | "
+                     f"{parts} | {quick} |")
+    return "\n".join(lines), statistics.median(errors), max(errors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--remeasure", action="store_true", help="measure the profiles even when cached")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--ranking", action="store_true", help="also the search ranking check (world 4, depth 12)")
+    ap.add_argument("--top", type=int, default=12, help="candidates of the search to measure")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--patience", type=float, default=600, help="seconds to wait for the load to fall below 4")
+    args = ap.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    load_before = wait_for_quiet(patience_s=args.patience)
+    t0 = time.time()
+    profiles = ensure_profiles(sorted(set(worlds) | ({RANK_WORLD} if args.ranking else set())), args.remeasure)
+    rows, parts = {}, []
+    if not args.skip_accuracy:
+        for w in worlds:
+            load_before = max(load_before, wait_for_quiet(patience_s=args.patience))
+            rows.update(run_world(w, args.rounds, args.warmup))
+        text, median, worst = table(rows)
+        summary = (f"median |error| {median:.1%}, worst {worst:.1%} over {len(rows)} configurations "
+                   f"(targets: median <= 10 %, worst <= 25 %)")
+        print(text, summary, sep="\n")
+        parts += ["", text, "", f"**{summary}.**"]
+    if args.ranking:
+        load_before = max(load_before, wait_for_quiet(patience_s=args.patience))
+        text, verdict = ranking_table(run_ranking(args.rounds, args.top))
+        print(text, verdict, sep="\n")
+        parts += ["", f"Ranking (world {RANK_WORLD}, ViT width 192 depth 12 6 heads, batch {RANK_BATCH}, the "
+                      f"search's top {args.top} candidates, each built with its own options and timed side by side):",
+                  "", text, "", f"**{verdict}.**"]
+    load_after = os.getloadavg()[0]
+    if args.no_write:
+        return
+    section = "\n".join([
+        START, "## Cost model accuracy: predicted vs measured step time (CPU, gloo)", "",
+        f"`python benchmarks/bench_cost_model.py` ({datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, "
+        f"torch threads 1 per rank, {args.rounds} timed rounds after {args.warmup} warm-up steps, "
+        f"{time.time() - t0:.0f} s; 1-minute load {load_before:.1f} before timing, {load_after:.1f} after: the "
+        f"machine is shared with other jobs). Model: timm ViT (32 px, patch 4, width 192, depth 6, 6 heads), "
+        f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {n}" for w, n in profiles.items()) + ".",
+        *parts, "", END, ""])
+    write_section(REPO / args.out, section, START, END)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()

@@ -1,0 +1,110 @@
+"""Measured profiles on disk, keyed by the machine and the torch version they were measured with.
+
+Terms:
+  key       -- what makes a measurement valid: host name, CPU model (or GPU name), core count, torch's
+               thread count per process, ranks sharing this machine while it was measured (on a CPU
+               they compete for its cores), and the torch version; written as a readable file name
+               plus a short hash of the full key.
+  directory -- ``$AUTOSPLIT_PROFILE_DIR``, else ``$XDG_CACHE_HOME/autosplit/profiles``, else
+               ``~/.cache/autosplit/profiles``.  ``AUTOSPLIT_PROFILE_CACHE=0`` turns the cache off
+               (nothing read, nothing written).
+  file      -- ``<key>.json``: the DeviceProfile's fields (dtypes by name) and the full key.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from autosplit.cost_model.device import DeviceProfile
+from autosplit.cost_model.measured import compute_from_json, compute_to_json
+
+FORMAT = 1
+
+
+def enabled() -> bool:
+    return os.environ.get("AUTOSPLIT_PROFILE_CACHE", "1") not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("AUTOSPLIT_PROFILE_DIR"):
+        return Path(os.environ["AUTOSPLIT_PROFILE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "autosplit" / "profiles"
+
+
+def _processor(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(device="cpu", local_ranks: int = 1) -> dict:
+    """The full key of a measurement on ``device`` with ``local_ranks`` processes on this machine."""
+    device = torch.device(device)
+    return {"host": socket.gethostname(), "processor": _processor(device), "cores": os.cpu_count() or 1,
+            "threads": torch.get_num_threads(), "local_ranks": local_ranks, "torch": torch.__version__,
+            "device_type": device.type}
+
+
+def key_name(key: dict) -> str:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    readable = f"{key['host']}-{key['device_type']}-{key['cores']}c-{key['threads']}t-{key['local_ranks']}r"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in readable) + f"-{digest}"
+
+
+def to_dict(profile: DeviceProfile) -> dict:
+    d = asdict(profile)
+    d["peak_flops"] = {str(k).removeprefix("torch."): v for k, v in profile.peak_flops.items()}
+    d["compute"] = compute_to_json(profile.compute)
+    d["comm"] = None if profile.comm is None else {k: list(v) for k, v in profile.comm.items()}
+    return d
+
+
+def from_dict(d: dict) -> DeviceProfile:
+    known = {f.name for f in fields(DeviceProfile)}
+    d = {k: v for k, v in d.items() if k in known}
+    d["peak_flops"] = {getattr(torch, k): v for k, v in d["peak_flops"].items()}
+    d["compute"] = compute_from_json(d.get("compute"))
+    d["comm"] = None if d.get("comm") is None else {k: tuple(v) for k, v in d["comm"].items()}
+    return DeviceProfile(**d)
+
+
+def load(key: dict) -> DeviceProfile | None:
+    """The cached profile for ``key``, or None (no file, cache off, or a file of another format)."""
+    if not enabled():
+        return None
+    path = cache_dir() / f"{key_name(key)}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("format") != FORMAT or data.get("key") != key:
+        return None
+    return from_dict(data["profile"])
+
+
+def save(key: dict, profile: DeviceProfile) -> Path | None:
+    """Write ``profile`` under ``key`` (atomically: a temporary file renamed); None when the cache is off."""
+    if not enabled():
+        return None
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key_name(key)}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": FORMAT, "key": key, "profile": to_dict(profile)}, indent=1))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,28 @@
+"""Run on every rank of a test pool: measure the profile in the live world, then plan with it."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import autosplit
+from autosplit.cost_model import profile_cache
+from tests.models import VARIANTS
+
+
+def measured_then_cached(directory: str) -> dict:
+    os.environ["AUTOSPLIT_PROFILE_DIR"] = directory
+    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.measure_profile import measure_profile
+    from autosplit.runtime.world import init_world
+    world = init_world((1, 1, -1))
+    watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
+    state = torch.get_rng_state()
+    profile = measure_profile(world, watchdog, compute_budget=0.3)
+    same_stream = torch.equal(state, torch.get_rng_state())
+    torch.manual_seed(0)
+    pm = autosplit.parallelize(VARIANTS["timm_cls"](), mesh=(2, 1, 1), num_microbatches=2,
+                               example_input=torch.randn(2, 3, 32, 32))
+    os.environ.pop("AUTOSPLIT_PROFILE_DIR")
+    return {"profile": profile_cache.to_dict(profile), "planned_with": pm.profile.name,
+            "same_stream": same_stream, "fwd": [s.fwd_time for s in pm.plan.stages]}

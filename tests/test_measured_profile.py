@@ -1,0 +1,94 @@
+"""The measured profile: fits, pricing by op class and collective kind, the disk cache, live agreement."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autosplit.cost_model import H100, all_gather_time, all_reduce_time, p2p_time, profile_cache
+from autosplit.cost_model.calibrate import calibrate
+from autosplit.cost_model.measured import fit_alpha_beta, fit_alpha_rate
+from autosplit.cost_model.roofline import graph_time
+from tests import checks_profile
+
+CPU = dataclasses.replace(H100, name="cpu (test)", device_type="cpu", compute={
+    "matmul": ((10e-6, 50e9), (20e-6, 40e9)), "attention": ((12e-6, 30e9), (25e-6, 20e9)),
+    "norm": ((8e-6, 10e9), (11e-6, 12e9)), "softmax": ((3e-6, 9e9), (5e-6, 30e9)),
+    "pointwise": ((4e-6, 20e9), (10e-6, 15e9)), "view": ((1e-6, math.inf), (3e-6, math.inf))},
+    comm={"all_reduce/2": (1e-3, 1e-9), "send_recv/2": (2e-4, 5e-10)})
+
+
+def test_fits_recover_alpha_and_rate():
+    samples = [(k, x, k * 7e-6 + x / 3e10) for k, x in ((1, 1e5), (2, 4e6), (4, 8e8), (1, 3e9))]
+    alpha, rate = fit_alpha_rate(samples)
+    assert alpha == pytest.approx(7e-6, rel=1e-6) and rate == pytest.approx(3e10, rel=1e-6)
+    assert fit_alpha_beta([(b, 5e-5 + b * 2e-9) for b in (4096, 65536, 1 << 22)]) == pytest.approx((5e-5, 2e-9))
+    assert fit_alpha_rate([(8, 0.0, 8e-6), (8, 0.0, 1.2e-5)])[0] == pytest.approx(1.0e-6 * 1.2, rel=0.2)
+
+
+def test_measured_profile_prices_ops_by_class():
+    from autosplit.cost_model import AnnotateCosts
+    from autosplit.passes.shape_prop import MetaShapeProp
+    from autosplit.trace import trace
+    gm = trace(nn.Sequential(nn.Linear(64, 128), nn.GELU()), 1)
+    MetaShapeProp((torch.randn(32, 64),))(gm)
+    AnnotateCosts()(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    lin = nodes["_0"].meta["cost"]
+    fwd, bwd = graph_time([nodes["_0"]], CPU)
+    assert fwd == pytest.approx(10e-6 + lin.fwd_flops / 50e9)
+    assert bwd == pytest.approx(20e-6 + lin.bwd_flops / 40e9)
+    gelu = nodes["_1"].meta["cost"]
+    assert graph_time([nodes["_1"]], CPU)[0] == pytest.approx(4e-6 + gelu.fwd_bytes / 20e9)
+    # the same nodes without fits: the roofline (H100 has none)
+    assert graph_time([nodes["_0"]], H100)[0] != pytest.approx(fwd)
+
+
+def test_measured_comm_by_kind_and_group_size():
+    assert all_reduce_time(1e6, 2, CPU) == pytest.approx(1e-3 + 1e6 * 1e-9)
+    assert p2p_time(1e6, CPU) == pytest.approx(2e-4 + 1e6 * 5e-10)
+    assert all_reduce_time(1e6, 4, CPU) == all_reduce_time(1e6, 4, H100)     # not measured: the ring formula
+    assert all_gather_time(1e6, 2, CPU) == all_gather_time(1e6, 2, H100)
+    assert all_reduce_time(1e6, 1, CPU) == 0.0
+
+
+def test_cache_round_trip_key_and_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSPLIT_PROFILE_DIR", str(tmp_path))
+    key = profile_cache.machine_key("cpu", 2)
+    assert profile_cache.load(key) is None
+    path = profile_cache.save(key, CPU)
+    assert path.parent == tmp_path and path.name.startswith(profile_cache.key_name(key))
+    assert profile_cache.load(key) == CPU
+    assert profile_cache.load({**key, "torch": "0.0"}) is None            # another torch: not this profile
+    assert profile_cache.load({**key, "local_ranks": 4}) is None
+    monkeypatch.setenv("AUTOSPLIT_PROFILE_CACHE", "0")
+    assert profile_cache.load(key) is None and profile_cache.save(key, CPU) is None
+
+
+def test_plan_and_prediction_use_the_measured_profile():
+    import autosplit
+    from autosplit.cost_model.step_time import predict_plan
+    from tests.models import VARIANTS
+    x = torch.randn(2, 3, 32, 32)
+    plan = autosplit.compile(VARIANTS["timm_cls"](), mesh=(2, 1, 1), example_input=x, device=CPU)
+    quick = dataclasses.replace(CPU, compute=None, comm=None)
+    other = autosplit.compile(VARIANTS["timm_cls"](), mesh=(2, 1, 1), example_input=x, device=quick)
+    total = sum(s.fwd_time + s.bwd_time for s in plan.stages)
+    assert total > 1.5 * sum(s.fwd_time + s.bwd_time for s in other.stages)   # alphas dominate tiny ops
+    pred = predict_plan(plan, device=CPU)
+    assert pred.total >= pred.compute > 0
+
+
+def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
+    a, b = pool2.run(checks_profile.measured_then_cached, str(tmp_path))
+    assert a["profile"] == b["profile"]                                     # one profile on every rank
+    p = a["profile"]
+    assert {"all_reduce/2", "all_gather/2", "reduce_scatter/2", "broadcast/2", "send_recv/2"} <= set(p["comm"])
+    assert all(alpha >= 0 and beta >= 0 for alpha, beta in p["comm"].values())
+    assert set(p["compute"]) == {"matmul", "attention", "norm", "softmax", "pointwise", "view"}
+    assert a["planned_with"] == b["planned_with"] == p["name"]             # parallelize found the cached one
+    assert a["fwd"] == b["fwd"] and a["same_stream"] and b["same_stream"]
+    assert list(tmp_path.glob("*-2r-*.json"))
