@@ -116,6 +116,14 @@ def _cast(device_type: str, *tensors):
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
+def _no_autocast(device_type: str, fn, *args):
+    """``fn(*args)`` with autocast off (the inputs are cast already); no context manager when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return fn(*args)
+    with torch.autocast(device_type, enabled=False):
+        return fn(*args)
+
+
 def _has_hooks(w: torch.Tensor) -> bool:
     """Does autograd run hooks when ``w`` receives a gradient?  torch has no public query for a tensor's
     hooks; these attributes are where ``register_hook`` / ``register_post_accumulate_grad_hook`` keep
@@ -160,10 +168,8 @@ class _ConvW:
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        device_type = x.device.type
-        xc, wc, bc = _cast(device_type, x, weight, bias)
-        with torch.autocast(device_type, enabled=False):
-            y = F.linear(xc, wc, bc)                      # (..., out)
+        xc, wc, bc = _cast(x.device.type, x, weight, bias)
+        y = _no_autocast(x.device.type, F.linear, xc, wc, bc)          # (..., out)
         ctx.save_for_backward(xc, wc)
         ctx.weight, ctx.has_bias = weight, bias is not None
         return y
@@ -187,11 +193,9 @@ class _SplitLinear(torch.autograd.Function):
 class _SplitConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
-        device_type = x.device.type
-        xc, wc, bc = _cast(device_type, x, weight, bias)
+        xc, wc, bc = _cast(x.device.type, x, weight, bias)
         conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()]
-        with torch.autocast(device_type, enabled=False):
-            y = conv(xc, wc, bc, stride, padding, dilation, groups)
+        y = _no_autocast(x.device.type, conv, xc, wc, bc, stride, padding, dilation, groups)
         ctx.save_for_backward(xc, wc)
         ctx.args = (stride, padding, dilation, groups)
         ctx.weight, ctx.bias_sizes = weight, None if bias is None else [bias.shape[0]]
