@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from common import (action_times, finish, machine_lines, md_table, paired_ratio, phase_totals, profile_steps,
-                    profiled_steps, rotate, slowest, spawn_ranks, step_stats)
+                    profiled_steps, rotate, slowest, spawn_ranks, step_stats, train_step)
 
 START, END = "<!-- bench_pipeline:start -->", "<!-- bench_pipeline:end -->"
 REPO = Path(__file__).resolve().parent.parent
@@ -108,13 +108,6 @@ def _pieces(vit, n_pieces: int):
     return [Piece(k) for k in range(n_pieces)]
 
 
-def _sgd_step(opt) -> None:
-    from torch.profiler import record_function
-    with record_function("bench::optimizer"):
-        opt.step()
-        opt.zero_grad()
-
-
 def build_steps(rank: int, base, x, y) -> tuple[dict, dict, object]:
     """{config: step()} for every configuration, autosplit's plans' stage lines, and one's Watchdog."""
     import torch
@@ -133,13 +126,7 @@ def build_steps(rank: int, base, x, y) -> tuple[dict, dict, object]:
         pm = autosplit.parallelize(copy.deepcopy(base), mesh=(WORLD, 1, 1), loss_fn=torch.nn.CrossEntropyLoss(),
                                    num_microbatches=MICROBATCHES, schedule=schedule, chunks_per_rank=chunks,
                                    example_input=x[:mb], stage_bounds=bounds)
-        opt = torch.optim.SGD(pm.parameters(), lr=LR)
-
-        def step(pm=pm, opt=opt):
-            loss = pm.step(x, y)
-            _sgd_step(opt)
-            return loss
-        steps[name] = step
+        steps[name] = train_step(lambda pm=pm: pm.step(x, y), torch.optim.SGD(pm.parameters(), lr=LR))
         stages[name] = [f"{s.layers} -> {' + '.join('x'.join(map(str, t.shape)) for t in s.outputs)}"
                         for s in pm.plan.stages]
     # torch: boundary examples; requires_grad=True says a gradient flows back through them
@@ -153,32 +140,25 @@ def build_steps(rank: int, base, x, y) -> tuple[dict, dict, object]:
                                     output_args=(logits if s == n - 1 else act,)) for s in local]
         sched = getattr(tp, cls)(pstages[0] if n == WORLD else pstages, MICROBATCHES,
                                  loss_fn=torch.nn.CrossEntropyLoss(), scale_grads=True)
-        opt = torch.optim.SGD([p for s in local for p in pieces[s].parameters()], lr=LR)
-        first, last = 0 in local, n - 1 in local
-
-        def step(sched=sched, opt=opt, first=first, last=last):
+        def run(sched=sched, first=0 in local, last=n - 1 in local):
             losses: list = []
             sched.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None,
                        return_outputs=False)
-            _sgd_step(opt)
             return float(torch.stack(losses).mean()) if losses else None
-        steps[name] = step
+        steps[name] = train_step(run, torch.optim.SGD([p for s in local for p in pieces[s].parameters()], lr=LR))
     single, loss_fn = copy.deepcopy(base), torch.nn.CrossEntropyLoss()
     sopt = torch.optim.SGD(single.parameters(), lr=LR)
 
     def single_step(chunks: int, all_ranks: bool = False):
-        if rank != 0 and not all_ranks:
-            return None
         total = 0.0
-        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)) if rank == 0 or all_ranks else ():
             loss = loss_fn(single(xs), ys) / chunks
             loss.backward()
             total += float(loss)
-        _sgd_step(sopt)
         return total
-    steps["single_full"] = lambda: single_step(1)
-    steps["single_accum"] = lambda: single_step(MICROBATCHES)
-    steps["single_accum_both"] = lambda: single_step(MICROBATCHES, all_ranks=True)
+    steps["single_full"] = train_step(lambda: single_step(1), sopt)
+    steps["single_accum"] = train_step(lambda: single_step(MICROBATCHES), sopt)
+    steps["single_accum_both"] = train_step(lambda: single_step(MICROBATCHES, all_ranks=True), sopt)
     return steps, stages, pm.watchdog
 
 

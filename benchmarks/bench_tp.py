@@ -9,10 +9,9 @@ embed_dim=192, depth=12, num_heads=6, num_classes=10) on a batch of 64, SGD, fp3
   ours     -- ``autosplit.parallelize(model, mesh=(1, 2, 1), num_microbatches=1, schedule="1f1b")``
               and ``pm.step(x, y)``: the backward all-reduce of each column-parallel entry's input
               gradient runs while the weight-gradient GEMMs compute (issue 11).
-  ours_fused -- the same with ``tp_collectives.OVERLAP_BACKWARD = False`` at build time: the fused
-              backward, each all-reduce waited at once (the "before").  For both, the seconds per
-              step the main thread waited in tp collectives (``tp_collectives.EXPOSED``) are recorded:
-              the exposed communication.
+  ours_fused -- ``tp_collectives.OVERLAP_BACKWARD = False`` at build time: the fused backward (the
+              "before").  For both, ``tp_collectives.EXPOSED`` (seconds waited in tp collectives)
+              per step: the exposed communication.
   single   -- the whole model in one process on one thread (rank 0; the other rank waits in a barrier).
 
 What a careful DTensor user has to add for timm's attention (done here before parallelizing):
@@ -30,10 +29,8 @@ Timing: ``common.rotate`` (3 warm-up steps of each, then blocks of ``--block`` s
 rotated every round, each step after a barrier); a step is the slowest rank's forward + backward +
 ``opt.step()`` + ``opt.zero_grad()``.
 
-autosplit's side is tried once per run; if ``parallelize`` fails (e.g. a release without tensor
-parallelism), the error is recorded and the section reports DTensor's numbers alone.
-``--probe`` only tries a tiny ``parallelize`` with mesh (1, 2, 1) on 2 ranks and exits 0 if it works.
-``--profile`` adds a cProfile of autosplit's steps on each rank (printed, not written).
+If autosplit's ``parallelize`` fails, the section reports DTensor alone, with the error.  ``--probe``: only
+try a tiny mesh (1, 2, 1) ``parallelize``; ``--profile``: a cProfile of autosplit's steps (printed).
 
 Run from the repository root:  python benchmarks/bench_tp.py             (writes docs/benchmarks.md)
                                python benchmarks/bench_tp.py --steps 5   (quicker, print only)
@@ -48,16 +45,13 @@ import sys
 import time
 from pathlib import Path
 
-from common import finish, machine_lines, md_table, paired_ratio, profile_steps, rotate, slowest, spawn_ranks, step_stats
+from common import (finish, machine_lines, md_table, paired_ratio, profile_steps, rotate, slowest, spawn_ranks,
+                    step_stats, train_step)
 
-START = "<!-- bench_tp:start -->"
-END = "<!-- bench_tp:end -->"
+START, END = "<!-- bench_tp:start -->", "<!-- bench_tp:end -->"
 REPO = Path(__file__).resolve().parent.parent
-
-WORLD = 2
-TP = 2
-BATCH = 64
-LR = 0.01
+WORLD = TP = 2
+BATCH, LR = 64, 0.01
 VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=6, num_classes=10)
 CHECK_TOL = 1e-5
 N_TOKENS = (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1
@@ -175,15 +169,11 @@ def run_rank(rank: int, args) -> dict:
 
     def plain_step(model):
         """A step of ``model`` the plain way: loss, backward, ``opt.step()``, ``opt.zero_grad()``."""
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-
-        def step():
+        def forward_backward():
             loss = loss_fn(model(x), y)
             loss.backward()
-            opt.step()
-            opt.zero_grad()
             return float(loss.detach())
-        return step
+        return train_step(forward_backward, torch.optim.SGD(model.parameters(), lr=LR))
     steps = {"dtensor": plain_step(dt_model)}
     out["local_params"] = {"dtensor": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                                           for p in dt_model.parameters()),
@@ -196,14 +186,7 @@ def run_rank(rank: int, args) -> dict:
             tp_collectives.OVERLAP_BACKWARD = overlap         # read at build time; False: the fused backward
             pm = autosplit.parallelize(copy.deepcopy(base), mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
                                        num_microbatches=1, schedule="1f1b", example_input=x)
-            opt = torch.optim.SGD(pm.parameters(), lr=LR)
-
-            def ours_step(pm=pm, opt=opt):
-                loss = pm.step(x, y)
-                opt.step()
-                opt.zero_grad()
-                return float(loss)
-            steps[name] = ours_step
+            steps[name] = train_step(lambda pm=pm: float(pm.step(x, y)), torch.optim.SGD(pm.parameters(), lr=LR))
         tp_collectives.OVERLAP_BACKWARD = True
         out["local_params"]["ours"] = sum(p.numel() for p in pm.parameters())
     except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on with DTensor alone

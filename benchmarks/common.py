@@ -117,6 +117,20 @@ def rotate(steps: dict, configs: list[str], warmup: int, n: int, block: int = 1,
     return out
 
 
+def train_step(forward_backward, opt):
+    """A step: ``forward_backward()`` (returns the loss), then ``opt.step()`` and ``opt.zero_grad()`` inside a
+    ``bench::optimizer`` profiler range; returns the loss."""
+    from torch.profiler import record_function
+
+    def step():
+        loss = forward_backward()
+        with record_function("bench::optimizer"):
+            opt.step()
+            opt.zero_grad()
+        return loss
+    return step
+
+
 def slowest(per_rank: list[dict], key: str, name: str, rank0_only: bool = False) -> list[float]:
     """Per step, the slowest rank's ``per_rank[r][key][name]`` (rank 0's alone for single-rank runs)."""
     if rank0_only:
