@@ -154,7 +154,7 @@ def build_steps(rank: int, base, x, y) -> tuple[dict, dict, object]:
         for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)) if rank == 0 or all_ranks else ():
             loss = loss_fn(single(xs), ys) / chunks
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         return total
     steps["single_full"] = train_step(lambda: single_step(1), sopt)
     steps["single_accum"] = train_step(lambda: single_step(MICROBATCHES), sopt)
