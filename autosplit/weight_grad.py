@@ -13,11 +13,14 @@ Terms:
                  (``run_while_communicating``: the tensor-parallel backward all-reduce / reduce-scatter
                  of an entry's input gradient overlaps the weight-gradient GEMMs queued before it,
                  as Megatron's async grad all-reduce does); whatever is left runs at the end of B.
-  accumulate  -- W hands each weight gradient to autograd as the gradient of the parameter leaf
-                 (``torch.autograd.backward([w], [g])``), so it is *added* into ``.grad`` exactly as a
-                 fused backward would add it (tied or reused weights add up, ``.grad`` views of the dp
-                 buckets are written in place) and the post-accumulate-grad hooks fire.  Uses of one
-                 weight within one key are summed first, so each hook fires once per W.
+  accumulate  -- W adds each weight gradient into ``.grad`` exactly as a fused backward would (tied or
+                 reused weights add up, never overwrite).  A weight without autograd hooks gets its
+                 gradient written straight into ``.grad`` by the GEMM itself (``addmm_`` on the 2-D
+                 views, or a fresh ``mm`` the first time): no temporary, no separate add, no autograd
+                 engine call.  A weight with hooks (the dp buckets' post-accumulate-grad hooks, a
+                 tensor hook) is handed to autograd as the gradient of the parameter leaf
+                 (``torch.autograd.backward([w], [g])``), so its hooks fire; uses of one such weight
+                 within one key are summed first, so each hook fires once per W.
   autocast    -- the forward casts its floating inputs to the autocast dtype, as autocast would for
                  linear / conv, and runs with autocast off; the backward (which runs without autocast)
                  uses the cast tensors, and autograd casts the gradients back to the parameters' dtype.
@@ -65,8 +68,10 @@ class DeferredWeightGrads:
             self.overlapped += len(self.pending.get(self.key, []))
             self.run(self.key)
 
-    def defer(self, weight: torch.Tensor, compute) -> None:
-        self.pending.setdefault(self.key, []).append((weight, compute))
+    def defer(self, weight: torch.Tensor, work) -> None:
+        """Queue ``work`` (a ``_LinearW`` / ``_ConvW``: ``grad()`` returns the weight gradient,
+        ``add_to(out)`` adds it into ``out`` in place if it can) for ``weight`` under the current key."""
+        self.pending.setdefault(self.key, []).append((weight, work))
 
     def weights(self, key) -> list[torch.Tensor]:
         """The distinct weights ``run(key)`` will write, in the order they were deferred."""
@@ -77,15 +82,21 @@ class DeferredWeightGrads:
 
     def run(self, key) -> None:
         """Compute the weight gradients deferred to ``key`` and add them into the weights' ``.grad``."""
-        sums: dict[int, list] = {}
-        for w, compute in self.pending.pop(key, []):
-            g = compute().to(w.dtype)
-            if id(w) in sums:
-                sums[id(w)][1] = sums[id(w)][1] + g
-            else:
-                sums[id(w)] = [w, g]
-        if sums:
-            weights, grads = zip(*sums.values())
+        hooked: dict[int, list] = {}
+        with torch.no_grad():
+            for w, work in self.pending.pop(key, []):
+                if _has_hooks(w):
+                    g = work.grad().to(w.dtype)
+                    if id(w) in hooked:
+                        hooked[id(w)][1] += g
+                    else:
+                        hooked[id(w)] = [w, g]
+                elif w.grad is None:
+                    w.grad = work.grad().to(w.dtype).view_as(w)     # first write: the GEMM's own output
+                elif not work.add_to(w.grad):
+                    w.grad.add_(work.grad().to(w.grad.dtype))
+        if hooked:
+            weights, grads = zip(*hooked.values())
             torch.autograd.backward(list(weights), list(grads))
 
     def clear(self) -> None:
@@ -105,65 +116,110 @@ def _cast(device_type: str, *tensors):
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
+def _no_autocast(device_type: str, fn, *args):
+    """``fn(*args)`` with autocast off (the inputs are cast already); no context manager when it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return fn(*args)
+    with torch.autocast(device_type, enabled=False):
+        return fn(*args)
+
+
+def _has_hooks(w: torch.Tensor) -> bool:
+    """Does autograd run hooks when ``w`` receives a gradient?  torch has no public query for a tensor's
+    hooks; these attributes are where ``register_hook`` / ``register_post_accumulate_grad_hook`` keep
+    them.  Unknown (another torch) counts as hooked: the autograd path is always right, only slower."""
+    if not (hasattr(w, "_backward_hooks") and hasattr(w, "_post_accumulate_grad_hooks")):
+        return True
+    return bool(w._backward_hooks) or bool(w._post_accumulate_grad_hooks) or not w.is_contiguous()
+
+
+class _LinearW:
+    """The weight gradient of one linear: dW = dY^T X on the 2-D views, (out, in)."""
+    __slots__ = ("g2", "x")
+
+    def __init__(self, g2: torch.Tensor, x: torch.Tensor):
+        self.g2, self.x = g2, x                              # (rows, out), (..., in)
+
+    def grad(self) -> torch.Tensor:
+        return self.g2.t().mm(self.x.reshape(-1, self.x.shape[-1]))
+
+    def add_to(self, out: torch.Tensor) -> bool:
+        if out.dtype != self.g2.dtype or not out.is_contiguous():
+            return False
+        out.addmm_(self.g2.t(), self.x.reshape(-1, self.x.shape[-1]))
+        return True
+
+
+class _ConvW:
+    """The weight gradient of one convolution (``aten.convolution_backward``, weight only)."""
+    __slots__ = ("grad_out", "x", "w", "args")
+
+    def __init__(self, grad_out, x, w, args):
+        self.grad_out, self.x, self.w, self.args = grad_out, x, w, args
+
+    def grad(self) -> torch.Tensor:
+        return torch.ops.aten.convolution_backward(self.grad_out, self.x, self.w, *self.args,
+                                                   [False, True, False])[1]
+
+    def add_to(self, out: torch.Tensor) -> bool:
+        return False
+
+
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        device_type = x.device.type
-        xc, wc, bc = _cast(device_type, x, weight, bias)
-        with torch.autocast(device_type, enabled=False):
-            y = F.linear(xc, wc, bc)                      # (..., out)
+        xc, wc, bc = _cast(x.device.type, x, weight, bias)
+        y = _no_autocast(x.device.type, F.linear, xc, wc, bc)          # (..., out)
         ctx.save_for_backward(xc, wc)
         ctx.weight, ctx.has_bias = weight, bias is not None
         return y
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):                              # grad: (..., out)
         xc, wc = ctx.saved_tensors
-        grad_x = grad.matmul(wc) if ctx.needs_input_grad[0] else None         # (..., in)
-        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-
-        def weight_grad(grad=grad, xc=xc):
-            return grad.reshape(-1, grad.shape[-1]).t().mm(xc.reshape(-1, xc.shape[-1]))   # (out, in)
-
-        if not ctx.needs_input_grad[1]:
+        g2 = grad.reshape(-1, grad.shape[-1])             # (rows, out): one copy at most, shared with W
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_x = g2.mm(wc).view(*grad.shape[:-1], wc.shape[1]) if need_x else None     # (..., in)
+        grad_b = g2.sum(0) if ctx.has_bias and need_b else None
+        if not need_w:
             return grad_x, None, grad_b
+        work = _LinearW(g2, xc)
         if DEFERRED.key is None:
-            return grad_x, weight_grad(), grad_b
-        DEFERRED.defer(ctx.weight, weight_grad)
+            return grad_x, work.grad(), grad_b
+        DEFERRED.defer(ctx.weight, work)
         return grad_x, None, grad_b
 
 
 class _SplitConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
-        device_type = x.device.type
-        xc, wc, bc = _cast(device_type, x, weight, bias)
+        xc, wc, bc = _cast(x.device.type, x, weight, bias)
         conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()]
-        with torch.autocast(device_type, enabled=False):
-            y = conv(xc, wc, bc, stride, padding, dilation, groups)
+        y = _no_autocast(x.device.type, conv, xc, wc, bc, stride, padding, dilation, groups)
         ctx.save_for_backward(xc, wc)
         ctx.args = (stride, padding, dilation, groups)
         ctx.weight, ctx.bias_sizes = weight, None if bias is None else [bias.shape[0]]
         return y
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):                              # grad: (B, C_out, *spatial)
         xc, wc = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.args
         n = xc.dim() - 2
         args = (ctx.bias_sizes, _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n), False, [0] * n, groups)
-        grad_x, _, grad_b = torch.ops.aten.convolution_backward(
-            grad, xc, wc, *args, [ctx.needs_input_grad[0], False, ctx.bias_sizes is not None])
-
-        def weight_grad(grad=grad, xc=xc, wc=wc):
-            return torch.ops.aten.convolution_backward(grad, xc, wc, *args, [False, True, False])[1]
-
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = None
+        if need_x:
+            grad_x = torch.ops.aten.convolution_backward(grad, xc, wc, *args, [True, False, False])[0]
+        # the bias gradient is a sum over batch and space (convolution_backward would cost a weight GEMM)
+        grad_b = grad.sum([0] + list(range(2, grad.dim()))) if ctx.bias_sizes is not None and need_b else None
         none = (None,) * 4
-        if not ctx.needs_input_grad[1]:
+        if not need_w:
             return (grad_x, None, grad_b) + none
+        work = _ConvW(grad, xc, wc, args)
         if DEFERRED.key is None:
-            return (grad_x, weight_grad(), grad_b) + none
-        DEFERRED.defer(ctx.weight, weight_grad)
+            return (grad_x, work.grad(), grad_b) + none
+        DEFERRED.defer(ctx.weight, work)
         return (grad_x, None, grad_b) + none
 
 

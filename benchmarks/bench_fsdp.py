@@ -7,9 +7,9 @@ memory -- a ViT-B-sized model (timm VisionTransformer(img_size=32, patch_size=4,
           model's per-rank prediction (cost_model/sharding.py ``dp_cost(...).state_bytes``, from the
           plan's parameter bytes).  Replicated, per stage and per layer.
 time   -- a smaller ViT (embed_dim=192, depth=12, 5.5 M parameters) on mesh (1, 1, dp): replicated,
-          dp_shard="stage" and dp_shard="layer" built side by side in one world, timed in rotating blocks
-          (``--block`` steps of one, then the next), each step after a barrier; a step's time is the
-          slowest rank's (forward + backward of 4 microbatches, the dp collectives, AdamW step).
+          dp_shard="stage" and dp_shard="layer" built side by side in one world, timed by ``common.rotate``
+          (``--block`` steps of each in turn, the order rotated every round, each after a barrier); a step's
+          time is the slowest rank's (forward + backward of 4 microbatches, the dp collectives, AdamW step).
 
     python benchmarks/bench_fsdp.py memory --dp 1 2 4
     python benchmarks/bench_fsdp.py time --dp 2 --rounds 5 --block 3
@@ -20,10 +20,8 @@ import argparse
 import json
 import os
 import sys
-import time
-import traceback
 
-from common import launch, step_stats
+from common import rotate, slowest, spawn_ranks, step_stats, train_step
 
 MODES = {"replicated": False, "stage": "stage", "layer": "layer"}
 
@@ -55,51 +53,32 @@ def _build(mode, dp, width, microbatches, batch):
                                  example_input=torch.randn(batch // dp // microbatches, 3, 32, 32), device="cpu")
 
 
-def _worker(rank, port, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args["dp"]), OMP_NUM_THREADS="1")
-    try:
-        import torch
-        import torch.distributed as dist
-        from autosplit.cost_model.sharding import dp_cost
-        torch.set_num_threads(1)
-        dp, batch, m = args["dp"], args["batch"], 4
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-        rows = slice(rank * batch // dp, (rank + 1) * batch // dp)
+def run_rank(rank, args) -> dict:
+    import torch
+
+    from autosplit.cost_model.sharding import dp_cost
+    dp, batch, m = args["dp"], args["batch"], 4
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    rows = slice(rank * batch // dp, (rank + 1) * batch // dp)
+    if args["what"] == "memory":
         out = {}
-        if args["what"] == "memory":
-            for mode in args["modes"]:
-                pm = _build(mode, dp, 768, m, batch)
-                opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-                pm.step(x[rows], y[rows])
-                opt.step()
-                stage = pm.plan.stages[0]
-                predicted = dp_cost(stage.param_bytes, 0, dp, m, pm.plan.dp_shard, "cpu").state_bytes
-                out[mode] = {**_state_bytes(pm, opt), "predicted": predicted, "plan_memory": stage.memory_bytes,
-                             "n_params": stage.n_params}
-                del pm, opt
-        else:
-            pms = {mode: _build(mode, dp, args["width"], m, batch) for mode in args["modes"]}
-            opts = {k: torch.optim.AdamW(pm.parameters(), lr=1e-4) for k, pm in pms.items()}
-            times = {k: [] for k in pms}
-            order = list(pms)
-            for r in range(args["rounds"] + 1):            # round 0 is warm-up
-                for k in order[r % len(order):] + order[:r % len(order)]:
-                    for _ in range(args["block"]):
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        pms[k].step(x[rows], y[rows])
-                        opts[k].step()
-                        opts[k].zero_grad()
-                        dt = torch.tensor([time.perf_counter() - t0])
-                        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                        if r:
-                            times[k].append(dt.item())
-            out = {k: step_stats(v) for k, v in times.items()}
-        results.put((rank, out))
-    except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
+        for mode in args["modes"]:
+            pm = _build(mode, dp, 768, m, batch)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+            pm.step(x[rows], y[rows])
+            opt.step()
+            stage = pm.plan.stages[0]
+            predicted = dp_cost(stage.param_bytes, 0, dp, m, pm.plan.dp_shard, "cpu").state_bytes
+            out[mode] = {**_state_bytes(pm, opt), "predicted": predicted, "plan_memory": stage.memory_bytes,
+                         "n_params": stage.n_params}
+            del pm, opt
+        return out
+    steps = {}
+    for mode in args["modes"]:
+        pm = _build(mode, dp, args["width"], m, batch)
+        steps[mode] = train_step(lambda pm=pm: pm.step(x[rows], y[rows]), torch.optim.AdamW(pm.parameters(), lr=1e-4))
+    return rotate(steps, list(steps), args["block"], args["rounds"] * args["block"], args["block"])
 
 
 def main(argv=None):
@@ -116,7 +95,9 @@ def main(argv=None):
     for dp in a.dp:
         args = {"what": a.what, "dp": dp, "modes": [m for m in a.modes if dp > 1 or m == "replicated"],
                 "batch": a.batch, "width": a.width, "rounds": a.rounds, "block": a.block}
-        res = launch(_worker, dp, args, timeout=1800)
+        res = spawn_ranks(run_rank, dp, args, timeout=1800)
+        if a.what == "time":                # the slowest rank's steps
+            res = [{k: step_stats(slowest(res, "times", k)) for k in args["modes"]}] * dp
         print(json.dumps({"dp": dp, "what": a.what, "rank0": res[0],
                           "ranks_equal": all(r == res[0] for r in res) if a.what == "memory" else None}))
     print(f"load average after: {os.getloadavg()[0]:.1f}", file=sys.stderr)

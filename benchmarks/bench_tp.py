@@ -9,10 +9,9 @@ embed_dim=192, depth=12, num_heads=6, num_classes=10) on a batch of 64, SGD, fp3
   ours     -- ``autosplit.parallelize(model, mesh=(1, 2, 1), num_microbatches=1, schedule="1f1b")``
               and ``pm.step(x, y)``: the backward all-reduce of each column-parallel entry's input
               gradient runs while the weight-gradient GEMMs compute (issue 11).
-  ours_fused -- the same with ``tp_collectives.OVERLAP_BACKWARD = False`` at build time: the fused
-              backward, each all-reduce waited at once (the "before").  For both, the seconds per
-              step the main thread waited in tp collectives (``tp_collectives.EXPOSED``) are recorded:
-              the exposed communication.
+  ours_fused -- ``tp_collectives.OVERLAP_BACKWARD = False`` at build time: the fused backward (the
+              "before").  For both, ``tp_collectives.EXPOSED`` (seconds waited in tp collectives)
+              per step: the exposed communication.
   single   -- the whole model in one process on one thread (rank 0; the other rank waits in a barrier).
 
 What a careful DTensor user has to add for timm's attention (done here before parallelizing):
@@ -26,15 +25,12 @@ single-device model's loss (|diff| <= 1e-5), so a wrong reordering cannot go unn
 configuration starts from the same weights and trains on the same batch, so the losses of the first
 steps must agree across configurations (step 1 checks the forward, step 2 the gradients and update).
 
-Timing: 3 warm-up steps of each, then the timed steps interleaved in blocks (``--block`` steps of one
-configuration, then of the next; the order rotates each round) so that machine noise hits all of
-them.  Each step starts after a barrier; a step's time is the slowest rank's time for
-forward + backward + ``opt.step()`` + ``opt.zero_grad()``.
+Timing: ``common.rotate`` (3 warm-up steps of each, then blocks of ``--block`` steps of each, the order
+rotated every round, each step after a barrier); a step is the slowest rank's forward + backward +
+``opt.step()`` + ``opt.zero_grad()``.
 
-autosplit's side is tried once per run; if ``parallelize`` fails (e.g. a release without tensor
-parallelism), the error is recorded and the section reports DTensor's numbers alone.
-``--probe`` only tries a tiny ``parallelize`` with mesh (1, 2, 1) on 2 ranks and exits 0 if it works.
-``--profile`` adds a cProfile of autosplit's steps on each rank (printed, not written).
+If autosplit's ``parallelize`` fails, the section reports DTensor alone, with the error.  ``--probe``: only
+try a tiny mesh (1, 2, 1) ``parallelize``; ``--profile``: a cProfile of autosplit's steps (printed).
 
 Run from the repository root:  python benchmarks/bench_tp.py             (writes docs/benchmarks.md)
                                python benchmarks/bench_tp.py --steps 5   (quicker, print only)
@@ -43,27 +39,22 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from common import cpu_name, launch, profile_steps, step_stats, write_section
+from common import (finish, machine_lines, md_table, paired_ratio, profile_steps, rotate, slowest, spawn_ranks,
+                    step_stats, train_step)
 
-START = "<!-- bench_tp:start -->"
-END = "<!-- bench_tp:end -->"
+START, END = "<!-- bench_tp:start -->", "<!-- bench_tp:end -->"
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = "docs/benchmarks.md"
-
-WORLD = 2
-TP = 2
-BATCH = 64
-LR = 0.01
+WORLD = TP = 2
+BATCH, LR = 64, 0.01
 VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=6, num_classes=10)
 CHECK_TOL = 1e-5
+N_TOKENS = (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1
 
 CONFIGS = ("ours", "ours_fused", "dtensor", "single")
 LABELS = {
@@ -119,24 +110,6 @@ def dtensor_model(base, mesh):
 
 # ------------------------------------------------------------------------------------- worker
 
-def worker(rank: int, port: int, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    try:
-        results.put((rank, (probe_rank if args.probe else run_rank)(rank, args)))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
-        import traceback
-        results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
-
-
-def _init(rank: int):
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-
-
 def _agree(ok: bool) -> bool:
     """True when every rank says ok (so no rank goes on alone into collectives the others skip)."""
     import torch
@@ -149,8 +122,7 @@ def _agree(ok: bool) -> bool:
 def probe_rank(rank: int, args) -> dict:
     """Try a tiny autosplit tensor-parallel step; report whether it worked."""
     import torch
-    import torch.distributed as dist
-    _init(rank)
+
     import autosplit
     from timm.models import VisionTransformer
     torch.manual_seed(0)
@@ -161,49 +133,32 @@ def probe_rank(rank: int, args) -> dict:
     try:
         pm = autosplit.parallelize(model, mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
                                    num_microbatches=1, schedule="1f1b", example_input=x)
-        opt = torch.optim.SGD(pm.parameters(), lr=LR)
         out["loss"] = pm.step(x, y)
-        opt.step()
-        opt.zero_grad()
     except Exception as exc:  # noqa: BLE001
         out["unavailable"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    dist.destroy_process_group()
     return out
 
 
 def run_rank(rank: int, args) -> dict:
     import torch
-    import torch.distributed as dist
-    _init(rank)
     from torch.distributed.device_mesh import init_device_mesh
-
     torch.manual_seed(0)
     base = build_model()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, 3, 32, 32, generator=gen)
     y = torch.randint(0, VIT["num_classes"], (BATCH,), generator=gen)
     loss_fn = torch.nn.CrossEntropyLoss()
-    out: dict = {"rank": rank, "losses": {}, "times": {}, "setup_s": {}}
-
     with torch.no_grad():
         reference = float(loss_fn(base(x), y))
-    out["reference_loss"] = reference
-
-    steps: dict = {}
-
-    # DTensor ------------------------------------------------------------------------------------
-    t0 = time.perf_counter()
     mesh = init_device_mesh("cpu", (TP,))
     dt_model = dtensor_model(base, mesh)
-    dt_opt = torch.optim.SGD(dt_model.parameters(), lr=LR)
-    out["setup_s"]["dtensor"] = time.perf_counter() - t0
     with torch.no_grad():
         dt_loss = float(loss_fn(dt_model(x), y))
-    out["dtensor_check"] = {"dtensor": dt_loss, "single": reference, "abs_diff": abs(dt_loss - reference)}
-    # the plan without the reordering, to show what it gets wrong
-    if args.check_naive:
-        naive = copy.deepcopy(base)
+    out: dict = {"rank": rank, "dtensor_check": {"dtensor": dt_loss, "single": reference,
+                                                 "abs_diff": abs(dt_loss - reference)}}
+    if args.check_naive:                    # the plan without the reordering, to show what it gets wrong
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        naive = copy.deepcopy(base)
         for block in naive.blocks:
             block.attn.num_heads //= TP
             block.attn.attn_dim //= TP
@@ -211,139 +166,47 @@ def run_rank(rank: int, args) -> dict:
                                              "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
         with torch.no_grad():
             out["naive_loss"] = float(loss_fn(naive(x), y))
-        del naive
 
-    def plain_step(model, opt):
+    def plain_step(model):
         """A step of ``model`` the plain way: loss, backward, ``opt.step()``, ``opt.zero_grad()``."""
-        def step():
+        def forward_backward():
             loss = loss_fn(model(x), y)
             loss.backward()
-            opt.step()
-            opt.zero_grad()
             return float(loss.detach())
-        return step
-    steps["dtensor"] = plain_step(dt_model, dt_opt)
-
-    # autosplit ----------------------------------------------------------------------------------
-    ours_error = None
-    t0 = time.perf_counter()
+        return train_step(forward_backward, torch.optim.SGD(model.parameters(), lr=LR))
+    steps = {"dtensor": plain_step(dt_model)}
+    out["local_params"] = {"dtensor": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                          for p in dt_model.parameters()),
+                           "single": sum(p.numel() for p in base.parameters())}
+    out["ours_error"] = None
     try:
         import autosplit
-        pm = autosplit.parallelize(copy.deepcopy(base), mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
-                                   num_microbatches=1, schedule="1f1b", example_input=x)
-        ours_opt = torch.optim.SGD(pm.parameters(), lr=LR)
-    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on with DTensor alone
-        ours_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    if not _agree(ours_error is None):
-        ours_error = ours_error or "autosplit.parallelize failed on another rank"
-    if ours_error is None:
-        out["setup_s"]["ours"] = time.perf_counter() - t0
-        out["ours_local_params"] = sum(p.numel() for p in pm.parameters())
-
         from autosplit.runtime import tp_collectives
-        tp_collectives.OVERLAP_BACKWARD = False          # the "before": fused backward
-        pm_fused = autosplit.parallelize(copy.deepcopy(base), mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
-                                         num_microbatches=1, schedule="1f1b", example_input=x)
+        for name, overlap in (("ours", True), ("ours_fused", False)):
+            tp_collectives.OVERLAP_BACKWARD = overlap         # read at build time; False: the fused backward
+            pm = autosplit.parallelize(copy.deepcopy(base), mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
+                                       num_microbatches=1, schedule="1f1b", example_input=x)
+            steps[name] = train_step(lambda pm=pm: float(pm.step(x, y)), torch.optim.SGD(pm.parameters(), lr=LR))
         tp_collectives.OVERLAP_BACKWARD = True
-        fused_opt = torch.optim.SGD(pm_fused.parameters(), lr=LR)
-
-        def ours_step(pm=pm, opt=ours_opt):
-            loss = pm.step(x, y)
-            opt.step()
-            opt.zero_grad()
-            return float(loss)
-        steps["ours"] = ours_step
-        steps["ours_fused"] = lambda: ours_step(pm_fused, fused_opt)
-    out["ours_error"] = ours_error
-    out["dtensor_local_params"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-                                      for p in dt_model.parameters())
-
-    # single device ------------------------------------------------------------------------------
-    single = copy.deepcopy(base)
-    out["single_params"] = sum(p.numel() for p in single.parameters())
-    s_opt = torch.optim.SGD(single.parameters(), lr=LR)
-
-    steps["single"] = plain_step(single, s_opt) if rank == 0 else (lambda: None)   # rank 1 only waits
-
+        out["local_params"]["ours"] = sum(p.numel() for p in pm.parameters())
+    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on with DTensor alone
+        out["ours_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if not _agree(out["ours_error"] is None):
+        out["ours_error"] = out["ours_error"] or "autosplit.parallelize failed on another rank"
+        steps.pop("ours", None), steps.pop("ours_fused", None)
+    steps["single"] = plain_step(copy.deepcopy(base)) if rank == 0 else (lambda: None)   # rank 1 only waits
     configs = [c for c in CONFIGS if c in steps and c in args.configs]
 
-    exposed = None
-    if "ours" in steps:
-        from autosplit.runtime.tp_collectives import EXPOSED as exposed
-
-    def timed(name):
-        dist.barrier()
-        before = dict(exposed) if exposed is not None else {}
-        c, t = time.process_time(), time.perf_counter()
-        loss = steps[name]()
-        wall, cpu = time.perf_counter() - t, time.process_time() - c
-        if record:
-            out["times"].setdefault(name, []).append(wall)
-            out["cpu_times"].setdefault(name, []).append(cpu)
-            if name.startswith("ours"):
-                out["exposed"].setdefault(name, []).append(
-                    {k: exposed[k] - before.get(k, 0.0) for k in ("input_grad", "other")})
-        return wall, loss
-    out["exposed"] = {}
-
-    # warm-up: its steps also give the first losses (same weights, same batch) -------------------
-    record = False
-    out["cpu_times"] = {}
-    for name in configs:
-        for _ in range(args.warmup):
-            _, loss = timed(name)
-            out["losses"].setdefault(name, []).append(loss)
-    # timed steps, interleaved in blocks, the order rotating each round --------------------------
-    record = True
-    rounds = -(-args.steps // args.block)
-    for r in range(rounds):
-        k = r % len(configs)
-        for name in configs[k:] + configs[:k]:
-            for _ in range(min(args.block, args.steps - r * args.block)):
-                timed(name)
-    record = False
-
-    if args.phase_steps and "ours" in steps:
-        out["phases"] = collective_phases(steps["ours"], args.phase_steps)
-        out["allreduce_ms"] = allreduce_cost(torch.zeros(BATCH, (VIT["img_size"] // VIT["patch_size"]) ** 2 + 1,
-                                                         VIT["embed_dim"]), args.pingpong)
-
+    def probe():        # seconds waited in tp collectives, and how many all-reduces ran
+        from autosplit.runtime.tp_collectives import COUNTS, EXPOSED
+        comm = (("copy", "bwd"), ("all_reduce", "fwd"), ("grad_all_reduce", "bwd"))   # the calls that all-reduce
+        return {**EXPOSED, "all_reduces": sum(COUNTS[k] for k in comm)}
+    out.update(rotate(steps, configs, args.warmup, args.steps, args.block,
+                      probe=probe if out["ours_error"] is None else None))
+    out["allreduce_ms"] = allreduce_cost(torch.zeros(BATCH, N_TOKENS, VIT["embed_dim"]), args.pingpong)
     if args.profile and "ours" in steps:
         out["cprofile"] = profile_steps(steps["ours"], 3, ("tottime", 25), ("cumulative", 25))
-
-    dist.barrier()
-    dist.destroy_process_group()
     return out
-
-
-def collective_phases(step, n: int) -> dict:
-    """Time spent in autosplit's tensor-parallel collectives (wrapped by name) over ``n`` steps."""
-    import torch.distributed as dist
-    from autosplit.runtime import tp_collectives as collectives
-    totals = {"all_reduce": [0.0, 0], "all_gather": [0.0, 0]}
-    saved = {}
-    for name in totals:
-        fn = saved[name] = getattr(collectives, f"_{name}")
-
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                totals[_name][0] += time.perf_counter() - t
-                totals[_name][1] += 1
-        setattr(collectives, f"_{name}", wrapper)
-    step_s = 0.0
-    try:
-        for _ in range(n):
-            dist.barrier()
-            t = time.perf_counter()
-            step()
-            step_s += time.perf_counter() - t
-    finally:
-        for name, fn in saved.items():
-            setattr(collectives, f"_{name}", fn)
-    return {"step_s": step_s / n, **{k: (v[0] / n, v[1] / n) for k, v in totals.items()}}
 
 
 def allreduce_cost(x, n: int) -> float:
@@ -358,74 +221,33 @@ def allreduce_cost(x, n: int) -> float:
 
 # ------------------------------------------------------------------------------------- driver
 
-def summarize(per_rank: list[dict]) -> dict:
-    stats = {}
-    for name in per_rank[0]["times"]:
-        if name == "single":
-            series = per_rank[0]["times"][name]      # rank 1 only waits in the barrier
-        else:
-            series = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
-        stats[name] = step_stats(series)
-        cpu = (per_rank[0]["cpu_times"][name] if name == "single" else
-               [max(ts) for ts in zip(*(r["cpu_times"][name] for r in per_rank))])
-        stats[name]["cpu_median"] = statistics.median(cpu)
-    losses = {}
-    for name in per_rank[0]["losses"]:
-        # every rank returns the same (global) loss for the parallel runs; single runs on rank 0 only
-        losses[name] = per_rank[0]["losses"][name]
-    return {"stats": stats, "losses": losses}
-
-
-def checks(summary: dict, per_rank: list[dict]) -> list[tuple[str, str, str, bool | None]]:
+def checks(per_rank: list[dict]) -> list[tuple[str, str, str, bool | None]]:
     """(what, value, target, passed) rows."""
-    rows = []
     dc = per_rank[0]["dtensor_check"]
-    diffs = [abs(r["dtensor_check"]["abs_diff"]) for r in per_rank]
-    rows.append(("DTensor (qkv reordered) vs single device, loss on the first batch, max over ranks",
-                 f"{max(diffs):.1e} ({dc['dtensor']:.6f} vs {dc['single']:.6f})", f"<= {CHECK_TOL:g}",
-                 max(diffs) <= CHECK_TOL))
+    diff = max(abs(r["dtensor_check"]["abs_diff"]) for r in per_rank)
+    rows = [("DTensor (qkv reordered) vs single device, loss on the first batch, max over ranks",
+             f"{diff:.1e} ({dc['dtensor']:.6f} vs {dc['single']:.6f})", f"<= {CHECK_TOL:g}", diff <= CHECK_TOL)]
     if "naive_loss" in per_rank[0]:
-        nd = abs(per_rank[0]["naive_loss"] - dc["single"])
         rows.append(("DTensor without the reordering (contiguous qkv split), same loss difference",
-                     f"{nd:.1e} ({per_rank[0]['naive_loss']:.6f})", "(shows the plan is wrong)", None))
-    ls = summary["losses"]
+                     f"{abs(per_rank[0]['naive_loss'] - dc['single']):.1e} ({per_rank[0]['naive_loss']:.6f})",
+                     "(shows the plan is wrong)", None))
+    first = per_rank[0]["first"]            # every rank returns the global loss; single runs on rank 0
     for name in ("dtensor", "ours", "ours_fused"):
-        if name in ls and "single" in ls:
-            for i, (a, b) in enumerate(zip(ls[name], ls["single"])):
-                d = abs(a - b)
-                rows.append((f"{LABELS[name]} vs single device, loss of step {i + 1}", f"{d:.1e}", "<= 1e-4",
-                             d <= 1e-4))
+        for i, (a, b) in enumerate(zip(first.get(name, []), first.get("single", []))):
+            rows.append((f"{LABELS[name]} vs single device, loss of step {i + 1}", f"{abs(a - b):.1e}", "<= 1e-4",
+                         abs(a - b) <= 1e-4))
     return rows
 
 
-def exposed_rows(per_rank: list[dict]) -> list[str]:
-    """Exposed tp communication per step (median over timed steps, rank 0 / rank 1), before / after."""
-    rows = []
-    for name in ("ours_fused", "ours"):
-        if name not in per_rank[0].get("exposed", {}):
-            continue
-        for kind, what in (("input_grad", "entries' input-gradient all-reduces (backward)"),
-                           ("other", "all other tp collectives")):
-            vals = [statistics.median(e[kind] for e in r["exposed"][name]) for r in per_rank]
-            rows.append(f"| {LABELS[name]}: exposed wait per step, {what} (s, rank 0 / rank 1) "
-                        f"| {' / '.join(f'{v:.4f}' for v in vals)} | |")
-    return rows
-
-
-def render(summary: dict, per_rank: list[dict], command: str, total_s: float, args) -> str:
-    import timm
-    import torch
-    st, ls = summary["stats"], summary["losses"]
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    err = per_rank[0]["ours_error"]
+def render(per_rank: list[dict], args, command: str, total_s: float) -> str:
+    names = [c for c in CONFIGS if c in per_rank[0]["times"]]
+    st = {n: {**step_stats(slowest(per_rank, "times", n, n == "single")),
+              "cpu": statistics.median(slowest(per_rank, "cpu", n, n == "single"))} for n in names}
+    err, first = per_rank[0]["ours_error"], per_rank[0]["first"]
     lines = [START, "## 1D tensor parallelism: autosplit vs DTensor (`benchmarks/bench_tp.py`)", "",
-             f"- Date: {now}",
-             f"- Machine: {os.cpu_count()} CPUs ({cpu_name()}), Python {platform.python_version()}, "
-             f"torch {torch.__version__}, timm {timm.__version__}",
-             f"- Reproduce (repository root): `{command}` ({total_s:.0f} s here)",
+             *machine_lines(command, total_s, args.load, "timm"),
              f"- Model: timm `VisionTransformer({', '.join(f'{k}={v}' for k, v in VIT.items())})`, fp32, SGD "
-             f"lr={LR}, cross-entropy, batch {BATCH}; {WORLD} gloo ranks, 1 thread each (`OMP_NUM_THREADS=1`, "
-             f"`torch.set_num_threads(1)`).",
+             f"lr={LR}, cross-entropy, batch {BATCH}; {WORLD} gloo ranks, 1 thread each.",
              "- DTensor: `init_device_mesh(\"cpu\", (2,))`, `parallelize_module` on each block with `ColwiseParallel` "
              "for `attn.qkv`, `mlp.fc1` and `RowwiseParallel` for `attn.proj`, `mlp.fc2`; before that, as a careful "
              "user must, each fused qkv weight/bias is row-permuted from (3, heads, head_dim) to (rank, 3, local "
@@ -436,67 +258,49 @@ def render(summary: dict, per_rank: list[dict], command: str, total_s: float, ar
              + (f" **Not available in this run**: `{err}`." if err else ""),
              f"- Step = forward + backward + `opt.step()` + `opt.zero_grad()`, after a barrier; time of the slowest "
              f"rank (single device: rank 0, the other rank waits). {args.warmup} warm-up steps each, then "
-             f"{args.steps} timed steps each, interleaved in blocks of {args.block} (order rotated every round).",
-             f"- Load average (1 min) at start / end of the run: {args.load[0]:.2f} / {args.load[1]:.2f} "
-             f"(other work on the machine inflates wall times; *CPU s* is the median over steps of the busiest "
-             f"rank's process CPU time in the step, less sensitive to that but blind to waiting).",
-             "", "| configuration | median (s) | p10 (s) | p90 (s) | CPU s (median) | steps | loss after step 1 "
-             "| local params (rank 0) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    params = {"ours": per_rank[0].get("ours_local_params"), "dtensor": per_rank[0].get("dtensor_local_params"),
-              "single": per_rank[0].get("single_params")}
-    for name in CONFIGS:
-        if name in st:
-            s = st[name]
-            loss = f"{ls[name][0]:.6f}" if ls.get(name) else ""
-            pn = f"{params[name] / 1e6:.2f} M" if params.get(name) else ""
-            lines.append(f"| {LABELS[name]} | {s['median']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} "
-                         f"| {s['cpu_median']:.3f} | {s['n']} | {loss} | {pn} |")
-        elif name == "ours":
-            lines.append(f"| {LABELS[name]} | not available | | | | | | |")
-    lines += ["", "| comparison | value | target |", "|---|---:|---:|"]
+             f"{args.steps} timed steps each, in blocks of {args.block} (order rotated every round). *CPU s*: "
+             "median of the busiest rank's process CPU time per step (less sensitive to other load, blind to "
+             "waiting).", ""]
+    params = per_rank[0]["local_params"]
+    lines += md_table(["configuration", "median (s)", "p10 (s)", "p90 (s)", "CPU s (median)", "steps",
+                       "loss after step 1", "local params (rank 0)"],
+                      [[LABELS[n], f"{st[n]['median']:.3f}", f"{st[n]['p10']:.3f}", f"{st[n]['p90']:.3f}",
+                        f"{st[n]['cpu']:.3f}", st[n]["n"], f"{first[n][0]:.6f}" if first.get(n) else "",
+                        f"{params[n] / 1e6:.2f} M" if n in params else ""] for n in names])
+    rows = []
     if "ours" in st and "dtensor" in st:
-        lines.append(f"| autosplit / DTensor (median step) | {st['ours']['median'] / st['dtensor']['median']:.3f} "
-                     f"| <= 0.90 |")
-        lines.append(f"| autosplit / DTensor (median CPU s of the busiest rank) "
-                     f"| {st['ours']['cpu_median'] / st['dtensor']['cpu_median']:.3f} | |")
-    for name in ("ours", "dtensor"):
-        if name in st and "single" in st:
-            lines.append(f"| speed-up over single device: {LABELS[name]} | "
-                         f"{st['single']['median'] / st[name]['median']:.2f} x | (ideal 2 x) |")
+        rows += [["autosplit / DTensor (median step)", f"{st['ours']['median'] / st['dtensor']['median']:.3f}",
+                  "<= 0.90"],
+                 ["autosplit / DTensor, median of per-round ratios",
+                  f"{paired_ratio(slowest(per_rank, 'times', 'ours'), slowest(per_rank, 'times', 'dtensor')):.3f}",
+                  "<= 0.90"],
+                 ["autosplit / DTensor (median CPU s of the busiest rank)",
+                  f"{st['ours']['cpu'] / st['dtensor']['cpu']:.3f}", ""]]
+    rows += [[f"speed-up over single device: {LABELS[n]}", f"{st['single']['median'] / st[n]['median']:.2f} x",
+              "(ideal 2 x)"] for n in ("ours", "dtensor") if n in st and "single" in st]
     if "ours" in st and "ours_fused" in st:
-        lines.append(f"| autosplit overlapped / not overlapped backward (median step) "
-                     f"| {st['ours']['median'] / st['ours_fused']['median']:.3f} | |")
-    lines += exposed_rows(per_rank)
-    for what, value, target, ok in checks(summary, per_rank):
-        mark = "" if ok is None else (" (ok)" if ok else " (**FAILED**)")
-        lines.append(f"| {what} | {value}{mark} | {target} |")
-    ph = [r.get("phases") for r in per_rank]
-    if all(ph):
-        ar = max(r["allreduce_ms"] for r in per_rank)
-        n_ar = ph[0]["all_reduce"][1]
-        lines += ["", f"Where autosplit's step goes ({args.phase_steps} more steps with timers on its tensor-parallel "
-                      f"collectives; seconds per step, rank 0 / rank 1):", "",
-                  "| part | rank 0 | rank 1 |", "|---|---:|---:|",
-                  "| step | " + " | ".join(f"{p['step_s']:.3f}" for p in ph) + " |",
-                  "| TP all-reduces (clone + all_reduce + wait), calls | "
-                  + " | ".join(f"{p['all_reduce'][0]:.3f} ({p['all_reduce'][1]:.0f})" for p in ph) + " |",
-                  "| TP all-gathers, calls | "
-                  + " | ".join(f"{p['all_gather'][0]:.3f} ({p['all_gather'][1]:.0f})" for p in ph) + " |",
-                  "| everything else (compute, optimizer, Python) | "
-                  + " | ".join(f"{p['step_s'] - p['all_reduce'][0] - p['all_gather'][0]:.3f}" for p in ph) + " |",
-                  "", f"A plain gloo all-reduce of one {BATCH}x{(VIT['img_size'] // VIT['patch_size']) ** 2 + 1}x"
-                      f"{VIT['embed_dim']} fp32 activation ({BATCH * ((VIT['img_size'] // VIT['patch_size']) ** 2 + 1) * VIT['embed_dim'] * 4 / 2**20:.1f} MiB), "
-                      f"alone: {ar:.2f} ms. Megatron's minimum is 4 per block (2 forward, 2 backward), the same for "
-                      f"DTensor's plan."]
-        if "single" in st:
-            floor = st["single"]["median"] / TP + n_ar * ar / 1e3
-            lines.append(f"Without overlapping communication and compute, a step cannot beat single-device time / {TP} "
-                         f"+ {n_ar:.0f} x {ar:.2f} ms = {floor:.3f} s (replicated layers not even counted)"
-                         + (f"; the target 0.8 x DTensor is {0.8 * st['dtensor']['median']:.3f} s." if "dtensor" in st
-                            else "."))
-    lines += ["", END]
-    return "\n".join(lines) + "\n"
+        rows.append(["autosplit overlapped / not overlapped backward (median step)",
+                     f"{st['ours']['median'] / st['ours_fused']['median']:.3f}", ""])
+    for name in ("ours_fused", "ours"):
+        for kind, what in (("input_grad", "entries' input-gradient all-reduces (backward)"),
+                           ("other", "all other tp collectives")):
+            if per_rank[0]["probe"].get(name):
+                vals = [statistics.median(e.get(kind, 0.0) for e in r["probe"][name]) for r in per_rank]
+                rows.append([f"{LABELS[name]}: exposed wait per step, {what} (s, rank 0 / rank 1)",
+                             " / ".join(f"{v:.4f}" for v in vals), ""])
+    rows += [[what, value + ("" if ok is None else " (ok)" if ok else " (**FAILED**)"), target]
+             for what, value, target, ok in checks(per_rank)]
+    lines += ["", *md_table(["comparison", "value", "target"], rows)]
+    ar = max(r["allreduce_ms"] for r in per_rank)
+    lines += ["", f"A plain gloo all-reduce of one {BATCH}x{N_TOKENS}x{VIT['embed_dim']} fp32 activation "
+                  f"({BATCH * N_TOKENS * VIT['embed_dim'] * 4 / 2**20:.1f} MiB), alone: {ar:.2f} ms. Megatron's "
+                  f"minimum is 4 per block (2 forward, 2 backward), the same for DTensor's plan."]
+    if per_rank[0]["probe"].get("ours") and "single" in st:
+        n_ar = statistics.median(e["all_reduces"] for e in per_rank[0]["probe"]["ours"])
+        floor = st["single"]["median"] / TP + n_ar * ar / 1e3
+        lines.append(f"Without overlapping communication and compute, a step cannot beat single-device time / {TP} "
+                     f"+ {n_ar:.0f} x {ar:.2f} ms = {floor:.3f} s (replicated layers not even counted).")
+    return "\n".join(lines + ["", END]) + "\n"
 
 
 def main(argv=None) -> int:
@@ -507,49 +311,31 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
     p.add_argument("--no-naive-check", dest="check_naive", action="store_false",
                    help="skip showing the loss of DTensor's plan without the qkv reordering")
-    p.add_argument("--phase-steps", type=int, default=3,
-                   help="extra autosplit steps with timers on its collectives (0: skip; default 3)")
     p.add_argument("--pingpong", type=int, default=50, help="plain all-reduces timed for the reference cost")
     p.add_argument("--profile", action="store_true", help="also cProfile 3 autosplit steps on each rank (printed)")
     p.add_argument("--probe", action="store_true",
                    help="only try a tiny autosplit parallelize with mesh (1, 2, 1); exit 0 if it works")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the ranks")
-    p.add_argument("--out", default=None, help=f"markdown file to update (default {DEFAULT_OUT} when run with "
-                                                f"the default --steps/--warmup/--configs, else print only)")
+    p.add_argument("--out", default=None, help="markdown file to update (default docs/benchmarks.md when run with "
+                                               "the default --steps/--warmup/--configs, else print only)")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    os.environ["OMP_NUM_THREADS"] = "1"
-
     if args.probe:
-        per_rank = launch(worker, WORLD, args, args.timeout)
-        bad = [r.get("unavailable") for r in per_rank if r.get("unavailable")]
-        if bad:
-            print(f"autosplit tp=2: not available: {bad[0]}")
-            return 1
-        print(f"autosplit tp=2: works (loss {per_rank[0]['loss']:.6f}, single device "
-              f"{per_rank[0]['reference']:.6f})")
-        return 0
-
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    per_rank = launch(worker, WORLD, args, args.timeout)
-    total = time.perf_counter() - t0
-    args.load = (load0, os.getloadavg()[0])
-    summary = summarize(per_rank)
-    command = "python benchmarks/bench_tp.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                 if (argv if argv is not None else sys.argv[1:]) else "")
-    section = render(summary, per_rank, command.strip(), total, args)
-    print(section)
+        per_rank = spawn_ranks(probe_rank, WORLD, args, args.timeout)
+        bad = [r["unavailable"] for r in per_rank if r.get("unavailable")]
+        print(f"autosplit tp=2: not available: {bad[0]}" if bad else
+              f"autosplit tp=2: works (loss {per_rank[0]['loss']:.6f}, single device {per_rank[0]['reference']:.6f})")
+        return 1 if bad else 0
+    t0, load = time.perf_counter(), os.getloadavg()[0]
+    per_rank = spawn_ranks(run_rank, WORLD, args, args.timeout)
+    args.load = (load, os.getloadavg()[0])
+    command = " ".join(["python benchmarks/bench_tp.py", *(argv if argv is not None else sys.argv[1:])])
+    finish(render(per_rank, args, command, time.perf_counter() - t0), args,
+           (args.steps, args.warmup, args.configs) == (15, 3, list(CONFIGS)), REPO, START, END)
     for r in per_rank:
         if r.get("cprofile"):
             print(f"--- cProfile, autosplit steps, rank {r['rank']} ---\n{r['cprofile']}")
-    defaults = args.steps == 15 and args.warmup == 3 and args.configs == list(CONFIGS)
-    out = args.out or (DEFAULT_OUT if defaults else None)
-    if out:
-        write_section(REPO / out, section, START, END)
-        print(f"wrote {out}")
-    failed = [c for c in checks(summary, per_rank) if c[3] is False]
-    return 1 if failed else 0
+    return 1 if any(c[3] is False for c in checks(per_rank)) else 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Three parts, one run:
              W (weight), 3 (q-1)(X + W) (gathers forward, re-gathers and two reduce-scatters backward),
              i.e. 6(q-1)/q of the (B/q N C + C^2 / q)-sized operands counted once each way.
   time    -- 4 gloo ranks on this CPU, timm ViT (width 192, depth 12, 8 heads so that 1D at tp = 4 divides them, 32 px, patch 4), batch
-             64, SGD: mesh (1, 4, 1) with tp_mode="1d" and "2d", interleaved in blocks, slowest rank.
+             64, SGD: mesh (1, 4, 1) with tp_mode="1d" and "2d", rotated step by step (common.rotate), slowest rank.
 
 Run from the repository root:  python benchmarks/bench_tp2d.py [--steps N] [--no-write]
 """
@@ -22,10 +22,9 @@ import argparse
 import datetime
 import os
 import sys
-import time
 from pathlib import Path
 
-from common import cpu_name, launch, step_stats, write_section
+from common import cpu_name, rotate, slowest, spawn_ranks, step_stats, train_step, write_section
 
 START, END = "<!-- bench_tp2d:start -->", "<!-- bench_tp2d:end -->"
 REPO = Path(__file__).resolve().parent.parent
@@ -113,57 +112,28 @@ def memory_rows() -> list[str]:
 
 
 # ---- step time ------------------------------------------------------------------------------------
-def worker(rank: int, port: int, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", AUTOSPLIT_TIMEOUT="600")
-    try:
-        results.put((rank, run_rank(args)))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
-        import traceback
-        results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
-
-
-def run_rank(args) -> dict:
+def run_rank(rank: int, args) -> dict:
     import torch
-    import torch.distributed as dist
     from timm.models import VisionTransformer
+
     import autosplit
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-    runs = {}
+    steps = {}
     for mode in ("1d", "2d"):
         torch.manual_seed(0)
         pm = autosplit.parallelize(VisionTransformer(**VIT), mesh=(1, 4, 1), num_microbatches=1, tp_mode=mode,
                                    example_input=x)
-        runs[mode] = (pm, torch.optim.SGD(pm.parameters(), lr=LR))
-    times = {m: [] for m in runs}
-    losses = {m: [] for m in runs}
-    order = list(runs)
-    for rnd in range(args.warmup + args.steps):
-        for mode in order:
-            pm, opt = runs[mode]
-            dist.barrier()
-            t = time.perf_counter()
-            loss = pm.step(x, y)
-            opt.step()
-            opt.zero_grad()
-            took = torch.tensor([time.perf_counter() - t])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)                 # the slowest rank's step
-            if rnd >= args.warmup:
-                times[mode].append(took.item())
-            losses[mode].append(loss)
-        order.reverse()                                                  # rotate which runs first
-    dist.destroy_process_group()
-    return {"times": times, "losses": losses}
+        steps[mode] = train_step(lambda pm=pm: pm.step(x, y), torch.optim.SGD(pm.parameters(), lr=LR))
+    return rotate(steps, list(steps), args.warmup, args.steps)
 
 
 def time_rows(args) -> list[str]:
-    res = launch(worker, WORLD, args, timeout=3600)[0]
-    first = {m: v[:2] for m, v in res["losses"].items()}
-    assert abs(first["1d"][0] - first["2d"][0]) < 1e-5 and abs(first["1d"][1] - first["2d"][1]) < 1e-5, first
-    stats = {m: step_stats(v) for m, v in res["times"].items()}
+    os.environ["AUTOSPLIT_TIMEOUT"] = "600"          # the spawned ranks inherit it
+    per_rank = spawn_ranks(run_rank, WORLD, args, timeout=3600)
+    first = per_rank[0]["first"]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(first["1d"][:2], first["2d"][:2])), first
+    stats = {m: step_stats(slowest(per_rank, "times", m)) for m in ("1d", "2d")}
     base = stats["1d"]["median"]
     return [f"| tp_mode=\"{m}\" | {s['median'] * 1e3:.0f} | {s['p10'] * 1e3:.0f} | {s['p90'] * 1e3:.0f} | "
             f"{s['median'] / base:.3f} |" for m, s in stats.items()]

@@ -17,7 +17,7 @@ from autosplit.passes.split_backward import split_weight_gemms
 from autosplit.schedule import (Action, ActionKind, Placement, build_schedule, check_schedule, flatten, lower,
                                 parse_item, simulate)
 from autosplit.tp.local_modules import RowParallelLinear
-from autosplit.weight_grad import DEFERRED, SplitConv, SplitLinear
+from autosplit.weight_grad import DEFERRED, SplitConv, SplitLinear, split_linear
 from tests import checks_zero_bubble as Z
 from tests.models import VARIANTS
 
@@ -187,6 +187,38 @@ def test_split_pass_under_autocast_and_what_stays_fused():
     for n in want:
         if want[n] is not None:
             assert got[n].dtype == torch.float32 and torch.allclose(got[n], want[n], rtol=2e-2, atol=2e-3), n
+
+
+def test_w_writes_into_grad_and_hooked_weights_go_through_autograd(monkeypatch):
+    """W adds a hook-free weight's gradient into ``.grad`` by the GEMM itself (no autograd call; a tied
+    weight's two uses add up, onto what earlier microbatches left); a weight with a post-accumulate hook
+    goes through autograd, its hook firing once per W with the complete gradient (autograd also fires
+    it during I, without one: see autosplit/weight_grad.py)."""
+    torch.manual_seed(0)
+    lin, tied, hooked = nn.Linear(6, 6), nn.Parameter(torch.randn(6, 6)), nn.Linear(6, 3)
+    seen = []
+    hooked.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad if p.grad is None else p.grad.clone()))
+    ref = copy.deepcopy((lin, tied, hooked))
+
+    def model(x, lin, tied, hooked, split):
+        linear = split_linear if split else F.linear
+        h = linear(torch.tanh(linear(x, lin.weight, lin.bias)), tied)
+        return linear(linear(h, tied), hooked.weight, hooked.bias)          # (B, N, 3)
+
+    calls = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (calls.append(a[0]), backward(*a, **k)))
+    for k in range(2):          # the second microbatch adds onto the first one's .grad
+        x = torch.randn(2, 5, 6)
+        with DEFERRED.collecting(("t", k)):
+            backward(model(x, lin, tied, hooked, True).square().sum())
+        n_hooks, calls[:] = len(seen), []
+        DEFERRED.run(("t", k))
+        assert len(seen) == n_hooks + 1 and calls == [[hooked.weight]]     # only the hooked weight: autograd
+        model(x, *ref, False).square().sum().backward()
+    for got, want in zip((lin.weight, lin.bias, tied, hooked.weight), (ref[0].weight, ref[0].bias, ref[1], ref[2].weight)):
+        assert torch.allclose(got.grad, want.grad, atol=1e-5), (got.grad - want.grad).abs().max()
+    assert torch.allclose(seen[-1], ref[2].weight.grad, atol=1e-5)
 
 
 # ---- equivalence with single-device training (gloo, strict transport) --------------------------------
