@@ -5,6 +5,8 @@ devices (H100 profile, 80 GiB per device).  Each model is built on the meta devi
 
 Prints, per case: wall seconds, CPU seconds of this process (the machine is shared; CPU time is what
 the search itself costs), peak traced Python memory (tracemalloc) and max RSS, and the first choice.
+The times come from a run without tracemalloc (which slows allocation-heavy Python several times);
+the traced peak from a second run of the same search.
 """
 from __future__ import annotations
 
@@ -31,10 +33,13 @@ def run(name: str) -> dict:
     with torch.device("meta"):
         model = factory()
     x = torch.empty(1, 3, 224, 224, device="meta")
-    tracemalloc.start()
+    search = lambda: autosplit.search(model, world, x, global_batch=batch, device="h100", memory_budget="80GiB",
+                                      top=5)
     wall, cpu = time.perf_counter(), time.process_time()
-    result = autosplit.search(model, world, x, global_batch=batch, device="h100", memory_budget="80GiB", top=5)
+    result = search()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tracemalloc.start()
+    search()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {"case": name, "wall_s": wall, "cpu_s": cpu, "peak_traced_MiB": peak / 2**20,

@@ -8,13 +8,21 @@ Terms:
 
 The model's own parameters may be real or already on meta; real ones are swapped for meta stand-ins
 per call (``torch.func.functional_call``), so nothing is copied or allocated.
+
+  memo        -- within one propagation, the result of an op on meta inputs is a function of the op, its
+                 inputs' metadata (shape, stride, offset, dtype) and its other arguments; a ViT repeats the
+                 same block dozens of times, so each (op, metadata) is computed once and its result's
+                 metadata replayed for the repeats (fresh meta tensors: nothing aliases).  Only what is
+                 known pure is memoized: functions and methods that are not in-place, and torch.nn's own
+                 modules keyed by their configuration (``extra_repr``) and parameter shapes; a value
+                 that is not plain data (a real tensor, an object) is never memoized.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autosplit.errors import AutosplitError
 from autosplit.passes.infra import MetaPass
@@ -37,12 +45,108 @@ def run_on_zeros(module: torch.nn.Module, args, kwargs):
     return module(*zeros[0], **zeros[1])
 
 
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout, type(None),
+          type(Ellipsis))
+
+
+def _meta_key(value):
+    """A hashable description of ``value``'s metadata, or None where it holds anything but meta tensors
+    and plain data (then the call is not memoized)."""
+    leaves, spec = tree_flatten(value, is_leaf=lambda x: isinstance(x, torch.Size))   # pytree rebuilds a tuple
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Size):
+            out.append((torch.Size, tuple(x)))
+        elif isinstance(x, torch.Tensor):
+            if x.device.type != "meta":
+                return None
+            out.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.requires_grad))
+        elif isinstance(x, slice) and all(isinstance(v, _PLAIN) for v in (x.start, x.stop, x.step)):
+            out.append((slice, x.start, x.stop, x.step))
+        elif isinstance(x, _PLAIN):
+            out.append((type(x), x))
+        else:
+            return None
+    return spec, tuple(out)
+
+
+def _replayable(key) -> bool:
+    """A result is replayed as fresh meta tensors that do not require grad: one that does (an input
+    returned as it is, e.g. ``p.contiguous()`` of a parameter) is not memoized."""
+    return key is not None and not any(len(x) == 5 and x[4] for x in key[1])
+
+
+def _rebuild(key):
+    """Fresh meta tensors (and the plain values) a ``_meta_key`` describes."""
+    spec, leaves = key
+    out = []
+    for x in leaves:
+        if x[0] is slice:
+            out.append(slice(*x[1:]))
+        elif x[0] is torch.Size:
+            out.append(torch.Size(x[1]))
+        elif isinstance(x[0], type):
+            out.append(x[1])
+        else:
+            shape, stride, offset, dtype, _ = x
+            size = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else offset
+            out.append(torch.empty(size, dtype=dtype, device="meta").as_strided(shape, stride, offset))
+    return tree_unflatten(out, spec)
+
+
+def _pure_target(target) -> bool:
+    """torch's functions and Tensor methods (a method's target is its name) that do not write their
+    inputs, and the operator module's and builtins' functions but item assignment.  A user function
+    (a ``torch.fx.wrap``-ed leaf) might read state that changes between calls: never memoized."""
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name.endswith("_") or name in ("setitem", "delitem", "__setitem__", "__delitem__"):
+        return False
+    if isinstance(target, str) or isinstance(target, torch._ops.OpOverload):
+        return True
+    return (getattr(target, "__module__", None) or "").split(".")[0] in ("torch", "_operator", "operator", "builtins")
+
+
 class _MetaInterpreter(fx.Interpreter):
+    def __init__(self, module, memo: bool = True):
+        super().__init__(module)
+        self._memo: dict | None = {} if memo else None   # (op, target, inputs' metadata) -> result's metadata
+
+    def _memoized(self, op: str, target, what, args, kwargs, compute):
+        key = _meta_key((args, kwargs)) if self._memo is not None and "out" not in kwargs else None
+        if key is None or what is None:
+            return compute()
+        key = (op, target, what, key)
+        if key in self._memo:
+            return _rebuild(self._memo[key])
+        result = compute()
+        recorded = _meta_key(result)
+        if _replayable(recorded):
+            self._memo[key] = recorded
+        return result
+
+    def call_function(self, target, args, kwargs):
+        compute = lambda: super(_MetaInterpreter, self).call_function(target, args, kwargs)
+        return self._memoized("f", target, True if _pure_target(target) else None, args, kwargs, compute)
+
+    def call_method(self, target, args, kwargs):
+        compute = lambda: super(_MetaInterpreter, self).call_method(target, args, kwargs)
+        return self._memoized("m", target, True if _pure_target(target) else None, args, kwargs, compute)
+
     def get_attr(self, target, args, kwargs):
         return to_meta(super().get_attr(target, args, kwargs))
 
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
+        what = None
+        if (type(module).__module__.startswith("torch.nn.modules.") and not any(True for _ in module.children())
+                and not any(True for _ in module.buffers())):
+            # torch.nn's own layers: their forward depends on the parameters' shapes and the configuration
+            # extra_repr prints (features, eps, p, ...); user modules may read anything, so never memoized
+            what = (type(module), module.extra_repr(), module.training,
+                    tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+        return self._memoized("mod", None, what, args, kwargs, lambda: self._call_module(module, args, kwargs))
+
+    def _call_module(self, module, args, kwargs):
         state = {name: to_meta(t) for name, t in module.state_dict(keep_vars=True).items()}
         try:
             return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
@@ -72,12 +176,13 @@ class MetaShapeProp(MetaPass):
 
     ensures_meta = ("val",)
 
-    def __init__(self, example_inputs: tuple):
-        self.example_inputs = to_meta(tuple(example_inputs))
+    def __init__(self, example_inputs: tuple, memo: bool = True):
+        """``memo=False`` computes every node (the memo's tests compare the two)."""
+        self.example_inputs, self.memo = to_meta(tuple(example_inputs)), memo
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         with torch.no_grad():
-            _MetaInterpreter(graph_module).run(*self.example_inputs)
+            _MetaInterpreter(graph_module, self.memo).run(*self.example_inputs)
         return PassResult(graph_module, False)
 
 

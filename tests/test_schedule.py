@@ -11,8 +11,9 @@ import pytest
 
 from autosplit.schedule import (
     Action, ActionKind, Group, ScheduleDeadlock, build_schedule, check_schedule, flatten, forward_schedule,
-    lower, parse_item, simulate,
+    lower, parse_item, peak_in_flight, simulate,
 )
+from autosplit.errors import AutosplitError
 from tests.schedule_orders import early_post_order, slot_fused_order
 
 PPS = range(1, 9)
@@ -59,6 +60,22 @@ def test_1f1b_bounds_activations_gpipe_does_not():
             peaks = check_schedule("1f1b", pp, m).peak_activations
             assert peaks == [min(pp - r, m) for r in range(pp)], (pp, m, peaks)
             assert check_schedule("gpipe", pp, m).peak_activations == [m] * pp
+
+
+def test_peak_in_flight_scan_equals_the_simulator():
+    """The search prices memory from a scan of the action lists; it must be the simulator's peak."""
+    checked = 0
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+        for pp in (1, 2, 3, 4, 6, 8):
+            for m in (1, 2, 3, pp, 2 * pp, 2 * pp + 1, 4 * pp):
+                for v in ((1,) if name in ("gpipe", "1f1b", "zb-h1") else (2, 3) if name == "interleaved" else (2,)):
+                    try:
+                        sched = build_schedule(name, pp, m, v)
+                    except AutosplitError:
+                        continue
+                    assert peak_in_flight(sched) == simulate(sched).peak_activations, (name, pp, m, v)
+                    checked += 1
+    assert checked > 150
 
 
 def test_interleaved_matches_megatron_warmup():

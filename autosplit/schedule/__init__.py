@@ -13,11 +13,12 @@ from .actions import Action, ActionKind, Group, Item, parse_item
 from .generate import SCHEDULES, SPLIT_BACKWARD, Schedule, build_schedule, forward_schedule
 from .lower import flatten, lower
 from .placement import Placement, placement_of
-from .simulate import SimResult, check_schedule, simulate
+from .simulate import SimResult, check_schedule, peak_in_flight, simulate
 from .timing import ScheduleDeadlock
 
 __all__ = [
     "Action", "ActionKind", "Group", "Item", "parse_item", "SCHEDULES", "SPLIT_BACKWARD", "Schedule",
     "build_schedule", "Placement", "placement_of",
-    "forward_schedule", "lower", "flatten", "ScheduleDeadlock", "SimResult", "check_schedule", "simulate",
+    "forward_schedule", "lower", "flatten", "ScheduleDeadlock", "SimResult", "check_schedule", "peak_in_flight",
+    "simulate",
 ]

@@ -90,6 +90,21 @@ def check_schedule(name: str, pp: int, num_microbatches: int, chunks_per_rank: i
     return simulate(build_schedule(name, pp, num_microbatches, chunks_per_rank))
 
 
+def peak_in_flight(schedule: Schedule) -> list[int]:
+    """``simulate(schedule).peak_activations`` without running it: a rank runs its computes in list
+    order whatever the timing, and the in-flight count changes only at its own computes (``_account``),
+    so the peak is a scan of each rank's list.  It proves nothing about deadlock (``check_schedule``
+    does); the strategy search uses it to price memory for sizes the simulator would take seconds on."""
+    peaks = []
+    for r in range(schedule.pp):
+        live = peak = 0
+        for a in schedule.actions.get(r, ()):
+            live += 1 if a.kind is F else -1 if a.kind.sends_grad else 0
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
 def simulate(schedule_or_lowered: Schedule | dict[int, list[Item]],
              num_stages: int | None = None, placement: Placement | None = None) -> SimResult:
     """Run every rank's lowered list together, one step at a time (see the module docstring).
