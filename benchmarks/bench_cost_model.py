@@ -271,8 +271,8 @@ def main() -> None:
         START, "## Cost model accuracy: predicted vs measured step time (CPU, gloo)", "",
         f"`python benchmarks/bench_cost_model.py` ({datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, "
         f"torch threads 1 per rank, {args.rounds} timed rounds after {args.warmup} warm-up steps, "
-        f"{time.time() - t0:.0f} s; 1-minute load {load_before:.1f} before timing, {load_after:.1f} after: the "
-        f"machine is shared with other jobs). Model: timm ViT (32 px, patch 4, width 192, depth 6, 6 heads), "
+        f"{time.time() - t0:.0f} s; 1-minute load {load_before:.1f} before timing, {load_after:.1f} after, "
+        f"up to the number of ranks of its own). Model: timm ViT (32 px, patch 4, width 192, depth 6, 6 heads), "
         f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {n}" for w, n in profiles.items()) + ".",
         *parts, "", END, ""])
     write_section(REPO / args.out, section, START, END)

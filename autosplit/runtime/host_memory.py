@@ -14,10 +14,11 @@ Terms:
 Why: a training step allocates and frees the same activations and gradients every microbatch.  With
 glibc's defaults, whether those frees go back to the kernel depends on the order of frees, and the
 split backward (I now, W later: autosplit/weight_grad.py) holds output gradients across other
-computes, which is the order that loses: one stage of the benchmark ViT took 21,700 page faults per
-step with I + W against 2,800 with the fused backward, and I + W ran 8 % slower than B (5 % with the
-settings here, where both had under 700 faults and both got faster: docs/benchmarks.md).  Activations
-above 32 MiB (a ViT-B/16 MLP activation at batch 32 is 77 MiB) fault in every time whatever the order.
+computes, which is the order that loses: one stage of the benchmark ViT took 20,000 page faults per
+step with I + W against 1,300-2,800 with the fused backward, and F + I + W ran 6-8 % slower than F + B
+(1-3 % with the settings here, where neither faults in the steady state: docs/benchmarks.md).  Activations
+above 32 MiB (a ViT-B/16 MLP activation at batch 32 is 74 MiB) fault in every time with the defaults,
+whatever the order.
 
 Why ``mallopt`` and not jemalloc / tcmalloc (what torch's CPU performance guide recommends): those
 need the job relaunched under ``LD_PRELOAD``; ``mallopt`` changes the running process, for every
