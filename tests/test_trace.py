@@ -38,9 +38,12 @@ def test_trace_of_a_2_2_1_step_has_every_rank_and_action(pool4, tmp_path):
         assert any(n.startswith("all_gather over tp") for n in comm)      # sequence-parallel collectives
         assert any(n.startswith("reduce_scatter over tp") or n.startswith("all_reduce over tp") for n in comm)
         assert "loss all_reduce" in comm
-    # aligned: every rank's step starts right after the common barrier (t = 0)
+    # aligned: every rank's step starts right after the common barrier (t = 0).  "Right after" is up to a
+    # time slice: 4 ranks share 2 cores here, and a rank descheduled as the barrier ends starts its step
+    # tens of ms late (a 5 ms bound failed once in CI).  Unaligned timestamps would be the monotonic
+    # clock's microseconds since boot (> 1e9), so 0.25 s still tells the two apart by four orders.
     steps = [e for e in spans if e["name"] == "step"]
-    assert len(steps) == 4 and all(-5e3 < e["ts"] < 5e3 for e in steps)
+    assert len(steps) == 4 and all(-2.5e5 < e["ts"] < 2.5e5 for e in steps), [(e["pid"], e["ts"]) for e in steps]
     first = results[0]
     assert first["table"] == results[3]["table"]                   # the same report on every rank
     assert "measured" in first["table"] and len(first["stages"]) == 2
