@@ -1,6 +1,7 @@
 """runtime/host_memory.py: with the settings, a freed 48 MiB activation's pages stay in the process
 (after a few steps of heap growth), where glibc's default maps and faults them in every time."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def _faults_per_allocation(enabled: bool) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings exist only in glibc")
 def test_freed_activation_memory_is_reused_without_page_faults():
     applied, faults = _faults_per_allocation(enabled=False)
     # glibc's default: above 32 MiB every allocation is a fresh mmap, each of its 12,288 pages faults in

@@ -40,8 +40,9 @@ def test_trace_of_a_2_2_1_step_has_every_rank_and_action(pool4, tmp_path):
         assert "loss all_reduce" in comm
     # aligned: every rank's step starts right after the common barrier (t = 0).  "Right after" is up to a
     # time slice: 4 ranks share 2 cores here, and a rank descheduled as the barrier ends starts its step
-    # tens of ms late (a 5 ms bound failed once in CI).  Unaligned timestamps would be the monotonic
-    # clock's microseconds since boot (> 1e9), so 0.25 s still tells the two apart by four orders.
+    # tens of ms late (a 5 ms bound failed once in CI).  What this shows is that every rank's times count
+    # from its barrier's end; without the shift they would count from its profiler's start, earlier by
+    # the rank's whole barrier wait, which this bound catches only when that wait exceeds 0.25 s.
     steps = [e for e in spans if e["name"] == "step"]
     assert len(steps) == 4 and all(-2.5e5 < e["ts"] < 2.5e5 for e in steps), [(e["pid"], e["ts"]) for e in steps]
     first = results[0]
