@@ -13,6 +13,11 @@ Terms:
   device type     -- "cuda" or "cpu": where the profiled device runs, so the planner applies that device's
                      autocast op lists (CUDA keeps layer_norm / softmax in float32 under autocast, CPU does not).
   profile         -- a frozen ``DeviceProfile`` holding the numbers above, plus the memory size.
+  sharing         -- on a CPU host running several ranks: ``sharing[n-1]`` is how much slower each compute
+                     runs while n processes of the job compute at once (cores, caches and memory
+                     bandwidth are shared; 1.0 for n = 1), measured in the live world
+                     (runtime/sharing_bench.py); the step predictor stretches computes by it.  Its length
+                     is the ranks per host.  None: each device is its own (GPUs).
   measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
                      size) fits from a measured profile (measured.py); without them the roofline and
                      the link's alpha-beta price everything, as for the datasheet GPUs.
@@ -53,6 +58,7 @@ class DeviceProfile:
     device_type: str = "cuda"  # whose autocast rules apply: "cuda" or "cpu"
     compute: dict | None = None   # measured: op class -> (forward fit, backward fit) (measured.py); None: roofline
     comm: dict | None = None      # measured: "kind/n" -> (alpha s, beta s/B) (measured.py); None: link alpha-beta
+    sharing: tuple | None = None  # measured: slowdown with n processes computing on one host, index n-1; None: unshared
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

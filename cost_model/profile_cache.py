@@ -25,7 +25,7 @@ import torch
 from autosplit.cost_model.device import DeviceProfile
 from autosplit.cost_model.measured import compute_from_json, compute_to_json
 
-FORMAT = 1
+FORMAT = 2       # 2: compute fits of one process alone plus ``sharing`` (1: fits taken under contention)
 
 
 def enabled() -> bool:
@@ -80,6 +80,7 @@ def from_dict(d: dict) -> DeviceProfile:
     d["peak_flops"] = {getattr(torch, k): v for k, v in d["peak_flops"].items()}
     d["compute"] = compute_from_json(d.get("compute"))
     d["comm"] = None if d.get("comm") is None else {k: tuple(v) for k, v in d["comm"].items()}
+    d["sharing"] = None if d.get("sharing") is None else tuple(d["sharing"])
     return DeviceProfile(**d)
 
 

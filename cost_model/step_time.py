@@ -19,8 +19,17 @@ Terms:
   dp sync    -- per rank one stream: a stage's ``dp`` starts once its last backward (B or W) ended and
                 the rank's previous dp sync is done (replicated dp all-reduces there; FSDP's all-gathers
                 are counted there too, an upper bound on what its prefetch exposes).
+  sharing    -- processes of the job that compute at once on one host share its cores (a CPU world runs
+                several ranks per machine): while n of them compute, each compute progresses at
+                1 / ``slowdown[n-1]`` of its own speed (``DeviceProfile.sharing``, measured on the machine;
+                None: devices are not shared).  Pipeline rank r stands for its ``group`` = tp * dp processes
+                (ranks r*group .. (r+1)*group - 1, mesh.py's layout), which compute in lockstep; a host
+                holds ``len(slowdown)`` consecutive ranks.  Only compute is shared: tp collectives,
+                transfers and dp sync take their own time.  With sharing the timed run is event-driven
+                (a compute's end depends on what else runs meanwhile); without it, a topological pass.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
-  parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds),
+  parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
+                stretched by sharing),
                 ``exposed_comm`` (its blocking tp collectives, plus how much later it ends than with free
                 point-to-point transfers), ``dp_comm`` (dp sync past its last compute), ``bubble`` (the rest:
                 idle waiting for other ranks).
@@ -32,6 +41,7 @@ Pure: no process group, no torch; the lowered structure is cached per (schedule,
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,6 +183,113 @@ def _duration(a, t: StageTimes) -> float:
     return t.w
 
 
+def _tp_part(a, t: StageTimes) -> float:
+    """The blocking tp collectives inside compute ``a`` (not compute: sharing does not stretch them)."""
+    return t.tp_fwd if a.kind is F else 0.0 if a.kind is W else t.tp_bwd
+
+
+def _transfer_end(n: _Node, value: list, stages, p2p: bool) -> float:
+    mine = value[n.deps[0]]
+    return max((max(mine, value[peer]) + (stages[b].send if p2p else 0.0) for peer, b in n.transfers), default=mine)
+
+
+def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing"):
+    """The timed run with processor sharing (see *sharing*): (values, per rank seconds spent computing).
+
+    Events in time order: a compute whose dependencies have ended is *ready* at the latest of their
+    ends; from then its compute part runs at the host's current rate, which changes whenever a compute
+    on that host starts or finishes its compute part; its tp part follows at full duration.  Groups'
+    values are the same formulas as in ``_run`` once their dependencies are known."""
+    n_nodes = len(nodes)
+    value: list = [None] * n_nodes
+    missing = [len(n.deps) for n in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for k, n in enumerate(nodes):
+        for d in n.deps:
+            users[d].append(k)
+    ready: list = []                     # heap of (ready time, node) for computes
+    tails: list = []                     # heap of (end time, node): computes in their tp part
+    running: dict[int, list] = {}        # rank -> [node, compute seconds left (unshared)]
+    busy = [0.0] * (max(n.rank for n in nodes) + 1)
+
+    def resolve(k: int, t: float) -> None:
+        stack = [(k, t)]
+        while stack:
+            k, t = stack.pop()
+            value[k] = t
+            for u in users[k]:
+                missing[u] -= 1
+                if missing[u] == 0:
+                    n = nodes[u]
+                    if n.kind == "compute":
+                        heapq.heappush(ready, (max((value[d] for d in n.deps), default=0.0), u))
+                    elif n.kind == "active":
+                        stack.append((u, max((value[d] for d in n.deps), default=0.0)))
+                    else:
+                        stack.append((u, _transfer_end(n, value, stages, p2p)))
+
+    for k, n in enumerate(nodes):
+        if missing[k] == 0:
+            if n.kind == "compute":
+                heapq.heappush(ready, (0.0, k))
+            else:
+                resolve(k, 0.0)
+    now = 0.0
+    while ready or tails or running:
+        rates = sharing.rates(running)
+        finish = min(((now + left * rates[r], r) for r, (_, left) in running.items()), default=(float("inf"), -1))
+        t_next = min(finish[0], ready[0][0] if ready else float("inf"), tails[0][0] if tails else float("inf"))
+        for r, entry in running.items():                  # advance every running compute to t_next
+            entry[1] -= (t_next - now) / rates[r]
+            busy[r] += t_next - now
+        now = t_next
+        for r in [r for r, (_, left) in running.items() if left <= 1e-12 * max(1.0, now)]:
+            k = running.pop(r)[0]
+            n = nodes[k]
+            tail = _tp_part(n.action, stages[n.action.stage])
+            if tail > 0:
+                heapq.heappush(tails, (now + tail, k))
+            else:
+                resolve(k, now)
+        while tails and tails[0][0] <= now:
+            _, k = heapq.heappop(tails)
+            resolve(k, now)
+        while ready and ready[0][0] <= now:
+            _, k = heapq.heappop(ready)
+            n = nodes[k]
+            t = stages[n.action.stage]
+            running[n.rank] = [k, _duration(n.action, t) - _tp_part(n.action, t)]
+    return value, busy
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How pipeline ranks share hosts (see *sharing*): ``slowdown[n-1]`` with n processes computing."""
+    slowdown: tuple[float, ...]
+    group: int = 1
+
+    def rates(self, running) -> dict[int, float]:
+        """Per running pipeline rank, seconds of wall time per second of its own compute."""
+        per_host = len(self.slowdown)
+        ranks_per_host = max(1, per_host // self.group)
+        active: dict[int, int] = {}
+        for r in running:
+            active[r // ranks_per_host] = active.get(r // ranks_per_host, 0) + 1
+        out = {}
+        for r in running:
+            n = min(per_host, active[r // ranks_per_host] * self.group)
+            out[r] = self.slowdown[n - 1]
+        return out
+
+
+def sharing_of(profile, group: int) -> "Sharing | None":
+    """The Sharing a profile implies for pipeline ranks of ``group`` processes; None where nothing is shared."""
+    slowdown = getattr(profile, "sharing", None)
+    if not slowdown or all(x <= 1.0 for x in slowdown):
+        return None
+    return Sharing(tuple(max(1.0, x) for x in slowdown), group)
+
+
 def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool) -> list[float]:
     value = [0.0] * len(nodes)
     for k, n in enumerate(nodes):
@@ -182,9 +299,7 @@ def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool) -> list[fl
         elif n.kind == "active":
             value[k] = max((value[d] for d in n.deps), default=0.0)
         else:
-            mine = value[n.deps[0]]
-            value[k] = max((max(mine, value[peer]) + (stages[b].send if p2p else 0.0) for peer, b in n.transfers),
-                           default=mine)
+            value[k] = _transfer_end(n, value, stages, p2p)
     return value
 
 
@@ -197,26 +312,31 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
-                 stages: Sequence[StageTimes]) -> StepPrediction:
+                 stages: Sequence[StageTimes], sharing: Sharing | None = None) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
         schedule: one of autosplit.schedule.SCHEDULES; its placement maps stages to ranks.
         pp, num_microbatches, chunks_per_rank: the pipeline's shape (pp * chunks_per_rank stages).
         stages: one StageTimes per global stage, in stage order.
+        sharing: how ranks share a host's cores (``sharing_of(profile, tp * dp)``); None: not shared.
     """
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
-    timed = _run(nodes, stages, p2p=True)
-    free = _run(nodes, stages, p2p=False)
-    ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     compute, tp, last_bwd = [0.0] * pp, [0.0] * pp, [0.0] * S
+    if sharing is None:
+        timed = _run(nodes, stages, p2p=True)
+        free = _run(nodes, stages, p2p=False)
+    else:
+        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing) for p2p in (True, False))
+    ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     for k, n in enumerate(nodes):
         if n.kind == "compute":
             a, t = n.action, stages[n.action.stage]
-            tp[n.rank] += t.tp_fwd if a.kind is F else t.tp_bwd if a.kind is not W else 0.0
-            compute[n.rank] += _duration(a, t) - (t.tp_fwd if a.kind is F else t.tp_bwd if a.kind is not W else 0.0)
+            tp[n.rank] += _tp_part(a, t)
+            if sharing is None:
+                compute[n.rank] += _duration(a, t) - _tp_part(a, t)
             if a.kind is not F:
                 last_bwd[a.stage] = max(last_bwd[a.stage], timed[k])
     totals = []
@@ -259,8 +379,10 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
 
 def predict_plan(plan, device=None) -> StepPrediction:
     """``predict_step`` of a compiled Plan (its schedule, mesh and StageInfos; see plan_stage_times)."""
+    from autosplit.cost_model.profiles import get_profile
+    profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
     return predict_step(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                        plan_stage_times(plan, device))
+                        plan_stage_times(plan, profile), sharing_of(profile, plan.mesh.tp * plan.mesh.dp))
 
 
 def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
@@ -272,7 +394,8 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
       without a split backward its last compute is a backward of a stage >= l, and that microbatch's
       backwards of stages < l all follow it.
     So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers
-    and dp sync only add.  With equal stages and 1F1B this is the exact (m + pp - 1)(F + B)."""
+    and dp sync only add, and so does sharing (a slowdown is at least 1).  With equal stages and 1F1B
+    this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)
     split = schedule in ("zb-h1", "zb-v")
     fwd = [t.fwd + t.tp_fwd for t in stages]

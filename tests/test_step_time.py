@@ -84,7 +84,7 @@ def test_plan_prediction_is_the_summary_line(kw):
 def test_lower_bound_never_exceeds_the_prediction(name, v):
     """The search prunes with lower_bound: it must hold for any stage times (random here)."""
     import random
-    from autosplit.cost_model.step_time import lower_bound
+    from autosplit.cost_model.step_time import Sharing, lower_bound
     rng = random.Random(0)
     for pp, m in ((2, 2), (3, 5), (4, 8)):
         for _ in range(5):
@@ -94,5 +94,28 @@ def test_lower_bound_never_exceeds_the_prediction(name, v):
             if name.startswith("zb"):
                 stages = [StageTimes(t.fwd, t.bwd, t.bwd * rng.random(), t.tp_fwd, t.tp_bwd, t.send, t.dp) for t in stages]
             assert lower_bound(name, pp, m, v, stages) <= predict_step(name, pp, m, v, stages).total * (1 + 1e-12)
+            shared = Sharing(tuple(1.0 + 0.5 * k for k in range(pp)))
+            assert lower_bound(name, pp, m, v, stages) <= predict_step(name, pp, m, v, stages, shared).total * (1 + 1e-12)
     equal = [StageTimes(1.0, 2.0)] * 4
     assert lower_bound("1f1b", 4, 8, 1, equal) == predict_step("1f1b", 4, 8, 1, equal).total
+
+
+def test_sharing_stretches_only_what_runs_at_once():
+    """Processor sharing (a CPU host's cores shared by its ranks): computes that never overlap keep their
+    time, ranks computing together are slowed by the measured factor, tp collectives are not stretched."""
+    from autosplit.cost_model.step_time import Sharing, sharing_of
+    f, b = 1.0, 2.0
+    alone = [StageTimes(f, b)] * 2
+    one = predict_step("1f1b", 2, 1, 1, alone, Sharing((1.0, 2.0)))
+    assert one.total == pytest.approx(2 * (f + b))            # F0 F1 B1 B0: one rank computes at a time
+    lockstep = predict_step("1f1b", 1, 3, 1, [StageTimes(f, b, tp_fwd=0.5)], Sharing((1.0, 2.0), group=2))
+    assert lockstep.total == pytest.approx(3 * (2 * (f + b) + 0.5))   # tp * dp = 2 processes, always together
+    assert lockstep.compute == pytest.approx(3 * 2 * (f + b)) and lockstep.exposed_comm == pytest.approx(1.5)
+    free, shared = (predict_step("1f1b", 2, 8, 1, alone, s) for s in (None, Sharing((1.0, 2.0))))
+    # steady state: both ranks compute at once at half speed; fill and drain run alone
+    assert free.total < shared.total < 2 * free.total
+    assert shared.total == pytest.approx(shared.compute + shared.bubble + shared.exposed_comm + shared.dp_comm)
+    two_hosts = predict_step("1f1b", 2, 8, 1, alone, Sharing((1.0,)))   # one rank per host: nothing shared
+    assert two_hosts.total == pytest.approx(free.total)
+    assert sharing_of(type("P", (), {"sharing": (1.0, 0.97)})(), 1) is None    # no slowdown: the plain run
+    assert sharing_of(type("P", (), {"sharing": (1.0, 0.9, 1.5)})(), 1).slowdown == (1.0, 1.0, 1.5)

@@ -33,7 +33,7 @@ def group_sizes(world_size: int) -> list[int]:
     return [n for n in range(2, world_size + 1) if world_size % n == 0]
 
 
-def _barrier(world, watchdog) -> None:
+def world_barrier(world, watchdog) -> None:
     group = world.control_group          # a host-side rendezvous under NCCL
     watchdog.wait(dist.barrier(group=group, async_op=True), "profile measurement barrier", host=True,
                   on_host=group is not None)
@@ -96,10 +96,10 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
         for kind in KINDS:
             for nbytes in sizes:
                 call = _collective(kind, axis, group, n, nbytes, world.device)
-                _barrier(world, watchdog)
+                world_barrier(world, watchdog)
                 out.append((kind, n, nbytes, _timed(call, reps)))
     for nbytes in sizes:                  # point to point, all pairs at once
         call = _ping_pong(world, watchdog, nbytes)
-        _barrier(world, watchdog)
+        world_barrier(world, watchdog)
         out.append(("send_recv", 2, nbytes, _timed(call, reps) / 2))
     return out

@@ -1,13 +1,17 @@
 """Measure this machine's cost-model profile in a live world, agree on it, and cache it on disk.
 
 Terms:
-  measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py) and
-               ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py); see
-               cost_model/measured.py.  On a GPU the compute numbers stay the datasheet's (the built-in
+  measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py),
+               ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
+               cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py).  On a GPU the compute numbers stay the datasheet's (the built-in
                profile) and only the communication is measured.
-  agreement  -- every rank measures at the same time (so CPU ranks compete for the cores as they do in
-               training), puts its numbers into the job's store, and rank 0 builds the profile: its own
-               compute fits (all ranks ran the same ops under the same load) and, per measured
+  alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
+               process's rates.  How ranks sharing a CPU host slow each other down is measured apart
+               (runtime/sharing_bench.py: the profile's ``sharing``) and applied by the step predictor
+               to whatever actually runs at once; fits taken with every rank measuring at its own pace
+               mixed both and priced every configuration with the same, accidental, contention.
+  agreement  -- every rank measures the collectives at the same time, puts its numbers into the job's
+               store, and rank 0 builds the profile: its own compute fits and sharing and, per measured
                collective, the SLOWEST rank's time (a collective ends when its last rank does); every
                rank then reads that one profile back.  Every wait is bounded by the Watchdog.
   cache      -- rank 0 writes the profile under cost_model/profile_cache.py's key (host, processor,
@@ -28,7 +32,8 @@ import torch
 from autosplit.cost_model import calibrate, profile_cache, profile_for_gpu
 from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
-from autosplit.runtime.comm_bench import measure_comm
+from autosplit.runtime.comm_bench import measure_comm, world_barrier
+from autosplit.runtime.sharing_bench import measure_sharing
 
 _CALLS = [0]
 
@@ -48,9 +53,15 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         save: write the profile to the on-disk cache (rank 0).
     """
     cuda = world.device.type == "cuda"
-    with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
-        compute = None if cuda else measure_compute(compute_budget, world.device)
-        base = None if cuda else calibrate(seconds=0.5, link=False)
+    compute = base = sharing = None
+    if not cuda:
+        world_barrier(world, watchdog)
+        if world.rank == 0:                      # alone: the others wait in the barrier below
+            with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
+                compute = measure_compute(compute_budget, world.device)
+                base = calibrate(seconds=0.5, link=False)
+        world_barrier(world, watchdog)
+        sharing = measure_sharing(world, watchdog, local_ranks(world))
     comm = measure_comm(world, watchdog)
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
@@ -62,7 +73,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         for k in keys:
             for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
                 slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
-        profile = _build(world, base, compute, slowest)
+        profile = _build(world, base, compute, slowest, sharing)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
             profile_cache.save(profile_cache.machine_key(world.device, local_ranks(world)), profile)
@@ -71,7 +82,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     return pickle.loads(world.store.get(f"{key}profile"))
 
 
-def _build(world, base, compute, slowest: dict):
+def _build(world, base, compute, slowest: dict, sharing):
     """The profile from rank 0's compute fits and the slowest rank's collective times."""
     samples: dict = {}
     for (kind, n, nbytes), seconds in slowest.items():
@@ -85,7 +96,7 @@ def _build(world, base, compute, slowest: dict):
         name = f"cpu (measured: {profile_cache.machine_key('cpu')['processor']}, {torch.get_num_threads()} " \
                f"threads x {local_ranks(world)} ranks)"
     link = {} if p2p is None or not p2p[1] else {"link_latency": p2p[0], "link_bandwidth": 1 / p2p[1]}
-    return dataclasses.replace(base, name=name, compute=compute, comm=comm, **link)
+    return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, **link)
 
 
 def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:

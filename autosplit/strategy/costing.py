@@ -10,7 +10,8 @@ Terms:
              function decides, so the cut is always the one ``autosplit.compile`` makes.
   memory  -- per stage exactly as compile's StageInfo.memory_bytes (SegmentCosts.memory with the dp state
              of cost_model/sharding.py); per rank the sum over the stages it holds.
-  price   -- ``cost_model.step_time.predict_step`` of the stage times: what ``plan.summary()`` shows.
+  price   -- ``cost_model.step_time.predict_step`` of the stage times, with the profile's core sharing for
+             tp * dp processes per pipeline rank: what ``plan.summary()`` shows.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from autosplit.cost_model import collective_time, op_time, p2p_time
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.cost_model.sharding import StageDataParallel
-from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step
+from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step, sharing_of
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds
@@ -178,4 +179,5 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
     if budget is not None and rank_memory > budget:
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
-    return predict_step(schedule, pp, m, v, stages), rank_memory, bounds
+    return (predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp)), rank_memory,
+            bounds)

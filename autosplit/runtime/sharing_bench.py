@@ -1,0 +1,90 @@
+"""Measure how much slower a compute runs while other processes of the job compute on the same host.
+
+Terms:
+  workload -- one forward + backward of six transformer MLPs (linear 192 -> 768, GELU, linear back, layer
+              norm) on (260, 192) tokens: the op mix and size of a CPU benchmark ViT's microbatch, with
+              7 MB of weights (more than a core's cache holds, as a real stage's weights are: sharing
+              a host costs caches and memory bandwidth as well as cores).
+  level n  -- the host's first n local ranks (LOCAL_RANK < n) run the workload ``reps`` times at once,
+              started by a barrier over the world; the other ranks wait in the next barrier (an async
+              gloo barrier polled locally: they take next to no core, as a rank waiting in a step does).
+  reps     -- how many workloads local rank 0 fits into ``budget`` seconds alone (level 1); every level
+              runs that many, so the active ranks stay busy together until the end.
+  slowdown -- per level, the mean over its active ranks of their mean seconds per workload, divided by
+              level 1's: the profile's ``sharing`` (cost_model/device.py), made non-decreasing and at
+              least 1 (a level cannot be faster than fewer ranks; a smaller figure is noise).
+Every host measures its own ranks at the same time (hosts hold consecutive ranks, as torchrun starts
+them); the profile takes rank 0's host's.  Every wait is bounded by the Watchdog.
+Ordering (NCCL's rule): every rank runs the same barriers in the same order, active or not.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from autosplit.runtime.comm_bench import world_barrier
+
+_CALLS = [0]
+_BLOCKS = 6      # 7 MB of weights: more than a core's L2, as a stage of a real model has
+
+
+def _workload(device):
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(_BLOCKS) for m in
+                          (nn.Linear(192, 768), nn.GELU(), nn.Linear(768, 192), nn.LayerNorm(192))]).to(device)
+    x = torch.randn(260, 192, device=device, requires_grad=True)     # (B * N, C): 4 images of 65 tokens
+    return lambda: net(x).sum().backward()
+
+
+def _mean_time(run, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        run()
+    return (time.perf_counter() - t0) / reps
+
+
+def measure_sharing(world, watchdog, local_ranks: int, budget: float = 0.5) -> tuple[float, ...]:
+    """The slowdown per number of processes computing at once on this rank's host (see Terms).
+
+    Args:
+        world: the runtime World; every rank calls this together.
+        watchdog: bounds every wait.
+        local_ranks: processes of the job per host (the profile's length).
+        budget: seconds local rank 0 spends on level 1's repeats; each level takes about that long times
+            its slowdown.
+    """
+    local = int(os.environ.get("LOCAL_RANK", world.rank % local_ranks))
+    host = world.rank // local_ranks
+    with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
+        run = _workload(world.device)
+    run(), run()                                  # warm-up (all at once: not timed)
+    _CALLS[0] += 1
+    key = f"autosplit/sharing/{_CALLS[0]}/"
+    world_barrier(world, watchdog)
+    if local == 0:                                # level 1: how many repeats fill the budget alone
+        times, start = [], time.perf_counter()
+        while len(times) < 5 or time.perf_counter() - start < budget:
+            times.append(_mean_time(run, 1))
+        world.store.set(f"{key}reps/{host}", pickle.dumps((len(times), statistics.fmean(times))))
+    world_barrier(world, watchdog)
+    reps, alone = pickle.loads(world.store.get(f"{key}reps/{host}"))
+    mine = {}
+    for n in range(2, local_ranks + 1):
+        world_barrier(world, watchdog)                 # why a barrier: the n ranks must start together
+        if local < n:
+            mine[n] = _mean_time(run, reps)
+    world_barrier(world, watchdog)
+    world.store.set(f"{key}{world.rank}", pickle.dumps(mine))
+    keys = [f"{key}{r}" for r in range(host * local_ranks, min(world.size, (host + 1) * local_ranks))]
+    watchdog.until(lambda: world.store.check(keys), "waiting for every local rank's sharing measurement")
+    per_rank = [pickle.loads(world.store.get(k)) for k in keys]
+    slowdown = [1.0]
+    for n in range(2, local_ranks + 1):
+        level = statistics.fmean(r[n] for r in per_rank[:n]) / alone
+        slowdown.append(max(slowdown[-1], level))
+    return tuple(slowdown)
