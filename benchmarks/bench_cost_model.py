@@ -10,11 +10,14 @@ microbatches, chunks, sequence parallelism):
                each step after a barrier, median over the timed rounds; configurations of one world
                size are built side by side in one job and timed one step each per round, in an order
                that rotates every round.
-  predicted -- ``predict_plan(pm.plan, device=pm.profile)`` (cost_model/step_time.py, the same model
+  predicted -- ``predict_plan(pm.plan, device=profile)`` (cost_model/step_time.py, the same model
                ``plan.summary()`` prints), with the profile measured on this machine for that many
-               ranks (runtime/measure_profile.py; measured first unless cached), and for comparison
-               with the quick built-in CPU profile (matmul peak, copy bandwidth, op overhead; no
-               per-class fits, link alpha-beta from two idle processes' defaults).
+               ranks (runtime/measure_profile.py; measured first unless cached) fitted to the model
+               (cost_model/model_fit.py: its forward and backward timed at two microbatch sizes in this
+               process, alone, before any rank starts; ``--no-fit`` skips it), passed to every rank as
+               ``device=``; for comparison the same profile unfitted, and the quick built-in CPU
+               profile (matmul peak, copy bandwidth, op overhead; no per-class fits, link alpha-beta
+               from two idle processes' defaults).
   error     -- (predicted - measured) / measured.
 
 Run from the repository root:  python benchmarks/bench_cost_model.py            (writes docs/benchmarks.md)
@@ -80,23 +83,25 @@ def _rank(rank: int, args) -> dict:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
     quick = calibrate(seconds=0.5, link=False) if rank == 0 else None
+    profile, unfitted = args["profiles"][world]
     pms, out = {}, {}
     for name, _, mesh, schedule, m, v, sp in configs:
         torch.manual_seed(0)
         pm = autosplit.parallelize(timm.models.VisionTransformer(**VIT), mesh=mesh, num_microbatches=m,
-                                   schedule=schedule, chunks_per_rank=v, sequence_parallel=sp,
+                                   schedule=schedule, chunks_per_rank=v, sequence_parallel=sp, device=profile,
                                    example_input=torch.randn(BATCH // mesh[2] // m, 3, 32, 32))
         rows = slice(pm.dp_rank * BATCH // mesh[2], (pm.dp_rank + 1) * BATCH // mesh[2])
         pms[name] = (pm, x[rows], y[rows])
-        pred = predict_plan(pm.plan, device=pm.profile)
+        pred = predict_plan(pm.plan, device=profile)
         out[name] = {"times": [], "pred": pred.total, "parts": (pred.compute, pred.bubble, pred.exposed_comm,
-                                                                pred.dp_comm), "profile": pm.profile.name}
+                                                                pred.dp_comm), "profile": profile.name}
         if rank == 0:
-            plan = autosplit.compile(timm.models.VisionTransformer(**VIT), mesh=mesh,
-                                     example_input=torch.randn(BATCH // mesh[2] // m, 3, 32, 32),
-                                     schedule=schedule, chunks_per_rank=v, num_microbatches=m,
-                                     sequence_parallel=sp, device=quick)
-            out[name]["quick"] = predict_plan(plan, device=quick).total
+            for label, other in (("quick", quick), ("unfitted", unfitted)):
+                plan = autosplit.compile(timm.models.VisionTransformer(**VIT), mesh=mesh,
+                                         example_input=torch.randn(BATCH // mesh[2] // m, 3, 32, 32),
+                                         schedule=schedule, chunks_per_rank=v, num_microbatches=m,
+                                         sequence_parallel=sp, device=other)
+                out[name][label] = predict_plan(plan, device=other).total
         for _ in range(args["warmup"]):
             pm.step(*pms[name][1:])
     names = list(pms)
@@ -132,10 +137,8 @@ def _ranking_rank(rank: int, args) -> dict:
     import torch.distributed as dist
     import timm
     import autosplit
-    from autosplit.cost_model import profile_cache
     torch.set_num_threads(1)
-    profile = profile_cache.load(profile_cache.machine_key("cpu", RANK_WORLD))
-    cands = _candidates(profile, args["top"])
+    cands = _candidates(args["profiles"][RANK_WORLD][0], args["top"])
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(RANK_BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (RANK_BATCH,), generator=g)
     built, out = [], {}
@@ -157,9 +160,9 @@ def _ranking_rank(rank: int, args) -> dict:
     return out
 
 
-def run_ranking(rounds: int, top: int) -> list[dict]:
-    per_rank = launch(worker, RANK_WORLD, {"world": RANK_WORLD, "rounds": rounds, "ranking": True, "top": top},
-                      timeout=3600)
+def run_ranking(rounds: int, top: int, profiles: dict) -> list[dict]:
+    per_rank = launch(worker, RANK_WORLD, {"world": RANK_WORLD, "rounds": rounds, "ranking": True, "top": top,
+                                           "profiles": profiles}, timeout=3600)
     rows = []
     for k in sorted(per_rank[0]):
         steps = [max(r[k]["times"][i] for r in per_rank) for i in range(rounds)]
@@ -191,8 +194,9 @@ def worker(rank: int, port: int, args, results) -> None:
         results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
 
 
-def run_world(world: int, rounds: int, warmup: int) -> dict:
-    per_rank = launch(worker, world, {"world": world, "rounds": rounds, "warmup": warmup}, timeout=1800)
+def run_world(world: int, rounds: int, warmup: int, profiles: dict) -> dict:
+    per_rank = launch(worker, world, {"world": world, "rounds": rounds, "warmup": warmup, "profiles": profiles},
+                      timeout=1800)
     rows = {}
     for name in per_rank[0]:
         steps = [max(r[name]["times"][i] for r in per_rank) for i in range(rounds)]
@@ -203,18 +207,35 @@ def run_world(world: int, rounds: int, warmup: int) -> dict:
 def ensure_profiles(worlds, remeasure: bool) -> dict:
     from autosplit.cost_model import profile_cache
     from autosplit.runtime.measure_profile import measure_here
-    names = {}
+    profiles = {}
     for w in worlds:
         key = profile_cache.machine_key("cpu", w)
         key["threads"] = 1
         cached = None if remeasure else profile_cache.load(key)
-        names[w] = (cached or measure_here(w, threads=1)).name
-    return names
+        profiles[w] = cached or measure_here(w, threads=1)
+    return profiles
+
+
+def fitted(profiles: dict, vit: dict, fit: bool) -> dict:
+    """world -> (profile to plan with, the unfitted one), the first fitted to timm's ViT(**vit) in this
+    process, alone (see *predicted*)."""
+    import torch
+    import timm
+    from autosplit.cost_model.model_fit import fit_to_model
+    torch.set_num_threads(1)
+    out = {}
+    for w, profile in profiles.items():
+        with torch.device("meta"):
+            model = timm.models.VisionTransformer(**vit)
+        out[w] = (fit_to_model(profile, model, torch.empty(1, 3, 32, 32), sizes=(2, 8))[0] if fit else profile,
+                  profile)
+        print(f"{w} ranks, depth {vit['depth']}: {out[w][0].name}", flush=True)
+    return out
 
 
 def table(rows: dict) -> tuple[str, float, float]:
     lines = ["| configuration | ranks | measured ms | predicted ms | error | parts: compute / bubble / exposed comm / dp ms "
-             "| quick profile ms (error) |", "|---|---|---|---|---|---|---|"]
+             "| unfitted profile ms (error) | quick profile ms (error) |", "|---|---|---|---|---|---|---|---|"]
     errors = []
     for name, world, *_ in CONFIGS:
         if name not in rows:
@@ -222,8 +243,8 @@ def table(rows: dict) -> tuple[str, float, float]:
         r = rows[name]
         err = (r["pred"] - r["measured"]) / r["measured"]
         errors.append(abs(err))
-        q = r.get("quick")
-        quick = f"{q * 1e3:.1f} ({(q - r['measured']) / r['measured']:+.0%})" if q else "-"
+        quick = " | ".join(f"{q * 1e3:.1f} ({(q - r['measured']) / r['measured']:+.0%})" if q else "-"
+                           for q in (r.get("unfitted"), r.get("quick")))
         parts = " / ".join(f"{p * 1e3:.1f}" for p in r["parts"])
         lines.append(f"| {name} | {world} | {r['measured'] * 1e3:.1f} | {r['pred'] * 1e3:.1f} | {err:+.1%} | "
                      f"{parts} | {quick} |")
@@ -241,17 +262,19 @@ def main() -> None:
     ap.add_argument("--ranking", action="store_true", help="also the search ranking check (world 4, depth 12)")
     ap.add_argument("--top", type=int, default=12, help="candidates of the search to measure")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--no-fit", action="store_true", help="plan with the measured profile as it is")
     ap.add_argument("--patience", type=float, default=600, help="seconds to wait for the load to fall below 4")
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     load_before = wait_for_quiet(patience_s=args.patience)
     t0 = time.time()
-    profiles = ensure_profiles(sorted(set(worlds) | ({RANK_WORLD} if args.ranking else set())), args.remeasure)
+    measured = ensure_profiles(sorted(set(worlds) | ({RANK_WORLD} if args.ranking else set())), args.remeasure)
+    profiles = fitted({w: measured[w] for w in worlds}, VIT, not args.no_fit)
     rows, parts = {}, []
     if not args.skip_accuracy:
         for w in worlds:
             load_before = max(load_before, wait_for_quiet(patience_s=args.patience))
-            rows.update(run_world(w, args.rounds, args.warmup))
+            rows.update(run_world(w, args.rounds, args.warmup, profiles))
         text, median, worst = table(rows)
         summary = (f"median |error| {median:.1%}, worst {worst:.1%} over {len(rows)} configurations "
                    f"(targets: median <= 10 %, worst <= 25 %)")
@@ -259,7 +282,8 @@ def main() -> None:
         parts += ["", text, "", f"**{summary}.**"]
     if args.ranking:
         load_before = max(load_before, wait_for_quiet(patience_s=args.patience))
-        text, verdict = ranking_table(run_ranking(args.rounds, args.top))
+        ranking = fitted({RANK_WORLD: measured[RANK_WORLD]}, RANK_VIT, not args.no_fit)
+        text, verdict = ranking_table(run_ranking(args.rounds, args.top, ranking))
         print(text, verdict, sep="\n")
         parts += ["", f"Ranking (world {RANK_WORLD}, ViT width 192 depth 12 6 heads, batch {RANK_BATCH}, the "
                       f"search's top {args.top} candidates, each built with its own options and timed side by side):",
@@ -273,7 +297,7 @@ def main() -> None:
         f"torch threads 1 per rank, {args.rounds} timed rounds after {args.warmup} warm-up steps, "
         f"{time.time() - t0:.0f} s; 1-minute load {load_before:.1f} before timing, {load_after:.1f} after, "
         f"up to the number of ranks of its own). Model: timm ViT (32 px, patch 4, width 192, depth 6, 6 heads), "
-        f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {n}" for w, n in profiles.items()) + ".",
+        f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {p.name}" for w, (p, _) in profiles.items()) + ".",
         *parts, "", END, ""])
     write_section(REPO / args.out, section, START, END)
 

@@ -6,7 +6,7 @@ linear and the patch-embedding conv of the split copy are autosplit's ``SplitLin
 (what the split_backward pass puts in a stage graph); I runs the backward with the weight gradients
 deferred, W runs them (autosplit/weight_grad.py).  A step is 8 microbatches; the two models alternate
 step by step; medians of the timed steps, per microbatch.  Page faults: the process's minor faults per
-step (``getrusage``), the cost runtime/host_memory.py removes.
+step (``getrusage``), the cost autosplit/host_memory.py removes.
 
     python benchmarks/bench_split_backward.py                            # with autosplit's malloc settings
     AUTOSPLIT_HOST_MALLOC=0 python benchmarks/bench_split_backward.py    # glibc's defaults
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autosplit.passes.split_backward import _module_split
-from autosplit.runtime.host_memory import keep_freed_host_memory
+from autosplit.host_memory import keep_freed_host_memory
 from autosplit.weight_grad import DEFERRED
 
 MICROBATCHES, MB = 8, 8

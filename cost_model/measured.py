@@ -65,14 +65,23 @@ def fit_time(fit, amount: float, scale: float = 1.0) -> float:
     return alpha + amount / (rate * scale) if rate > 0 else alpha
 
 
-def measured_op_time(cost: NodeCost, cls: str, dtype: torch.dtype, profile) -> tuple[float, float]:
-    """(forward s, backward s) of one op from the profile's fits.  An op without backward work (an
-    integer op, an op on a tensor that needs no gradient) costs no backward time."""
+def measured_op_parts(cost: NodeCost, cls: str, dtype: torch.dtype, profile) -> tuple[tuple, tuple]:
+    """((forward alpha s, forward work s), (backward alpha s, backward work s)) of one op from the
+    profile's fits: the constant and the work term of each.  An op without backward work (an integer
+    op, an op on a tensor that needs no gradient) costs no backward time."""
     fwd_fit, bwd_fit = profile.compute[cls]
     scale = profile.flops_for(dtype) / profile.flops_for(torch.float32) if cls in _FLOP_CLASSES else 1.0
     fwd_work, bwd_work = work(cost, cls)
     has_bwd = cls == "view" or bool(cost.bwd_flops or cost.bwd_bytes)
-    return fit_time(fwd_fit, fwd_work, scale), fit_time(bwd_fit, bwd_work, scale) if has_bwd else 0.0
+    fwd = (fwd_fit[0], fit_time(fwd_fit, fwd_work, scale) - fwd_fit[0])
+    bwd = (bwd_fit[0], fit_time(bwd_fit, bwd_work, scale) - bwd_fit[0]) if has_bwd else (0.0, 0.0)
+    return fwd, bwd
+
+
+def measured_op_time(cost: NodeCost, cls: str, dtype: torch.dtype, profile) -> tuple[float, float]:
+    """(forward s, backward s) of one op from the profile's fits (see measured_op_parts)."""
+    (fa, fw), (ba, bw) = measured_op_parts(cost, cls, dtype, profile)
+    return fa + fw, ba + bw
 
 
 def fit_alpha_rate(samples: list[tuple[float, float, float]]) -> tuple[float, float]:

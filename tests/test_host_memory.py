@@ -1,4 +1,4 @@
-"""runtime/host_memory.py: with the settings, a freed 48 MiB activation's pages stay in the process
+"""autosplit/host_memory.py: with the settings, a freed 48 MiB activation's pages stay in the process
 (after a few steps of heap growth), where glibc's default maps and faults them in every time."""
 import os
 import platform
@@ -9,7 +9,7 @@ import pytest
 
 SCRIPT = r"""
 import resource, sys, torch
-from autosplit.runtime.host_memory import keep_freed_host_memory
+from autosplit.host_memory import keep_freed_host_memory
 applied = keep_freed_host_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

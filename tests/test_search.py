@@ -53,10 +53,17 @@ def test_cut_solver_is_balanced_bounds():
             assert solver.bounds(S) == balanced_bounds(seg, out, S, seg_params=params)
 
 
-@pytest.mark.parametrize("world,budget", [(4, None), (8, 400_000)])
-def test_pruned_search_equals_brute_force(world, budget):
+def _measured_cpu():
+    """A measured CPU profile: per-class compute fits, collective fits and a host shared by 8 ranks."""
+    import dataclasses
+    from tests.test_measured_profile import CPU
+    return dataclasses.replace(CPU, sharing=(1.0, 1.2, 1.6, 2.1, 2.5, 3.0, 3.4, 3.9))
+
+
+@pytest.mark.parametrize("world,budget,measured", [(4, None, False), (8, 400_000, False), (4, None, True)])
+def test_pruned_search_equals_brute_force(world, budget, measured):
     model = tp_timm()
-    kw = dict(global_batch=32, device="h100", memory_budget=budget, top=8)
+    kw = dict(global_batch=32, device=_measured_cpu() if measured else "h100", memory_budget=budget, top=8)
     pruned = autosplit.search(model, world, X, **kw)
     brute = autosplit.search(model, world, X, prune=False, **kw)
     assert pruned.pruned > 0 and brute.pruned == 0 and brute.evaluated > pruned.evaluated
@@ -65,14 +72,19 @@ def test_pruned_search_equals_brute_force(world, budget):
         assert any(r.kind == "memory" for r in brute.rejected)
 
 
-def test_predictions_equal_compile():
-    """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a sample)."""
+@pytest.mark.parametrize("measured", [False, True])
+def test_predictions_equal_compile(measured):
+    """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a
+    sample), with a datasheet profile and with a measured one (per-class fits, sharing: the search once
+    priced ops by the roofline while compile used the class fits)."""
     model, batch = tp_timm(), 32
-    every = autosplit.search(model, 8, X, global_batch=batch, memory_budget=400_000, top=10**6, prune=False)
-    picks = list(every[:3]) + random.Random(1).sample(list(every[3:]), 12)
+    device = _measured_cpu() if measured else "h100"
+    every = autosplit.search(model, 8, X, global_batch=batch, memory_budget=400_000, top=10**6, prune=False,
+                             device=device)
+    picks = list(every[:3]) + random.Random(1).sample(list(every[3:]), 12 if not measured else 6)
     for c in picks:
-        plan = _compiled(model, c, batch)
-        pred = predict_plan(plan)
+        plan = _compiled(model, c, batch, device)
+        pred = predict_plan(plan, device=device)
         assert pred.total == pytest.approx(c.step_time, rel=1e-9), c.label
         assert pred.compute == pytest.approx(c.parts["compute"], rel=1e-9)
         assert tuple(plan.bounds) == c.bounds

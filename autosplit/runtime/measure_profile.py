@@ -32,6 +32,7 @@ import torch
 from autosplit.cost_model import calibrate, profile_cache, profile_for_gpu
 from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
+from autosplit.host_memory import keep_freed_host_memory
 from autosplit.runtime.comm_bench import measure_comm, world_barrier
 from autosplit.runtime.sharing_bench import measure_sharing
 
@@ -55,6 +56,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     cuda = world.device.type == "cuda"
     compute = base = sharing = None
     if not cuda:
+        keep_freed_host_memory()                 # measure under the malloc settings training runs with
         world_barrier(world, watchdog)
         if world.rank == 0:                      # alone: the others wait in the barrier below
             with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank

@@ -11,7 +11,7 @@ import torch
 
 from autosplit.options import PlanOptions, check_dp_shard
 from autosplit.runtime.auto_mesh import auto_arguments
-from autosplit.runtime.host_memory import keep_freed_host_memory
+from autosplit.host_memory import keep_freed_host_memory
 from autosplit.runtime.parallel_module import ParallelModule
 from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
 
@@ -66,7 +66,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                            init_fn=init_fn, **chosen)
     check_dp_shard(plan_options.dp_shard)     # before any rendezvous: the same error on every rank
     world = init_world(mesh, timeout_s, plan_options.tp_mode)
-    if world.device.type == "cpu":     # activations live in host memory: keep it (runtime/host_memory.py)
+    if world.device.type == "cpu":     # activations live in host memory: keep it (autosplit/host_memory.py)
         keep_freed_host_memory()
     return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), plan_options, example_input,
                           bucket_bytes=int(bucket_mb * 2**20), seed=seed, init_fn=init_fn)

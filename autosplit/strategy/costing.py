@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from autosplit.cost_model import collective_time, op_time, p2p_time
+from autosplit.cost_model import collective_time, get_profile, op_time, p2p_time
+from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.cost_model.sharding import StageDataParallel
 from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step, sharing_of
@@ -116,12 +117,14 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
     cache = layout_graph.__dict__.setdefault("node_parts", {})
     if b not in cache:
         gemms, tp = layout_graph.gemms, layout_graph.tp
+        measured = get_profile(profile).compute is not None
         rows = []
         for n in layout_graph.nodes:
             if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
                 rows.append((0.0, 0.0, 0.0, *collective_time(n, tp, profile)))
                 continue
-            f, bw = op_time(n.meta["cost"], output_dtype(n), profile)
+            cost = n.meta["cost"]     # a measured profile prices by op class, as compile's graph_time does
+            f, bw = op_time(cost, output_dtype(n), profile, op_class(n, cost) if measured else None)
             w = min(weight_grad_time(n, profile), bw) if n in gemms else 0.0
             rows.append((f, bw, w, *collective_time(n, tp, profile)))
         cache[b] = np.array(rows, dtype=float).reshape(-1, 5)

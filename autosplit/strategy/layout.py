@@ -110,12 +110,15 @@ class LayoutGraph:
         graph: a lower bound of its compute time (a roofline op takes at least flops / peak) and its exact
         saved activations; affine in b, from the costs at 2 unit and 3 unit (computed once)."""
         if not hasattr(self, "_floors"):
+            # a measured profile's FLOP classes may beat its matmul peak (fits of small chains): bound by the fastest
+            rates = [r for cls in ("matmul", "attention") for _, r in (profile.compute or {}).get(cls, ())]
+            boost = max([1.0] + [r / profile.flops_for(torch.float32) for r in rates])
             rows = []
             for size in (2 * self.unit, 3 * self.unit):
                 self.at(size)
                 tensors = [n for n in self.nodes if any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val")))]
                 rows.append((sum((n.meta["cost"].fwd_flops + n.meta["cost"].bwd_flops)
-                                 / profile.flops_for(output_dtype(n)) for n in tensors),
+                                 / (boost * profile.flops_for(output_dtype(n))) for n in tensors),
                              sum(n.meta["cost"].saved_bytes for n in self.nodes)))
             self._floors = rows, sum(n.meta["cost"].param_bytes for n in self.nodes)
         ((t2, s2), (t3, s3)), params = self._floors

@@ -25,7 +25,8 @@ need the job relaunched under ``LD_PRELOAD``; ``mallopt`` changes the running pr
 allocation made afterwards.  The cost: up to ``TRIM_THRESHOLD`` of freed memory stays in the process
 (its RSS stays near the step's peak), which a training process wants anyway.  GPU runs are not
 touched (the CUDA caching allocator already keeps device memory).  ``AUTOSPLIT_HOST_MALLOC=0`` turns
-it off.
+it off.  The cost model's CPU measurements (runtime/measure_profile.py, cost_model/model_fit.py) run
+under the same settings, so that they time what training runs.
 """
 from __future__ import annotations
 

@@ -1,0 +1,162 @@
+"""Fit a measured profile to the model at hand: time the model's own forward and backward at two
+microbatch sizes and rescale the op-class fits so that the cost model's sums match both.
+
+Terms:
+  parts   -- a pass's predicted time over the traced graph (the nodes ``graph_time`` prices), split in
+             two sums: the ops' constants (each op's class alpha) and their work terms (work / rate);
+             measured.py's ``measured_op_parts``.
+  scales  -- per pass (forward, backward) the pair (k_alpha, k_work) with
+             k_alpha * constants(b) + k_work * work(b) = measured(b) at both sizes; every class's fit
+             (alpha, rate) becomes (alpha * k_alpha, rate / k_work).  Where the two equations give a
+             factor <= 0 (sizes whose parts are nearly proportional, or noise), one factor
+             sum(measured) / sum(predicted) scales both.
+  why     -- the op benchmarks (op_bench.py) time short chains of one op kind on small weights; inside a
+             model the same ops run slower or faster (other layers' weights in the caches, a larger
+             autograd graph, GEMM shapes the chains do not have).  On the CPU benchmark ViT the chains'
+             fits priced the forward 10-55 % short.  Galvatron profiles a model's layers on the device
+             for the same reason; two whole passes suffice here because the class fits already give
+             each op's share.
+  measured -- the median of at least ``reps`` timed passes (after one warm-up) of the traced model,
+             forward then backward of the sum of its outputs, on a private copy (the user's model and
+             its gradients are not touched; a meta model's copy gets small random values).
+  fits    -- only where the profile has measured compute fits (a CPU profile from
+             runtime/measure_profile.py); a datasheet profile is returned as it is.
+Single process, no process group: call it once and pass the result to every rank (``device=``), as a
+measured profile is; ranks fitting on their own would plan with different numbers.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from autosplit.cost_model.measured import measured_op_parts, op_class
+from autosplit.cost_model.roofline import output_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFit:
+    """What ``fit_to_model`` measured and solved: per size, (measured, predicted) seconds per pass."""
+    sizes: tuple[int, int]
+    measured: dict            # "fwd" / "bwd" -> (seconds at sizes[0], seconds at sizes[1])
+    predicted: dict           # same, with the profile before the fit
+    scales: dict              # "fwd" / "bwd" -> (k_alpha, k_work)
+
+    def line(self) -> str:
+        parts = [f"{p} x{ka:.2f} alpha x{kw:.2f} work" for p, (ka, kw) in self.scales.items()]
+        return f"fitted to the model at microbatch {self.sizes[0]} and {self.sizes[1]}: " + ", ".join(parts)
+
+
+def _fill(name: str, t: torch.Tensor) -> None:
+    t.normal_(0, 0.02) if t.is_floating_point() else t.zero_()
+
+
+def _private_copy(model: nn.Module) -> nn.Module:
+    """A CPU copy with real tensors: the model's own values, small random ones for meta tensors (the time
+    of a pass does not depend on them)."""
+    copied = copy.deepcopy(model)
+    if any(t.device.type == "meta" for t in (*copied.parameters(), *copied.buffers())):
+        from autosplit.meta_init import materialize            # the level above: its names and placement
+        materialize(copied, init_fn=_fill)
+    return copied.train()
+
+
+def _inputs(example: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(b, *x.shape[1:], generator=g).to(x.dtype) if x.is_floating_point()
+                 else torch.zeros(b, *x.shape[1:], dtype=x.dtype) for x in example)
+
+
+def _predicted_parts(gm, profile) -> dict:
+    """"fwd" / "bwd" -> (constants s, work s) over the nodes ``graph_time`` prices."""
+    sums = {"fwd": [0.0, 0.0], "bwd": [0.0, 0.0]}
+    for n in gm.graph.nodes:
+        cost = n.meta.get("cost")
+        if cost is None or not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
+            continue
+        fwd, bwd = measured_op_parts(cost, op_class(n, cost), output_dtype(n), profile)
+        for key, (alpha, work) in (("fwd", fwd), ("bwd", bwd)):
+            sums[key][0] += alpha
+            sums[key][1] += work
+    return {k: tuple(v) for k, v in sums.items()}
+
+
+def _measured(gm, inputs, reps: int, budget: float) -> tuple[float, float]:
+    """Median (forward s, backward s) of the traced model on ``inputs``."""
+    def once() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = gm(*inputs)
+        t1 = time.perf_counter()
+        sum(x.float().sum() for x in tree_leaves(out) if isinstance(x, torch.Tensor) and x.requires_grad).backward()
+        return t1 - t0, time.perf_counter() - t1
+
+    once()                                             # warm-up
+    times, start = [], time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < budget and len(times) < 4 * reps):
+        times.append(once())
+        gm.zero_grad(set_to_none=True)
+    return statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+
+
+def _solve(pred: tuple, meas: tuple) -> tuple[float, float]:
+    """(k_alpha, k_work) with k_alpha * a_i + k_work * w_i = t_i for both sizes (see *scales*)."""
+    (a1, w1), (a2, w2) = pred
+    t1, t2 = meas
+    det = a1 * w2 - a2 * w1
+    if abs(det) > 1e-9 * (abs(a1 * w2) + abs(a2 * w1)):
+        ka, kw = (t1 * w2 - t2 * w1) / det, (a1 * t2 - a2 * t1) / det
+        if ka > 0 and kw > 0:
+            return ka, kw
+    k = (t1 + t2) / max(a1 + w1 + a2 + w2, 1e-12)
+    return k, k
+
+
+def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, int] = (2, 16), reps: int = 3,
+                 budget: float = 1.0, leaf_modules=(), concrete_args=None):
+    """``profile`` with its compute fits rescaled to ``model`` on this machine, and the ModelFit.
+
+    Args:
+        profile: a DeviceProfile with measured compute fits (or a name); any other comes back unchanged.
+        model: the unchanged model (on the CPU or the meta device; it is not modified).
+        example_input: one example of the forward's input(s), batch dim first (only per-sample shape and
+            dtype are used).
+        sizes: the two microbatch sizes timed (small, large: the range the plans will use).
+        reps, budget: at least ``reps`` timed passes per size, more while ``budget`` seconds last.
+        leaf_modules, concrete_args: as for ``autosplit.compile``.
+    Returns:
+        (profile, ModelFit | None): None where nothing was fitted.
+    """
+    from autosplit.cost_model.annotate import AnnotateCosts      # graph passes: the level above
+    from autosplit.passes.shape_prop import MetaShapeProp
+    from autosplit.trace import trace
+    from autosplit.cost_model.profiles import get_profile
+    profile = get_profile(profile)
+    if profile.compute is None:
+        return profile, None
+    from autosplit.host_memory import keep_freed_host_memory
+    keep_freed_host_memory()               # time the passes under the malloc settings training runs with
+    example = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    real = _private_copy(model)
+    pred, meas = {"fwd": [], "bwd": []}, {"fwd": [], "bwd": []}
+    with torch.random.fork_rng(devices=[]):
+        for b in sizes:
+            inputs = _inputs(example, b)
+            gm = trace(real, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
+            MetaShapeProp(inputs)(gm)
+            AnnotateCosts()(gm)
+            parts = _predicted_parts(gm, profile)
+            times = _measured(gm, inputs, reps, budget)
+            for k, key in enumerate(("fwd", "bwd")):
+                pred[key].append(parts[key])
+                meas[key].append(times[k])
+    scales = {key: _solve(tuple(pred[key]), tuple(meas[key])) for key in ("fwd", "bwd")}
+    (fka, fkw), (bka, bkw) = scales["fwd"], scales["bwd"]
+    compute = {cls: ((fa * fka, fr / fkw), (ba * bka, br / bkw)) for cls, ((fa, fr), (ba, br)) in profile.compute.items()}
+    fit = ModelFit(tuple(sizes), {k: tuple(v) for k, v in meas.items()},
+                   {k: tuple(a + w for a, w in v) for k, v in pred.items()}, scales)
+    return dataclasses.replace(profile, compute=compute, name=f"{profile.name}, {fit.line()}"), fit
