@@ -7,9 +7,10 @@ microbatches, chunks, sequence parallelism):
 
   measured  -- the slowest rank's ``pm.step`` (forward + backward of every microbatch, tp / dp / pp
                communication, loss all-reduce; the optimizer step is the user's and is not counted),
-               each step after a barrier, median over the timed rounds; configurations of one world
-               size are built side by side in one job and timed one step each per round, in an order
-               that rotates every round.
+               each step after a barrier, median over the timed steps; configurations of one world
+               size are built side by side in one job; each round runs every configuration, in an order
+               that rotates every round, for one untimed step and then ``STEADY`` timed ones (the steady
+               state of training, which repeats one configuration).
   predicted -- ``predict_plan(pm.plan, device=profile)`` (cost_model/step_time.py, the same model
                ``plan.summary()`` prints), with the profile measured on this machine for that many
                ranks (runtime/measure_profile.py; measured first unless cached) fitted to the model
@@ -108,12 +109,27 @@ def _rank(rank: int, args) -> dict:
     for r in range(args["rounds"]):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            pm, xs, ys = pms[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(xs, ys)
-            out[name]["times"].append(time.perf_counter() - t0)
+            out[name]["times"] += _steady_steps(*pms[name], STEADY)
     return out
+
+
+STEADY = 2      # timed steps per configuration per round, after one untimed step of it
+
+
+def _steady_steps(pm, xs, ys, n: int) -> list[float]:
+    """Seconds of ``n`` consecutive steps of one configuration, each after a barrier, following one
+    untimed step of it: training repeats one configuration, so a step is timed with that configuration's
+    weights and buffers warm, not right after another configuration's step (which ran 10-20 % slower)."""
+    import torch.distributed as dist
+    dist.barrier()
+    pm.step(xs, ys)
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.step(xs, ys)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 RANK_VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=6, num_classes=10)
@@ -153,10 +169,7 @@ def _ranking_rank(rank: int, args) -> dict:
         pm.step(x[rows], y[rows])                       # plan and warm up
     for r in range(args["rounds"]):
         for k, pm, xs, ys in built[r % len(built):] + built[:r % len(built)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(xs, ys)
-            out[k]["times"].append(time.perf_counter() - t0)
+            out[k]["times"] += _steady_steps(pm, xs, ys, STEADY)
     return out
 
 
@@ -165,7 +178,7 @@ def run_ranking(rounds: int, top: int, profiles: dict) -> list[dict]:
                                            "profiles": profiles}, timeout=3600)
     rows = []
     for k in sorted(per_rank[0]):
-        steps = [max(r[k]["times"][i] for r in per_rank) for i in range(rounds)]
+        steps = [max(r[k]["times"][i] for r in per_rank) for i in range(len(per_rank[0][k]["times"]))]
         rows.append({**per_rank[0][k], "measured": statistics.median(steps)})
     return rows
 
@@ -199,7 +212,7 @@ def run_world(world: int, rounds: int, warmup: int, profiles: dict) -> dict:
                       timeout=1800)
     rows = {}
     for name in per_rank[0]:
-        steps = [max(r[name]["times"][i] for r in per_rank) for i in range(rounds)]
+        steps = [max(r[name]["times"][i] for r in per_rank) for i in range(len(per_rank[0][name]["times"]))]
         rows[name] = {**per_rank[0][name], "measured": statistics.median(steps), "steps": steps}
     return rows
 
@@ -294,7 +307,8 @@ def main() -> None:
     section = "\n".join([
         START, "## Cost model accuracy: predicted vs measured step time (CPU, gloo)", "",
         f"`python benchmarks/bench_cost_model.py` ({datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, "
-        f"torch threads 1 per rank, {args.rounds} timed rounds after {args.warmup} warm-up steps, "
+        f"torch threads 1 per rank, {args.rounds} rounds of 1 untimed + {STEADY} timed steps per configuration after "
+        f"{args.warmup} warm-up steps, "
         f"{time.time() - t0:.0f} s; 1-minute load {load_before:.1f} before timing, {load_after:.1f} after, "
         f"up to the number of ranks of its own). Model: timm ViT (32 px, patch 4, width 192, depth 6, 6 heads), "
         f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {p.name}" for w, (p, _) in profiles.items()) + ".",

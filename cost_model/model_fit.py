@@ -17,7 +17,7 @@ Terms:
              for the same reason; two whole passes suffice here because the class fits already give
              each op's share.
   measured -- the median of at least ``reps`` timed passes (after one warm-up) of the traced model,
-             forward then backward of the sum of its outputs, on a private copy (the user's model and
+             forward then backward of the sum of its outputs, the two sizes taking turns, on a private copy (the user's model and
              its gradients are not touched; a meta model's copy gets small random values).
   fits    -- only where the profile has measured compute fits (a CPU profile from
              runtime/measure_profile.py); a datasheet profile is returned as it is.
@@ -86,21 +86,29 @@ def _predicted_parts(gm, profile) -> dict:
     return {k: tuple(v) for k, v in sums.items()}
 
 
-def _measured(gm, inputs, reps: int, budget: float) -> tuple[float, float]:
-    """Median (forward s, backward s) of the traced model on ``inputs``."""
-    def once() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        out = gm(*inputs)
-        t1 = time.perf_counter()
-        sum(x.float().sum() for x in tree_leaves(out) if isinstance(x, torch.Tensor) and x.requires_grad).backward()
-        return t1 - t0, time.perf_counter() - t1
+def _pass_times(gm, inputs) -> tuple[float, float]:
+    """(forward s, backward s) of one pass of the traced model on ``inputs``."""
+    t0 = time.perf_counter()
+    out = gm(*inputs)
+    t1 = time.perf_counter()
+    sum(x.float().sum() for x in tree_leaves(out) if isinstance(x, torch.Tensor) and x.requires_grad).backward()
+    t2 = time.perf_counter()
+    gm.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
 
-    once()                                             # warm-up
-    times, start = [], time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start < budget and len(times) < 4 * reps):
-        times.append(once())
-        gm.zero_grad(set_to_none=True)
-    return statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+
+def _measured(runs: list, reps: int, budget: float) -> list[tuple[float, float]]:
+    """Per (gm, inputs) of ``runs``, the median (forward s, backward s) of its passes.  The sizes take turns
+    (one pass each per round), so that both see the same drift of a shared machine: the fit rests on
+    their difference, which a slow minute for one size alone would bend."""
+    for gm, inputs in runs:
+        _pass_times(gm, inputs)                          # warm-up
+    times: list[list] = [[] for _ in runs]
+    start = time.perf_counter()
+    while len(times[0]) < reps or (time.perf_counter() - start < budget and len(times[0]) < 8 * reps):
+        for k, (gm, inputs) in enumerate(runs):
+            times[k].append(_pass_times(gm, inputs))
+    return [(statistics.median(t for t, _ in ts), statistics.median(t for _, t in ts)) for ts in times]
 
 
 def _solve(pred: tuple, meas: tuple) -> tuple[float, float]:
@@ -116,8 +124,8 @@ def _solve(pred: tuple, meas: tuple) -> tuple[float, float]:
     return k, k
 
 
-def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, int] = (2, 16), reps: int = 3,
-                 budget: float = 1.0, leaf_modules=(), concrete_args=None):
+def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, int] = (2, 8), reps: int = 5,
+                 budget: float = 4.0, leaf_modules=(), concrete_args=None):
     """``profile`` with its compute fits rescaled to ``model`` on this machine, and the ModelFit.
 
     Args:
@@ -126,7 +134,8 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
         example_input: one example of the forward's input(s), batch dim first (only per-sample shape and
             dtype are used).
         sizes: the two microbatch sizes timed (small, large: the range the plans will use).
-        reps, budget: at least ``reps`` timed passes per size, more while ``budget`` seconds last.
+        reps, budget: at least ``reps`` timed passes per size, more (up to 8 x reps) while ``budget``
+            seconds last.
         leaf_modules, concrete_args: as for ``autosplit.compile``.
     Returns:
         (profile, ModelFit | None): None where nothing was fitted.
@@ -142,7 +151,7 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
     keep_freed_host_memory()               # time the passes under the malloc settings training runs with
     example = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     real = _private_copy(model)
-    pred, meas = {"fwd": [], "bwd": []}, {"fwd": [], "bwd": []}
+    pred, meas, runs = {"fwd": [], "bwd": []}, {"fwd": [], "bwd": []}, []
     with torch.random.fork_rng(devices=[]):
         for b in sizes:
             inputs = _inputs(example, b)
@@ -150,9 +159,11 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
             MetaShapeProp(inputs)(gm)
             AnnotateCosts()(gm)
             parts = _predicted_parts(gm, profile)
-            times = _measured(gm, inputs, reps, budget)
-            for k, key in enumerate(("fwd", "bwd")):
+            runs.append((gm, inputs))
+            for key in ("fwd", "bwd"):
                 pred[key].append(parts[key])
+        for times in _measured(runs, reps, budget):
+            for k, key in enumerate(("fwd", "bwd")):
                 meas[key].append(times[k])
     scales = {key: _solve(tuple(pred[key]), tuple(meas[key])) for key in ("fwd", "bwd")}
     (fka, fkw), (bka, bkw) = scales["fwd"], scales["bwd"]
