@@ -3,9 +3,16 @@
 Prints the strategy search's ranked table (mesh and options, predicted step time with its parts,
 memory of the fullest rank) and how many configurations were rejected, by reason.  MODEL as for
 ``plan`` (a timm name or ``package.module:factory``, built on the meta device).
+
+``--device measured`` plans with this machine's measured profile for ``--world`` ranks on it with
+``OMP_NUM_THREADS`` threads each (default 1; the one ``python -m autosplit.runtime.measure_profile --ranks N
+--threads T`` cached); ``--fit`` then rescales it to the model
+(cost_model/model_fit.py: runs the model's forward and backward at microbatch 2 and 8 here, on random
+values, so it costs what those passes cost on this CPU).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -14,13 +21,39 @@ from autosplit.cost_model.profiles import NAMES
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 
+MEASURED = "measured"
+
+
+def _profile(args, model, x):
+    """The profile ``--device`` (and ``--fit``) name, and how to say it in the header."""
+    if args.device != MEASURED:
+        if args.fit:
+            raise AutosplitError(f"--fit rescales a measured profile; --device {args.device} is a datasheet one "
+                                 f"(use --device measured)")
+        return args.device, args.device
+    from autosplit.cost_model import fit_to_model, profile_cache
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))   # what each rank runs with (torchrun's default: 1)
+    torch.set_num_threads(threads)                            # the fit times the model as a rank runs it
+    key = profile_cache.machine_key("cpu", args.world)
+    profile = profile_cache.load(key)
+    if profile is None:
+        raise AutosplitError(f"no measured profile for {args.world} ranks x {key['threads']} threads on this machine "
+                             f"in {profile_cache.cache_dir()}: run python -m autosplit.runtime.measure_profile "
+                             f"--ranks {args.world} --threads {key['threads']}")
+    if args.fit:
+        profile, _ = fit_to_model(profile, model, x)
+    return profile, profile.name
+
 
 def add_search_parser(sub) -> None:
     p = sub.add_parser("search", help="rank every parallel configuration by predicted step time")
     p.add_argument("model", help="timm model name or package.module:factory")
     p.add_argument("--world", type=int, required=True, help="number of devices")
     p.add_argument("--batch", type=int, required=True, help="global batch: samples per optimizer step")
-    p.add_argument("--device", default="h100", choices=NAMES, help="cost-model profile (default h100)")
+    p.add_argument("--device", default="h100", choices=(*NAMES, MEASURED),
+                   help="cost-model profile (default h100); 'measured': this machine's cached measured profile")
+    p.add_argument("--fit", action="store_true", help="with --device measured: fit the profile to the model "
+                                                        "(runs it at microbatch 2 and 8 on this CPU)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB (default: none)")
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
     p.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
@@ -32,12 +65,13 @@ def run_search(args, build_model) -> int:
     try:
         model = build_model(args.model, args.image_size)
         x = torch.empty(1, *default_input_shape(model, args.image_size), device="meta")
-        ranked = search(model, args.world, x, global_batch=args.batch, device=args.device,
+        profile, described = _profile(args, model, x)
+        ranked = search(model, args.world, x, global_batch=args.batch, device=profile,
                         memory_budget=args.memory, top=args.top)
     except AutosplitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"autosplit search: {args.model} on {args.world} devices, global batch {args.batch}, device model "
-          f"{args.device}, memory budget {args.memory or 'none'}")
+          f"{described}, memory budget {args.memory or 'none'}")
     print(ranked.table())
     return 0

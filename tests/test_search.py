@@ -133,3 +133,26 @@ def test_parallelize_auto_trains_like_one_device(pool2):
     errors = pool2.run(auto_mesh_errors)
     for e in errors:
         assert "mesh='auto' needs global_batch" in e[0] and "on CPU needs device=" in e[1]
+
+
+def test_cli_plans_with_the_measured_profile_fitted_to_the_model(capsys, tmp_path, monkeypatch):
+    """--device measured reads this machine's cached profile for --world ranks; --fit rescales it to the
+    model; without a cached profile the error says how to measure one."""
+    from autosplit.__main__ import main
+    from autosplit.cost_model import profile_cache
+    monkeypatch.setenv("AUTOSPLIT_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    try:
+        args = ["search", "tests.models:tp_timm", "--world", "2", "--batch", "8", "--top", "2", "--device", "measured"]
+        assert main(args) == 2
+        assert "python -m autosplit.runtime.measure_profile --ranks 2 --threads 1" in capsys.readouterr().err
+        torch.set_num_threads(1)
+        profile_cache.save(profile_cache.machine_key("cpu", 2), _measured_cpu())
+        assert main(args + ["--fit"]) == 0
+        out = capsys.readouterr().out
+        assert "cpu (test), fitted to the model at microbatch 2 and 8" in out and "step ms" in out
+        assert main(["search", "tests.models:tp_timm", "--world", "2", "--batch", "8", "--fit"]) == 2
+        assert "--fit rescales a measured profile" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
