@@ -13,12 +13,13 @@ Terms:
   why     -- the op benchmarks (op_bench.py) time short chains of one op kind on small weights; inside a
              model the same ops run slower or faster (other layers' weights in the caches, a larger
              autograd graph, GEMM shapes the chains do not have).  On the CPU benchmark ViT the chains'
-             fits priced the forward 10-55 % short.  Galvatron profiles a model's layers on the device
+             fits priced the forward's per-op constants at about a third of what they are.  Galvatron profiles a model's layers on the device
              for the same reason; two whole passes suffice here because the class fits already give
              each op's share.
   measured -- the median of at least ``reps`` timed passes (after one warm-up) of the traced model,
-             forward then backward of the sum of its outputs, the two sizes taking turns, on a private copy (the user's model and
-             its gradients are not touched; a meta model's copy gets small random values).
+             forward then backward of the sum of its outputs, the two sizes taking turns, on a private
+             copy (the user's model and its gradients are not touched; a meta model's copy gets small
+             random values), under autosplit/host_memory.py's malloc settings, as training runs.
   fits    -- only where the profile has measured compute fits (a CPU profile from
              runtime/measure_profile.py); a datasheet profile is returned as it is.
 Single process, no process group: call it once and pass the result to every rank (``device=``), as a
@@ -167,7 +168,8 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
                 meas[key].append(times[k])
     scales = {key: _solve(tuple(pred[key]), tuple(meas[key])) for key in ("fwd", "bwd")}
     (fka, fkw), (bka, bkw) = scales["fwd"], scales["bwd"]
-    compute = {cls: ((fa * fka, fr / fkw), (ba * bka, br / bkw)) for cls, ((fa, fr), (ba, br)) in profile.compute.items()}
+    compute = {cls: ((fa * fka, fr / fkw), (ba * bka, br / bkw))
+               for cls, ((fa, fr), (ba, br)) in profile.compute.items()}
     fit = ModelFit(tuple(sizes), {k: tuple(v) for k, v in meas.items()},
                    {k: tuple(a + w for a, w in v) for k, v in pred.items()}, scales)
     return dataclasses.replace(profile, compute=compute, name=f"{profile.name}, {fit.line()}"), fit

@@ -3,8 +3,9 @@
 Terms:
   measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py),
                ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
-               cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py).  On a GPU the compute numbers stay the datasheet's (the built-in
-               profile) and only the communication is measured.
+               cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py).  On a GPU the
+               compute numbers stay the datasheet's (the built-in profile) and only the communication
+               is measured.
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
                process's rates.  How ranks sharing a CPU host slow each other down is measured apart
                (runtime/sharing_bench.py: the profile's ``sharing``) and applied by the step predictor
