@@ -282,7 +282,7 @@ def main() -> None:
     load_before = wait_for_quiet(patience_s=args.patience)
     t0 = time.time()
     measured = ensure_profiles(sorted(set(worlds) | ({RANK_WORLD} if args.ranking else set())), args.remeasure)
-    profiles = fitted({w: measured[w] for w in worlds}, VIT, not args.no_fit)
+    profiles = {} if args.skip_accuracy else fitted({w: measured[w] for w in worlds}, VIT, not args.no_fit)
     rows, parts = {}, []
     if not args.skip_accuracy:
         for w in worlds:

@@ -13,9 +13,9 @@ Terms:
   why     -- the op benchmarks (op_bench.py) time short chains of one op kind on small weights; inside a
              model the same ops run slower or faster (other layers' weights in the caches, a larger
              autograd graph, GEMM shapes the chains do not have).  On the CPU benchmark ViT the chains'
-             fits priced the forward's per-op constants at about a third of what they are.  Galvatron profiles a model's layers on the device
-             for the same reason; two whole passes suffice here because the class fits already give
-             each op's share.
+             fits priced the forward's per-op constants at about a third of what they are.  Galvatron
+             profiles a model's layers on the device for the same reason; two whole passes suffice
+             here because the class fits already give each op's share.
   measured -- the median of at least ``reps`` timed passes (after one warm-up) of the traced model,
              forward then backward of the sum of its outputs, the two sizes taking turns, on a private
              copy (the user's model and its gradients are not touched; a meta model's copy gets small
@@ -141,9 +141,7 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
     Returns:
         (profile, ModelFit | None): None where nothing was fitted.
     """
-    from autosplit.cost_model.annotate import AnnotateCosts      # graph passes: the level above
-    from autosplit.passes.shape_prop import MetaShapeProp
-    from autosplit.trace import trace
+    from autosplit.cost_model.op_bench import traced
     from autosplit.cost_model.profiles import get_profile
     profile = get_profile(profile)
     if profile.compute is None:
@@ -156,9 +154,7 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
     with torch.random.fork_rng(devices=[]):
         for b in sizes:
             inputs = _inputs(example, b)
-            gm = trace(real, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
-            MetaShapeProp(inputs)(gm)
-            AnnotateCosts()(gm)
+            gm = traced(real, inputs, leaf_modules, concrete_args)
             parts = _predicted_parts(gm, profile)
             runs.append((gm, inputs))
             for key in ("fwd", "bwd"):

@@ -65,11 +65,12 @@ _CASES = [
 ]
 
 
-def _traced(model: nn.Module, inputs: tuple):
-    """The chain traced and priced as a plan's stage would be: (GraphModule, its nodes' costs)."""
+def traced(model: nn.Module, inputs: tuple, leaf_modules=(), concrete_args=None):
+    """``model`` traced and priced as a plan's stage would be: a GraphModule whose nodes carry ``val`` and
+    ``cost`` for ``inputs`` (here the chains; model_fit.py the user's model)."""
     from autosplit.passes.shape_prop import MetaShapeProp      # graph passes: the level above flops.py
     from autosplit.trace import trace
-    gm = trace(model, len(inputs))
+    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
     MetaShapeProp(inputs)(gm)
     AnnotateCosts()(gm)
     return gm
@@ -81,7 +82,7 @@ def _samples(kind: str, k: int, shape, x_shape, y_shape, budget: float, device) 
     model = _Chain(kind, k, shape).to(device)
     x = torch.randn(*x_shape, device=device, requires_grad=True)
     y = torch.randn(*y_shape, device=device, requires_grad=kind in ("sdpa", "pointwise"))
-    gm = _traced(model, (x, y))
+    gm = traced(model, (x, y))
     per_class: dict[str, list] = {}
     for n in gm.graph.nodes:
         cost = n.meta.get("cost")
