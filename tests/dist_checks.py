@@ -349,3 +349,65 @@ def logged_summary() -> list[str]:
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
     return records
+
+
+def _thread_names() -> tuple:
+    import os
+    from collections import Counter
+    names = Counter()
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names[open(f"/proc/self/task/{t}/comm").read().strip()] += 1
+        except FileNotFoundError:        # a thread that just ended
+            pass
+    return tuple(sorted(names.items()))
+
+
+def _process_resources() -> tuple[int, tuple]:
+    """(process groups this rank belongs to besides the default one, the process's OS threads by name),
+    once the threads stopped changing (a closed group's threads end shortly after it)."""
+    import gc
+    import time
+    gc.collect()
+    groups = len([g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD])
+    names = _thread_names()
+    for _ in range(20):
+        time.sleep(0.05)
+        names, last = _thread_names(), names
+        if names == last:
+            break
+    return groups, names
+
+
+def close_releases(configs: list[tuple[tuple, dict]], checkpoint_dir: str | None = None) -> dict:
+    """Build, step and close one ParallelModule per (mesh, options); the process's groups and threads
+    before (after a first module built and closed: the profile measurement and the heartbeat thread
+    are once per process), while open and after each close; and what calls on a closed module say."""
+    from autosplit import AutosplitError
+    xs, ys = batches(1, 8)
+
+    def build_step_close(mesh, kw, save: bool):
+        torch.manual_seed(0)
+        with autosplit.parallelize(VARIANTS["tp_timm"](), mesh=mesh, num_microbatches=2, **kw) as pm:
+            rows = slice(pm.dp_rank * 8 // pm.dp_size, (pm.dp_rank + 1) * 8 // pm.dp_size)
+            pm.step(xs[0][rows], ys[0][rows])
+            if save:
+                pm.save_checkpoint(checkpoint_dir)       # builds the checkpoint's own group
+            opened = _process_resources()
+        pm.close()                                         # a second close does nothing
+        return pm, opened
+
+    build_step_close(*configs[0], save=False)
+    before = _process_resources()
+    opened, after, errors = [], [], {}
+    for mesh, kw in configs:
+        pm, now = build_step_close(mesh, kw, save=checkpoint_dir is not None)
+        opened.append(now)
+        after.append(_process_resources())       # with ``pm`` still referenced
+    for call, fn in (("step", lambda: pm.step(xs[0], ys[0])), ("parameters", lambda: list(pm.parameters())),
+                     ("full_state_dict", pm.full_state_dict)):
+        try:
+            fn()
+        except AutosplitError as exc:
+            errors[call] = str(exc)
+    return {"before": before, "opened": opened, "after": after, "errors": errors}

@@ -48,7 +48,19 @@ def _worker(rank: int, size: int, port: int, tasks, results) -> None:
             results.put((rank, True, value))
         except BaseException as exc:  # report everything, including RankFailure
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        _close_modules()
     dist.destroy_process_group()
+
+
+def _close_modules() -> None:
+    """Close the ParallelModules a check left open, so a worker that runs hundreds of checks does not
+    keep every one's process groups (each a set of gloo connections and threads)."""
+    from autosplit.runtime.parallel_module import open_modules
+    for pm in open_modules():
+        try:
+            pm.close()
+        except Exception:       # the next check still runs; its own groups are fresh
+            traceback.print_exc()
 
 
 class RankError(AssertionError):

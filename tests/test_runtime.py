@@ -4,6 +4,7 @@ import pytest
 from tests.dist_checks import (bad_inputs, bucket_overlap, dying_rank, failing_rank, features, hanging_rank,
                                lazy_plan_then_train, mixed_precision, replay_early_post_order,
                                train_matches_single_device)
+from tests import dist_checks
 from tests.dist_pool import Pool
 
 TOL = 1e-5
@@ -123,6 +124,18 @@ def test_strict_transport_hangs_where_nccl_would():
         assert "RankFailure" in r["strict"] and "RECV_" in r["strict"], r
         assert "TimeoutError: no progress for 3 s" in r["strict"], r
         assert r["seconds"] < 3 + 5, r
+
+
+def test_close_releases_groups_and_threads(pool4, tmp_path):
+    """A process that builds many ParallelModules keeps nothing of the closed ones: every mesh axis's
+    group (1D, 2D grid, strict transport thread, checkpoint group) goes; calls after close say so."""
+    configs = [((2, 1, 2), {}), ((1, 2, 2), {"sequence_parallel": True}), ((1, 4, 1), {"tp_mode": "2d"}),
+               ((2, 2, 1), {"schedule": "zb-h1"})]
+    for rank, r in enumerate(pool4.run(dist_checks.close_releases, configs, str(tmp_path / "ck"))):
+        assert all(groups > r["before"][0] for groups, _ in r["opened"]), r
+        assert r["after"] == [r["before"]] * len(configs), (r["before"], r["after"])
+        assert set(r["errors"]) == {"step", "parameters", "full_state_dict"}, r
+        assert all("closed ParallelModule" in e and f"rank {rank} " in e for e in r["errors"].values()), r
 
 
 def test_plan_summary_is_logged_on_rank_zero(pool2):

@@ -34,9 +34,7 @@ def group_sizes(world_size: int) -> list[int]:
 
 
 def world_barrier(world, watchdog) -> None:
-    group = world.control_group          # a host-side rendezvous under NCCL
-    watchdog.wait(dist.barrier(group=group, async_op=True), "profile measurement barrier", host=True,
-                  on_host=group is not None)
+    world.barrier(watchdog, "profile measurement barrier")
 
 
 def _collective(kind: str, axis: str, group, n: int, nbytes: int, device) -> callable:
@@ -98,6 +96,9 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
                 call = _collective(kind, axis, group, n, nbytes, world.device)
                 world_barrier(world, watchdog)
                 out.append((kind, n, nbytes, _timed(call, reps)))
+        world_barrier(world, watchdog)     # every rank is done with the group before it goes
+        T.unbind_groups([group])
+        dist.destroy_process_group(group)
     for nbytes in sizes:                  # point to point, all pairs at once
         call = _ping_pong(world, watchdog, nbytes)
         world_barrier(world, watchdog)

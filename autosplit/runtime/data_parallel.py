@@ -48,12 +48,19 @@ class GradBuckets:
         self.armed: set[int] = set()
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[int, _Bucket]] = {}
+        self._handles = []       # the hooks live on the user's parameters: removed by close()
         for stage, params in params_by_stage.items():
             for bucket in self._split([p for p in reversed(params) if p.requires_grad], bucket_bytes):
                 self.buckets.append(bucket)
                 for p in bucket.params:
                     self.where[id(p)] = (stage, bucket)
-                    p.register_post_accumulate_grad_hook(self._hook)
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def close(self) -> None:
+        """Take the hooks off the parameters (they outlive this module: they are the user's model's)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @staticmethod
     def _split(params: list[torch.nn.Parameter], limit: int) -> list[_Bucket]:

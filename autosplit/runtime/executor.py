@@ -68,6 +68,11 @@ class PipelineExecutor:
             warm = torch.zeros(1, device=world.device)
             watchdog.wait(dist.all_reduce(warm, group=world.group("pp"), async_op=True), "pp group start")
 
+    def close(self) -> None:
+        """Release the transport's thread (the strict transport runs one); the executor is unusable after."""
+        if self.transport is not None:
+            self.transport.close()
+
     # ---- one step ------------------------------------------------------------------------------
     def run(self, xs: list[tuple], ys: list | None, loss_scale: float = 1.0, train: bool = True):
         """Run the schedule; returns (sum of this rank's microbatch losses, last-stage outputs)."""

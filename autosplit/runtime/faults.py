@@ -137,6 +137,12 @@ class Watchdog:
         future = self._waiter.submit(handle.wait)
         return self._until(future.done, doing, future.result)
 
+    def close(self) -> None:
+        """End the waiting thread (a later wait starts a new one)."""
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
+
     def settle(self) -> None:
         """Check, bounded by the deadline, that every deferred NCCL work has finished (no-op on gloo)."""
         pending, self._pending = self._pending, []

@@ -64,6 +64,9 @@ class NcclTransport:
                for kind, t, peer, tg in ops]
         return Posted(dist.batch_isend_irecv(p2p), [t for _, t, _, _ in ops], what)
 
+    def close(self) -> None:
+        """Nothing of its own to release (the pp group belongs to the World)."""
+
 
 class GlooTransport:
     """Every op posted at once; gloo pairs them by (peer, tag) whatever the order."""
@@ -75,6 +78,9 @@ class GlooTransport:
         works = [(dist.isend if kind == "send" else dist.irecv)(t, peer, group=self.group, tag=tg)
                  for kind, t, peer, tg in ops]
         return Posted(works, [t for _, t, _, _ in ops], what)
+
+    def close(self) -> None:
+        """Nothing of its own to release (the pp group belongs to the World)."""
 
 
 class StrictTransport(GlooTransport):
@@ -92,6 +98,9 @@ class StrictTransport(GlooTransport):
         # the next group starts only after this one is done (like a fused NCCL group on its stream).
         for work in super().post(ops, "").handles:
             work.wait()
+
+    def close(self) -> None:
+        self._runner.close()
 
 
 def strict_requested() -> bool:

@@ -15,6 +15,8 @@ executor.py (the schedule), loss_scaler.py, buffers.py, params.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -28,12 +30,22 @@ from autosplit.runtime.agreement import check_agreement
 from autosplit.runtime.call_checks import check_call
 from autosplit.runtime.call_gate import CallGate
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
-from autosplit.runtime.faults import Watchdog
+from autosplit.runtime.faults import RankFailure, Watchdog
 from autosplit.runtime.gradients import begin_step, clip_grad_norm, finish_step
 from autosplit.runtime.loss_check import loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.rank_plan import RankPlanner
 from autosplit.runtime.world import World
+
+
+_OPEN: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()    # built and not closed, in this process
+_BUILT = itertools.count()
+
+
+def open_modules() -> list["ParallelModule"]:
+    """This process's ParallelModules that are not closed, oldest first (the order is the same on
+    every rank that built the same modules)."""
+    return sorted(_OPEN, key=lambda pm: pm._serial)
 
 
 def _planner_attr(name: str, doc: str) -> property:
@@ -72,6 +84,8 @@ class ParallelModule:
         # values are a function of (seed, name): nothing to compare)
         self._agreed, self._params_agreed = None, self.initializer is not None
         self.step_count = 0                 # completed steps (checkpoint metadata)
+        self._closed, self._serial = False, next(_BUILT)
+        _OPEN.add(self)
         if example_input is not None:
             self.planner.build(example_input)
 
@@ -102,7 +116,45 @@ class ParallelModule:
         return self.planner.sharded()
 
     def _require_plan(self, what: str) -> None:
+        self._require_open(what)
         self.planner.require()
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise AutosplitError(f"{what} on a closed ParallelModule ({self.watchdog.where}): close() "
+                                 f"released its process groups; build a new one with autosplit.parallelize")
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release this module's process groups and threads; every rank calls it, and nothing else
+        on the module works afterwards.  A process that builds several ParallelModules (re-planning
+        with other options, evaluation copies) would otherwise keep every one's groups (and their
+        connections and threads) until it exits.  ``with autosplit.parallelize(...) as pm:`` closes
+        on leaving the block.  After a failed step (a RankFailure) the ranks do not meet first."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        try:
+            self.watchdog.check("close")
+            # Every rank must be done with the groups before any rank destroys them: an operation a
+            # peer still has in flight on a destroyed gloo group fails, and on NCCL it can hang.
+            self.world.barrier(self.watchdog, "close")
+        except RankFailure:          # the job has failed already and said so: release without meeting
+            pass
+        finally:
+            self.planner.close()
+            self.watchdog.close()
+            if getattr(self, "_dcp_group", None) is not None:     # runtime/checkpoint.py's
+                dist.destroy_process_group(self._dcp_group)
+                self._dcp_group = None
+            self.world.close()
+
+    def __enter__(self) -> "ParallelModule":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def parameters(self):
         """This rank's parameters (its stages' shards), for the optimizer."""
@@ -254,6 +306,7 @@ class ParallelModule:
         """First thing in every entry point that communicates: check this rank's arguments, then make
         sure every rank entered the same call with the same shapes; raise the same error everywhere
         otherwise.  The plan agreement comes after planning (``plan_for``, ``full_state_dict``)."""
+        self._require_open(f"{call}()")
         plan = None if self.plan is None or self.planner.provisional else self.plan
         text, key, error = check_call(call, args, num_microbatches=self.num_microbatches, plan=plan,
                                       model=self.model)

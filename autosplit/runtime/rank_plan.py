@@ -38,7 +38,7 @@ from autosplit.runtime.fsdp import StageSharding
 from autosplit.runtime.loss_check import checked_loss
 from autosplit.runtime.params import adopt_parameters, graph_order_params, materialize_local
 from autosplit.runtime.profile import agreed_profile
-from autosplit.runtime.tp_collectives import bind_axis_groups
+from autosplit.runtime.tp_collectives import bind_axis_groups, unbind_groups
 from autosplit.schedule import SPLIT_BACKWARD
 
 log = logging.getLogger("autosplit")      # the library logs; it never prints
@@ -97,6 +97,26 @@ class RankPlanner:
         self.provisional = False
         self.check_shapes(mb)
         agree()
+        self.bind()
+
+    def bind(self) -> None:
+        """Point the tensor-parallel collectives at this rank's groups.  Their binding is per process,
+        so it is renewed before every run: another ParallelModule of the process may have rebound it."""
+        bind_axis_groups({a: self.world.group(a) for a in self._axes()}, self.watchdog)
+
+    def _axes(self) -> tuple[str, ...]:
+        return ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)
+
+    def close(self) -> None:
+        """Release the executor's threads and drop what holds the world's groups (the executor, the
+        gradient buckets, the buffer sync, the collectives' binding), so that they end with the groups."""
+        if self.executor is not None:
+            self.executor.close()
+        self.executor = self._buffer_sync = None
+        if self.sharding is None and self.buckets is not None:   # FSDP2's are its parameters' (they stay)
+            self.buckets.close()
+            self.buckets = None
+        unbind_groups([self.world.group(a) for a in self._axes()])
 
     def check_shapes(self, mb: tuple) -> None:
         got = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in mb]
@@ -153,8 +173,7 @@ class RankPlanner:
         else:
             self.raw_modules = modules
             self.modules = [checkpointed(m, self.model, opts.checkpoint) for m in self.raw_modules]
-        axes = ("tp", "tp_row", "tp_col") if world.grid_mesh is not None else ("tp",)
-        bind_axis_groups({a: world.group(a) for a in axes}, self.watchdog)
+        self.bind()
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
         if self.buckets is None and world.mesh.dp > 1:   # parameters never change owner, so build once
@@ -163,6 +182,8 @@ class RankPlanner:
             self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m) if id(p) not in partial_ids]
                                         for s, m in zip(stages, self.raw_modules)},
                                        world.group("dp"), world.mesh.dp, self.watchdog, self.bucket_bytes)
+        if self.executor is not None:     # a re-plan: the old executor's transport thread goes
+            self.executor.close()
         self.executor = PipelineExecutor(world, plan, self.modules, checked_loss(self.loss_fn), self.watchdog,
                                          opts.autocast, self.buckets.arm if self.buckets else None)
 

@@ -26,9 +26,16 @@ class SerialThread:
         self._tasks.put((future, fn, args))
         return future
 
+    def close(self) -> None:
+        """End the thread after the functions already submitted (it does not wait for them)."""
+        self._tasks.put(None)
+
     def _loop(self) -> None:
         while True:
-            future, fn, args = self._tasks.get()
+            task = self._tasks.get()
+            if task is None:
+                return
+            future, fn, args = task
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:     # handed to whoever waits on the future

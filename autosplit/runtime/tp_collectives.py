@@ -44,6 +44,13 @@ def bind_axis_groups(groups: dict[str, object], watchdog=None) -> None:
     ops.bind(_Backend())
 
 
+def unbind_groups(groups) -> None:
+    """Forget every axis bound to one of ``groups`` (they are about to be destroyed)."""
+    ids = {id(g) for g in groups}
+    for axis in [a for a, g in _GROUPS.items() if id(g) in ids]:
+        del _GROUPS[axis]
+
+
 def _group(axis: str):
     if axis not in _GROUPS:
         raise RuntimeError(f"this stage runs tensor-parallel collectives over axis '{axis}', but no process "

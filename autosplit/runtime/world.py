@@ -46,6 +46,8 @@ class World:
     grid_mesh: DeviceMesh | None = field(default=None, repr=False)   # 2D: (pp, dp, tp_row, tp_col)
 
     def group(self, axis: str):
+        if self.device_mesh is None:
+            raise AutosplitError(f"the process groups of rank {self.rank} were closed (ParallelModule.close)")
         if axis in ("tp_row", "tp_col"):
             return self.grid_mesh.get_group(axis)
         return self.device_mesh.get_group(axis)
@@ -59,6 +61,29 @@ class World:
     @property
     def store(self):
         return dist.distributed_c10d._get_default_store()
+
+    def barrier(self, watchdog, doing: str) -> None:
+        """Every rank of the world meets here, bounded by ``watchdog``; under NCCL on the host-side
+        control group, so no GPU queue is waited on."""
+        group = self.control_group
+        watchdog.wait(dist.barrier(group=group, async_op=True), doing, host=True, on_host=group is not None)
+
+    def close(self) -> None:
+        """Destroy the process groups this World created (never the default group, which the job may
+        still use), in the same order on every rank.  Call after a ``barrier``: a group destroyed while
+        a peer still has an operation on it would fail that operation."""
+        groups = [self.device_mesh.get_group(axis) for axis in LAYOUT_ORDER]
+        if self.grid_mesh is not None:
+            groups += [self.grid_mesh.get_group(axis) for axis in self.grid_mesh.mesh_dim_names]
+        groups.append(self.control_group)
+        default, seen = dist.group.WORLD, set()
+        for group in groups:
+            if group is None or group is default or id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+        # A gloo group's connections and threads end when its last reference goes, not at destroy
+        self.device_mesh = self.grid_mesh = self.control_group = None
 
 
 def _choose_backend() -> tuple[str, torch.device]:
