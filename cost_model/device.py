@@ -18,6 +18,9 @@ Terms:
                      bandwidth are shared; 1.0 for n = 1), measured in the live world
                      (runtime/sharing_bench.py); the step predictor stretches computes by it.  Its length
                      is the ranks per host.  None: each device is its own (GPUs).
+  p2p post        -- host seconds to post one group of pipeline transfers (runtime/comm_bench.py): on a
+                     CPU the host that posts is the one that computes, so the step predictor puts it on
+                     the rank's timeline; 0 where the host posts while a device computes (GPUs).
   measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
                      size) fits from a measured profile (measured.py); without them the roofline and
                      the link's alpha-beta price everything, as for the datasheet GPUs.
@@ -59,6 +62,7 @@ class DeviceProfile:
     compute: dict | None = None   # measured: op class -> (forward fit, backward fit) (measured.py); None: roofline
     comm: dict | None = None      # measured: "kind/n" -> (alpha s, beta s/B) (measured.py); None: link alpha-beta
     sharing: tuple | None = None  # measured: slowdown with n processes computing on one host, index n-1; None: unshared
+    p2p_post: float = 0.0         # measured (CPU): host seconds per posted transfer group; 0: overlapped (GPUs)
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

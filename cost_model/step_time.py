@@ -16,6 +16,10 @@ Terms:
                   stream waits for the compute stream) and the rank's previous group is done (one queue
                   per rank, only its head runs); a transfer starts when both its groups are active and
                   lasts the producing boundary's ``send``; a group is done when all its transfers are.
+  post       -- host seconds to post one group (``DeviceProfile.p2p_post``; 0 on GPUs, whose host posts
+                while the device computes).  When positive, posting is on the rank's own timeline: a
+                group is *posted* ``post`` after the rank's previous compute or post ended, becomes
+                active no earlier, and the rank's next compute starts no earlier than its last post.
   dp sync    -- per rank one stream: a stage's ``dp`` starts once its last backward (B or W) ended and
                 the rank's previous dp sync is done (replicated dp all-reduces there; FSDP's all-gathers
                 are counted there too, an upper bound on what its prefetch exposes).
@@ -83,7 +87,7 @@ class StepPrediction:
 @dataclass(frozen=True)
 class _Node:
     """One value of the timed run: a compute's end, a group's activation, or a group's end."""
-    kind: str                 # "compute", "active", "done"
+    kind: str                 # "compute", "posted", "active", "done"
     rank: int
     deps: tuple[int, ...]     # node indices whose values it waits for
     action: object = None     # the compute (kind "compute")
@@ -91,8 +95,9 @@ class _Node:
 
 
 @functools.lru_cache(maxsize=256)
-def _structure(schedule: str, pp: int, m: int, v: int) -> tuple[list[_Node], list[int], int]:
-    """The timed run's dependency graph (nodes in an order where every dependency comes first)."""
+def _structure(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> tuple[list[_Node], list[int], int]:
+    """The timed run's dependency graph (nodes in an order where every dependency comes first); with
+    ``posts``, a "posted" node per group on its rank's host timeline (see *post*)."""
     sched = build_schedule(schedule, pp, m, v)
     lists, place, S = lower(sched), sched.placement, sched.num_stages
     recv_group = {}                                  # receive Action -> (rank, group index)
@@ -106,10 +111,14 @@ def _structure(schedule: str, pp: int, m: int, v: int) -> tuple[list[_Node], lis
                 g += 1
     specs: dict[tuple, tuple] = {}     # ("c", Action) / ("a" | "d", (rank, group)) -> (rank, deps, action, transfers)
     for r, items in lists.items():
-        last_compute, g = None, 0
+        last_compute, last_host, g = None, None, 0     # last_host: the rank's last compute or post
         for item in items:
             if isinstance(item, Group):
-                deps = [("c", last_compute)] if last_compute is not None else []
+                deps = [last_compute] if last_compute is not None else []
+                if posts:
+                    specs[("p", (r, g))] = (r, [last_host] if last_host is not None else [], None, ())
+                    last_host = ("p", (r, g))
+                    deps.append(last_host)
                 if g:
                     deps.append(("d", (r, g - 1)))
                 specs[("a", (r, g))] = (r, deps, None, ())
@@ -124,19 +133,19 @@ def _structure(schedule: str, pp: int, m: int, v: int) -> tuple[list[_Node], lis
                 specs[("d", (r, g))] = (r, [("a", (r, g))] + [t[0] for t in transfers], None, tuple(transfers))
                 g += 1
             else:
-                deps = [("c", last_compute)] if last_compute is not None else []
+                deps = [last_host] if last_host is not None else []
                 deps += [("c", d) for d in dependencies(item, S)]
                 feed = _feed(item)
                 if feed is not None and feed in recv_group:
                     deps.append(("d", recv_group[feed]))
                 specs[("c", item)] = (r, deps, item, ())
-                last_compute = item
+                last_compute = last_host = ("c", item)
     order = _topological(specs)
     index = {key: k for k, key in enumerate(order)}
     nodes = []
     for key in order:
         r, deps, action, transfers = specs[key]
-        kind = {"c": "compute", "a": "active", "d": "done"}[key[0]]
+        kind = {"c": "compute", "p": "posted", "a": "active", "d": "done"}[key[0]]
         nodes.append(_Node(kind, r, tuple(index[d] for d in deps), action,
                            tuple((index[t], b) for t, b in transfers)))
     return nodes, [place.rank(s) for s in range(S)], S
@@ -193,7 +202,18 @@ def _transfer_end(n: _Node, value: list, stages, p2p: bool) -> float:
     return max((max(mine, value[peer]) + (stages[b].send if p2p else 0.0) for peer, b in n.transfers), default=mine)
 
 
-def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing"):
+def _instant(n: _Node, value: list, stages, p2p: bool, post: float) -> float:
+    """The value of a non-compute node once its dependencies' values are known."""
+    start = max((value[d] for d in n.deps), default=0.0)
+    if n.kind == "active":
+        return start
+    if n.kind == "posted":
+        return start + (post if p2p else 0.0)
+    return _transfer_end(n, value, stages, p2p)
+
+
+def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing",
+                post: float = 0.0):
     """The timed run with processor sharing (see *sharing*): (values, per rank seconds spent computing).
 
     Events in time order: a compute whose dependencies have ended is *ready* at the latest of their
@@ -223,17 +243,15 @@ def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sha
                     n = nodes[u]
                     if n.kind == "compute":
                         heapq.heappush(ready, (max((value[d] for d in n.deps), default=0.0), u))
-                    elif n.kind == "active":
-                        stack.append((u, max((value[d] for d in n.deps), default=0.0)))
                     else:
-                        stack.append((u, _transfer_end(n, value, stages, p2p)))
+                        stack.append((u, _instant(n, value, stages, p2p, post)))
 
     for k, n in enumerate(nodes):
-        if missing[k] == 0:
+        if not n.deps:         # (not ``missing[k] == 0``: resolving one node may zero its users' counts)
             if n.kind == "compute":
                 heapq.heappush(ready, (0.0, k))
             else:
-                resolve(k, 0.0)
+                resolve(k, _instant(n, value, stages, p2p, post))
     now = 0.0
     while ready or tails or running:
         rates = sharing.rates(running)
@@ -290,16 +308,14 @@ def sharing_of(profile, group: int) -> "Sharing | None":
     return Sharing(tuple(max(1.0, x) for x in slowdown), group)
 
 
-def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool) -> list[float]:
+def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: float = 0.0) -> list[float]:
     value = [0.0] * len(nodes)
     for k, n in enumerate(nodes):
         if n.kind == "compute":
             start = max((value[d] for d in n.deps), default=0.0)
             value[k] = start + _duration(n.action, stages[n.action.stage])
-        elif n.kind == "active":
-            value[k] = max((value[d] for d in n.deps), default=0.0)
         else:
-            value[k] = _transfer_end(n, value, stages, p2p)
+            value[k] = _instant(n, value, stages, p2p, post)
     return value
 
 
@@ -312,7 +328,7 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
-                 stages: Sequence[StageTimes], sharing: Sharing | None = None) -> StepPrediction:
+                 stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -320,16 +336,17 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         pp, num_microbatches, chunks_per_rank: the pipeline's shape (pp * chunks_per_rank stages).
         stages: one StageTimes per global stage, in stage order.
         sharing: how ranks share a host's cores (``sharing_of(profile, tp * dp)``); None: not shared.
+        post: host seconds per posted transfer group (``profile.p2p_post``; see *post*).
     """
-    nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank)
+    nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
     compute, tp, last_bwd = [0.0] * pp, [0.0] * pp, [0.0] * S
     if sharing is None:
-        timed = _run(nodes, stages, p2p=True)
+        timed = _run(nodes, stages, p2p=True, post=post)
         free = _run(nodes, stages, p2p=False)
-    else:
-        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing) for p2p in (True, False))
+    else:   # the free run: transfers and posting cost nothing
+        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post) for p2p in (True, False))
     ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     for k, n in enumerate(nodes):
         if n.kind == "compute":
@@ -382,7 +399,8 @@ def predict_plan(plan, device=None) -> StepPrediction:
     from autosplit.cost_model.profiles import get_profile
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
     return predict_step(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                        plan_stage_times(plan, profile), sharing_of(profile, plan.mesh.tp * plan.mesh.dp))
+                        plan_stage_times(plan, profile), sharing_of(profile, plan.mesh.tp * plan.mesh.dp),
+                        profile.p2p_post)
 
 
 def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
@@ -393,8 +411,8 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
       its computes run one after another (m forwards and backwards of each of its stages);
       without a split backward its last compute is a backward of a stage >= l, and that microbatch's
       backwards of stages < l all follow it.
-    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers
-    and dp sync only add, and so does sharing (a slowdown is at least 1).  With equal stages and 1F1B
+    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers,
+    posting and dp sync only add, and so does sharing (a slowdown is at least 1).  With equal stages and 1F1B
     this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)
     split = schedule in ("zb-h1", "zb-v")

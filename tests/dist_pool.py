@@ -43,22 +43,25 @@ def _worker(rank: int, size: int, port: int, tasks, results) -> None:
         if task is None:
             break
         module, name, args, kwargs = task
+        _release_modules()
         try:
             value = getattr(importlib.import_module(module), name)(*args, **kwargs)
             results.put((rank, True, value))
         except BaseException as exc:  # report everything, including RankFailure
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        _close_modules()
     dist.destroy_process_group()
 
 
-def _close_modules() -> None:
-    """Close the ParallelModules a check left open, so a worker that runs hundreds of checks does not
-    keep every one's process groups (each a set of gloo connections and threads)."""
+def _release_modules() -> None:
+    """Release the ParallelModules the previous check left open, so that a worker running hundreds of
+    checks does not keep every one's process groups (each a set of gloo connections and threads).
+    Without meeting the other ranks (``release``, not ``close``): a new task is sent only once every
+    rank has returned from the previous one, and the ranks may differ in what they left open (a
+    check whose ``parallelize`` failed on one rank only)."""
     from autosplit.runtime.parallel_module import open_modules
     for pm in open_modules():
         try:
-            pm.close()
+            pm.release()
         except Exception:       # the next check still runs; its own groups are fresh
             traceback.print_exc()
 

@@ -90,6 +90,8 @@ def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     assert all(alpha >= 0 and beta >= 0 for alpha, beta in p["comm"].values())
     assert set(p["compute"]) == {"matmul", "attention", "norm", "softmax", "pointwise", "view"}
     assert len(p["sharing"]) == 2 and p["sharing"][0] == 1.0 <= p["sharing"][1]   # 2 ranks on this host
+    assert 0 < p["p2p_post"] < 0.05           # host seconds to post a transfer group: measured, and small
+    assert "post/2" not in p["comm"]
     assert a["planned_with"] == b["planned_with"] == p["name"]             # parallelize found the cached one
     assert a["fwd"] == b["fwd"] and a["same_stream"] and b["same_stream"]
     assert list(tmp_path.glob("*-2r-*.json"))

@@ -54,10 +54,11 @@ def test_cut_solver_is_balanced_bounds():
 
 
 def _measured_cpu():
-    """A measured CPU profile: per-class compute fits, collective fits and a host shared by 8 ranks."""
+    """A measured CPU profile: per-class compute fits, collective fits, a host shared by 8 ranks and a
+    posting cost per transfer group."""
     import dataclasses
     from tests.test_measured_profile import CPU
-    return dataclasses.replace(CPU, sharing=(1.0, 1.2, 1.6, 2.1, 2.5, 3.0, 3.4, 3.9))
+    return dataclasses.replace(CPU, sharing=(1.0, 1.2, 1.6, 2.1, 2.5, 3.0, 3.4, 3.9), p2p_post=4e-4)
 
 
 @pytest.mark.parametrize("world,budget,measured", [(4, None, False), (8, 400_000, False), (4, None, True)])
@@ -75,7 +76,7 @@ def test_pruned_search_equals_brute_force(world, budget, measured):
 @pytest.mark.parametrize("measured", [False, True])
 def test_predictions_equal_compile(measured):
     """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a
-    sample), with a datasheet profile and with a measured one (per-class fits, sharing: the search once
+    sample), with a datasheet profile and with a measured one (per-class fits, sharing, posting: the search once
     priced ops by the roofline while compile used the class fits)."""
     model, batch = tp_timm(), 32
     device = _measured_cpu() if measured else "h100"

@@ -119,3 +119,23 @@ def test_sharing_stretches_only_what_runs_at_once():
     assert two_hosts.total == pytest.approx(free.total)
     assert sharing_of(type("P", (), {"sharing": (1.0, 0.97)})(), 1) is None    # no slowdown: the plain run
     assert sharing_of(type("P", (), {"sharing": (1.0, 0.9, 1.5)})(), 1).slowdown == (1.0, 1.0, 1.5)
+
+
+def test_posting_a_group_takes_host_time_before_the_next_compute():
+    """With a posting cost p (a CPU host posts what it computes next to), every group waits p after its
+    rank's previous compute or post, and so does the rank's next compute: gpipe pp2 m1 with F = B = 1
+    and free transfers runs 0F0 | post [0SEND_F0 0RECV_B0] || post [1RECV_F0] 1F0 1B0 | post [1SEND_B0]
+    ... 0B0, two posts on its critical path: 4 + 2p.  The free run posts for nothing, so they count as
+    exposed communication; the event-driven run (sharing) gives the same with nothing shared."""
+    from autosplit.cost_model.step_time import Sharing, lower_bound
+    unit = [StageTimes(1.0, 1.0)] * 2
+    p = 0.1
+    for sharing in (None, Sharing((1.0, 1.0))):
+        got = predict_step("gpipe", 2, 1, 1, unit, sharing, post=p)
+        assert got.total == pytest.approx(4 + 2 * p) and got.exposed_comm == pytest.approx(2 * p), got
+        assert predict_step("gpipe", 2, 1, 1, unit, sharing).total == pytest.approx(4.0)
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        stages = [StageTimes(1.0, 2.0, 0.8 if name.startswith("zb") else 0.0, send=0.05)] * (2 * v)
+        base, posted = (predict_step(name, 2, 4, v, stages, post=q).total for q in (0.0, p))
+        assert base < posted <= base + p * 4 * 2 * v * 2 + 1e-9          # at most every group of a rank
+        assert lower_bound(name, 2, 4, v, stages) <= posted

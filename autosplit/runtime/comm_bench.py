@@ -13,6 +13,11 @@ Terms:
                all_gather, the input of a reduce_scatter.
   timing    -- per (kind, n, nbytes): a barrier over the world, one warm-up, then ``reps`` calls back
                to back, each waited through the Watchdog; a rank's time is the mean per call.
+  post      -- (CPU only) host seconds to post one pipeline transfer group through the runtime's own
+               transport (p2p.make_transport): every rank posts a send to the next rank and a receive
+               from the previous one, all at once as a pipeline's ranks do, and times only the posting
+               call; the median of ``POST_REPS``.  On a GPU the host posts while the device computes,
+               so it costs the step nothing and is not measured.
 Ordering (NCCL's rule): every rank runs the same loop in the same order: each group creation, each
 barrier and each collective of its own group; pairs for send_recv are fixed by rank parity.
 """
@@ -24,9 +29,11 @@ import torch
 import torch.distributed as dist
 
 from autosplit.runtime import tp_collectives as T
+from autosplit.runtime.p2p import make_transport
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+POST_BYTES, POST_REPS = 64 << 10, 21
 
 
 def group_sizes(world_size: int) -> list[int]:
@@ -67,6 +74,24 @@ def _ping_pong(world, watchdog, nbytes: int):
     return call
 
 
+def measure_post(world, watchdog, nbytes: int = POST_BYTES, reps: int = POST_REPS) -> float:
+    """Median host seconds of posting one ring group (a send and a receive) with the runtime's transport."""
+    transport = make_transport(world.backend, None)          # None: the default group, every rank
+    nxt, prev = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    out, into = torch.ones(max(1, nbytes // 4), device=world.device), torch.empty(max(1, nbytes // 4),
+                                                                                  device=world.device)
+    times = []
+    try:
+        for _ in range(reps + 1):                            # the first is a warm-up
+            t0 = time.perf_counter()
+            posted = transport.post([("send", out, nxt, 0), ("recv", into, prev, 0)], "profile measurement post")
+            times.append(time.perf_counter() - t0)
+            posted.wait(watchdog)
+    finally:
+        transport.close()
+    return sorted(times[1:])[reps // 2]
+
+
 def _timed(fn, reps: int) -> float:
     fn()                                  # warm-up
     t0 = time.perf_counter()
@@ -103,4 +128,7 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
         call = _ping_pong(world, watchdog, nbytes)
         world_barrier(world, watchdog)
         out.append(("send_recv", 2, nbytes, _timed(call, reps) / 2))
+    if world.device.type == "cpu" and world.size > 1:
+        world_barrier(world, watchdog)
+        out.append(("post", 2, POST_BYTES, measure_post(world, watchdog)))
     return out

@@ -3,7 +3,8 @@
 Terms:
   measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py),
                ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
-               cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py).  On a GPU the
+               cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py) and ``p2p_post``
+               (comm_bench.py's *post*: the slowest rank's).  On a GPU the
                compute numbers stay the datasheet's (the built-in profile) and only the communication
                is measured.
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
@@ -34,7 +35,7 @@ from autosplit.cost_model import calibrate, profile_cache, profile_for_gpu
 from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
 from autosplit.host_memory import keep_freed_host_memory
-from autosplit.runtime.comm_bench import measure_comm, world_barrier
+from autosplit.runtime.comm_bench import POST_BYTES, measure_comm, world_barrier
 from autosplit.runtime.sharing_bench import measure_sharing
 
 _CALLS = [0]
@@ -88,6 +89,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
 def _build(world, base, compute, slowest: dict, sharing):
     """The profile from rank 0's compute fits and the slowest rank's collective times."""
     samples: dict = {}
+    post = slowest.pop(("post", 2, POST_BYTES), 0.0)
     for (kind, n, nbytes), seconds in slowest.items():
         samples.setdefault(comm_key(kind, n), []).append((nbytes, seconds))
     comm = {k: fit_alpha_beta(v) for k, v in samples.items()}
@@ -99,7 +101,7 @@ def _build(world, base, compute, slowest: dict, sharing):
         name = f"cpu (measured: {profile_cache.machine_key('cpu')['processor']}, {torch.get_num_threads()} " \
                f"threads x {local_ranks(world)} ranks)"
     link = {} if p2p is None or not p2p[1] else {"link_latency": p2p[0], "link_bandwidth": 1 / p2p[1]}
-    return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, **link)
+    return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, p2p_post=post, **link)
 
 
 def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:

@@ -133,8 +133,6 @@ class ParallelModule:
         on leaving the block.  After a failed step (a RankFailure) the ranks do not meet first."""
         if self._closed:
             return
-        self._closed = True
-        _OPEN.discard(self)
         try:
             self.watchdog.check("close")
             # Every rank must be done with the groups before any rank destroys them: an operation a
@@ -143,12 +141,21 @@ class ParallelModule:
         except RankFailure:          # the job has failed already and said so: release without meeting
             pass
         finally:
-            self.planner.close()
-            self.watchdog.close()
-            if getattr(self, "_dcp_group", None) is not None:     # runtime/checkpoint.py's
-                dist.destroy_process_group(self._dcp_group)
-                self._dcp_group = None
-            self.world.close()
+            self.release()
+
+    def release(self) -> None:
+        """``close`` without meeting the other ranks: for a caller that knows every rank is done with
+        this module's groups (e.g. each has returned from a call that waits for the others)."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        self.planner.close()
+        self.watchdog.close()
+        if getattr(self, "_dcp_group", None) is not None:     # runtime/checkpoint.py's
+            dist.destroy_process_group(self._dcp_group)
+            self._dcp_group = None
+        self.world.close()
 
     def __enter__(self) -> "ParallelModule":
         return self

@@ -11,7 +11,7 @@ Terms:
   memory  -- per stage exactly as compile's StageInfo.memory_bytes (SegmentCosts.memory with the dp state
              of cost_model/sharding.py); per rank the sum over the stages it holds.
   price   -- ``cost_model.step_time.predict_step`` of the stage times, with the profile's core sharing for
-             tp * dp processes per pipeline rank: what ``plan.summary()`` shows.
+             tp * dp processes per pipeline rank and its posting cost: what ``plan.summary()`` shows.
 """
 from __future__ import annotations
 
@@ -182,5 +182,6 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
     if budget is not None and rank_memory > budget:
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
-    return (predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp)), rank_memory,
-            bounds)
+    price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
+                         get_profile(group.profile).p2p_post)
+    return price, rank_memory, bounds
