@@ -246,6 +246,11 @@ def fitted(profiles: dict, vit: dict, fit: bool) -> dict:
     return out
 
 
+def _described(profile) -> str:
+    sharing = "/".join(f"{x:.2f}" for x in profile.sharing) if profile.sharing else "none"
+    return f"{profile.name}; sharing {sharing}; posting {profile.p2p_post * 1e3:.2f} ms per transfer group"
+
+
 def table(rows: dict) -> tuple[str, float, float]:
     lines = ["| configuration | ranks | measured ms | predicted ms | error | parts: compute / bubble / exposed comm / dp ms "
              "| unfitted profile ms (error) | quick profile ms (error) |", "|---|---|---|---|---|---|---|---|"]
@@ -311,7 +316,8 @@ def main() -> None:
         f"{args.warmup} warm-up steps, "
         f"{time.time() - t0:.0f} s; 1-minute load {load_before:.1f} before timing, {load_after:.1f} after, "
         f"up to the number of ranks of its own). Model: timm ViT (32 px, patch 4, width 192, depth 6, 6 heads), "
-        f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {p.name}" for w, (p, _) in profiles.items()) + ".",
+        f"fp32, global batch {BATCH}. Profiles: " + "; ".join(f"{w} ranks: {_described(p)}" for w, (p, _) in profiles.items())
+        + ".",
         *parts, "", END, ""])
     write_section(REPO / args.out, section, START, END)
 
