@@ -22,6 +22,8 @@ order below meets them:
     AssignStages              meta['stage']                                       passes/assign_stages.py
     SplitStages               one GraphModule per stage, state.split              passes/split_stages.py
     BuildStageInfos           state.stage_infos (the stage table)                 passes/stage_infos.py
+    [OverlapTensorParallel]   tp_overlap_chunks > 1: forward all-reduces overlap  passes/tp_overlap.py
+                              row chunks' compute (rewrites the stage modules)
 
 ``compile`` checks the options (options.py), runs the passes and puts their results into a Plan.
 Nothing here allocates a weight: parameters may live on the meta device.
@@ -50,6 +52,7 @@ from autosplit.passes.split_stages import SplitStages
 from autosplit.passes.stage_bounds import ChooseStageBounds
 from autosplit.passes.stage_infos import BuildStageInfos
 from autosplit.passes.tensor_parallel import TensorParallel
+from autosplit.passes.tp_overlap import OverlapTensorParallel
 from autosplit.passes.trace_model import TraceModel
 from autosplit.plan import Plan
 
@@ -65,9 +68,12 @@ def plan_passes(state: PlanState) -> list[MetaPass]:
         passes.append(ExampleShapeProp(state.inputs))          # the local shapes of tp rank 0
     if opts.autocast is not None:
         passes.append(AutocastDtypeProp(state.inputs, opts.autocast, state.profile.device_type))
-    return passes + [SimulateSchedule(state), AnnotateCosts(state), FindCuts(state), CostSegments(state),
-                     ChooseStageBounds(state), AssignStages(state), SplitStages(state.n_stages, state),
-                     BuildStageInfos(state)]
+    passes += [SimulateSchedule(state), AnnotateCosts(state), FindCuts(state), CostSegments(state),
+               ChooseStageBounds(state), AssignStages(state), SplitStages(state.n_stages, state),
+               BuildStageInfos(state)]
+    if state.mesh.tp > 1 and opts.tp_overlap_chunks > 1:
+        passes.append(OverlapTensorParallel(state))
+    return passes
 
 
 def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str = "1d",
@@ -76,7 +82,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
             sequence_parallel: bool = False, autocast: torch.dtype | None = None,
             checkpoint: str | None = None, tp_2d_form: str = "auto", dp_shard: bool | str = False,
-            options: PlanOptions | None = None) -> Plan:
+            tp_overlap_chunks: int = 1, options: PlanOptions | None = None) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
@@ -87,7 +93,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             fields.  Every other argument is a ``PlanOptions`` field, documented there
             (tp_mode, schedule, chunks_per_rank, num_microbatches, device, memory_budget,
             leaf_modules, concrete_args, stage_bounds, sequence_parallel, autocast, checkpoint,
-            tp_2d_form, dp_shard).
+            tp_2d_form, dp_shard, tp_overlap_chunks).
     Returns:
         the Plan: stage table (``plan.summary()``), per-rank modules, ``plan.dump(directory)``.
     """
@@ -95,7 +101,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                   num_microbatches=num_microbatches, device=device, memory_budget=memory_budget,
                   leaf_modules=leaf_modules, concrete_args=concrete_args, stage_bounds=stage_bounds,
                   sequence_parallel=sequence_parallel, autocast=autocast, checkpoint=checkpoint,
-                  tp_2d_form=tp_2d_form, dp_shard=dp_shard)
+                  tp_2d_form=tp_2d_form, dp_shard=dp_shard, tp_overlap_chunks=tp_overlap_chunks)
     changed = _DEFAULTS.changed(values)
     return compile_with(model, mesh, example_input, PlanOptions.from_kwargs("compile", changed, options))
 

@@ -70,6 +70,10 @@ class PlanOptions:
             or "auto" (whichever the cost model prices lower, per layer).
         dp_shard: False (replicated dp), "stage" or "layer" (FSDP2 units over dp), or True: "stage"
             where it fits ``memory_budget``, else "layer".
+        tp_overlap_chunks: with tp > 1, split the rows of each stretch of row-wise ops around a
+            forward all-reduce into this many chunks, so that one chunk's all-reduce runs while
+            another chunk computes (passes/tp_overlap.py); 1: off.  Where the graph has no forward
+            all-reduce (sequence parallelism reduce-scatters; 2D) nothing changes.
     """
 
     tp_mode: str = "1d"
@@ -86,6 +90,7 @@ class PlanOptions:
     checkpoint: str | None = None
     tp_2d_form: str = "auto"
     dp_shard: bool | str = False
+    tp_overlap_chunks: int = 1
 
     @classmethod
     def names(cls) -> list[str]:
@@ -150,6 +155,7 @@ class PlanOptions:
             raise AutosplitError(f"sequence_parallel={self.sequence_parallel!r}: expected True or False")
         validate.one_of("tp_2d_form", self.tp_2d_form, TP_2D_FORMS)
         check_dp_shard(self.dp_shard)
+        validate.positive_int("tp_overlap_chunks", self.tp_overlap_chunks)
         if self.schedule in SPLIT_BACKWARD and self.dp_shard:
             raise AutosplitError(
                 f"schedule={self.schedule!r} with dp_shard={self.dp_shard!r}: FSDP2 reduce-scatters a module's "

@@ -24,7 +24,8 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 init_fn: Callable | None = None, device=None, memory_budget: float | str | None = None,
                 leaf_modules: Sequence = (), concrete_args: dict | None = None,
                 stage_bounds: Sequence[int] | None = None, sequence_parallel: bool = False,
-                tp_2d_form: str = "auto", global_batch: int | None = None, options: PlanOptions | None = None,
+                tp_2d_form: str = "auto", tp_overlap_chunks: int = 1, global_batch: int | None = None,
+                options: PlanOptions | None = None,
                 **unknown) -> ParallelModule:
     """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
 
@@ -51,13 +52,15 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
         num_microbatches, schedule, chunks_per_rank, tp_mode, autocast (torch.bfloat16, or torch.float16
         with a loss scaler), checkpoint ("stage" / "block"), dp_shard (FSDP2 over dp: "stage", "layer"
         or True), device (None: the GPU's built-in profile, or on CPU this machine measured by rank 0),
-        memory_budget, leaf_modules, concrete_args, stage_bounds, sequence_parallel, tp_2d_form.
+        memory_budget, leaf_modules, concrete_args, stage_bounds, sequence_parallel, tp_2d_form,
+        tp_overlap_chunks.
         Any other keyword is refused with the list of valid ones.
     """
     given = dict(num_microbatches=num_microbatches, schedule=schedule, chunks_per_rank=chunks_per_rank,
                  tp_mode=tp_mode, autocast=autocast, checkpoint=checkpoint, dp_shard=dp_shard, device=device,
                  memory_budget=memory_budget, leaf_modules=leaf_modules, concrete_args=concrete_args,
-                 stage_bounds=stage_bounds, sequence_parallel=sequence_parallel, tp_2d_form=tp_2d_form)
+                 stage_bounds=stage_bounds, sequence_parallel=sequence_parallel, tp_2d_form=tp_2d_form,
+                 tp_overlap_chunks=tp_overlap_chunks)
     plan_options = _options(given, options, unknown)
     if isinstance(mesh, str) and mesh == "auto":      # every rank runs the same pure search (auto_mesh.py)
         fixed = {k: getattr(plan_options, k) for k in ("device", "memory_budget", "leaf_modules", "concrete_args")}

@@ -12,6 +12,9 @@ means and installs this module as their backend; every wait goes through the Wat
               the collectives keep one order on every rank of the group (NCCL-safe); the GEMMs in
               between communicate nothing.  ``OVERLAP_BACKWARD = False`` (before building the
               ParallelModule) keeps the fused backward, for measuring what the overlap hides.
+  in flight -- ``all_reduce_start`` launches and returns its tensor; ``wait`` finds the launch by that
+              tensor's identity (``_IN_FLIGHT``) and waits through the Watchdog.  Both are graph nodes
+              (passes/tp_overlap.py), so every rank launches and waits in one order.
   EXPOSED  -- seconds the calling thread spent waiting in tp collectives: ``EXPOSED["input_grad"]``
               for the entries' input-gradient collectives (the ones the overlap hides), ``"other"``
               for the rest: the communication nothing hid.
@@ -30,6 +33,7 @@ from autosplit.tp.ops import pad, shard
 from autosplit.weight_grad import DEFERRED
 
 _GROUPS: dict[str, object] = {}
+_IN_FLIGHT: dict[int, tuple] = {}     # id(tensor) -> (tensor, work, what): launched, not yet waited
 _WATCHDOG = [None]
 COUNTS: Counter = Counter()
 EXPOSED: Counter = Counter()
@@ -145,6 +149,38 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
+class _AllReduceStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        COUNTS[("all_reduce", "fwd")] += 1
+        out = x.contiguous()              # reduced in place, as _all_reduce does (the caller owns x)
+        work = dist.all_reduce(out, group=_group(axis), async_op=True)
+        _IN_FLIGHT[id(out)] = (out, work, f"all_reduce over {axis}")
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        COUNTS[("all_reduce", "bwd")] += 1
+        return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        entry = _IN_FLIGHT.pop(id(x), None)
+        if entry is None or entry[0] is not x:
+            raise RuntimeError("tp wait: this tensor has no all_reduce_start in flight (the graph must wait on "
+                               "the tensor all_reduce_start returned, once)")
+        _wait(entry[1], entry[2])
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, axis, full):
@@ -215,6 +251,8 @@ class _Backend:
 
     copy_to_axis = staticmethod(_Copy.apply)
     all_reduce = staticmethod(_AllReduce.apply)
+    all_reduce_start = staticmethod(_AllReduceStart.apply)
+    wait = staticmethod(_Wait.apply)
     all_gather = staticmethod(_AllGather.apply)
     gather = staticmethod(_Gather.apply)
     reduce_scatter = staticmethod(_ReduceScatter.apply)

@@ -5,6 +5,9 @@ Terms:
   copy    -- Megatron's "f": identity forward, all-reduce of the gradient backward.  Placed where a
              replicated activation feeds column-parallel layers.
   all_reduce -- Megatron's "g": sum of partial results forward, identity backward.
+  all_reduce_start / wait -- the same all-reduce in two nodes: launched, and waited where its result
+             is first read, so that compute placed between them overlaps it (passes/tp_overlap.py).
+             ``wait`` takes the very tensor ``all_reduce_start`` returned.
   all_gather / reduce_scatter / local_slice -- along a tensor dim (the token dim in sequence
              parallelism); each one's backward is another of them.  ``all_gather`` feeds
              column-parallel layers, whose input gradients are partial sums (so its backward
@@ -84,6 +87,16 @@ def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return x.clone() if _planning(x) else _backend().all_reduce(x, axis)
 
 
+def all_reduce_start(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """``all_reduce`` launched but not waited: read the result only through ``wait``."""
+    return x.clone() if _planning(x) else _backend().all_reduce_start(x, axis)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """The result of the ``all_reduce_start`` that returned ``x``, once it has arrived."""
+    return x if _planning(x) else _backend().wait(x)
+
+
 def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
     """Shard(dim) over n ranks -> replicated, ``full`` long: all-gather forward, reduce-scatter backward."""
     if _planning(x):
@@ -140,6 +153,7 @@ def layer_norm_2d(x: torch.Tensor, features: int, weight, bias, eps: float, axis
 
 # What each costs, forward and backward, for the cost model (which reads ``comm_kind``).
 for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_reduce", None)),
+                   (all_reduce_start, ("all_reduce", None)), (wait, (None, None)),
                    (all_gather, ("all_gather", "reduce_scatter")), (reduce_scatter, ("reduce_scatter", "all_gather")),
                    (local_slice, (None, "all_gather")), (gather, ("all_gather", None)),
                    (sum_stats, ("all_reduce", "all_reduce"))):
