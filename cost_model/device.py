@@ -21,6 +21,10 @@ Terms:
   p2p post        -- host seconds to post one group of pipeline transfers (runtime/comm_bench.py): on a
                      CPU the host that posts is the one that computes, so the step predictor puts it on
                      the rank's timeline; 0 where the host posts while a device computes (GPUs).
+  p2p wake        -- extra seconds a transfer takes to reach a rank that waits for it while the host's other
+                     ranks compute (runtime/sharing_bench.py's *wake*: the waiting rank must win a core
+                     back); the step predictor adds it to such a rank's next compute.  0 on GPUs and
+                     with fewer than 3 ranks per host.
   measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
                      size) fits from a measured profile (measured.py); without them the roofline and
                      the link's alpha-beta price everything, as for the datasheet GPUs.
@@ -63,6 +67,8 @@ class DeviceProfile:
     comm: dict | None = None      # measured: "kind/n" -> (alpha s, beta s/B) (measured.py); None: link alpha-beta
     sharing: tuple | None = None  # measured: slowdown with n processes computing on one host, index n-1; None: unshared
     p2p_post: float = 0.0         # measured (CPU): host seconds per posted transfer group; 0: overlapped (GPUs)
+    p2p_wake: float = 0.0         # measured (CPU, > 2 ranks per host): extra seconds a transfer takes to reach a
+                                  # waiting rank while the host's other ranks compute; 0: not measured / not shared
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

@@ -31,6 +31,11 @@ Terms:
                 holds ``len(slowdown)`` consecutive ranks.  Only compute is shared: tp collectives,
                 transfers and dp sync take their own time.  With sharing the timed run is event-driven
                 (a compute's end depends on what else runs meanwhile); without it, a topological pass.
+  wake       -- (with sharing) a compute that waited for its input's transfer (the transfer's end is the
+                last thing it waited for) starts ``wake`` later (``DeviceProfile.p2p_wake``) if, when the
+                data arrives, at least as many of the host's other processes compute as did while it was
+                measured (all but the two relaying: the host's processes - 2): the rank must win a core
+                back (runtime/sharing_bench.py *wake*).  Part of the transfers' exposed time.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
                 stretched by sharing),
@@ -92,6 +97,7 @@ class _Node:
     deps: tuple[int, ...]     # node indices whose values it waits for
     action: object = None     # the compute (kind "compute")
     transfers: tuple = ()     # kind "done": ((peer active node, boundary stage), ...)
+    feed: int = -1            # kind "compute": the "done" node of the group bringing its input, or -1
 
 
 @functools.lru_cache(maxsize=256)
@@ -116,12 +122,12 @@ def _structure(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> t
             if isinstance(item, Group):
                 deps = [last_compute] if last_compute is not None else []
                 if posts:
-                    specs[("p", (r, g))] = (r, [last_host] if last_host is not None else [], None, ())
+                    specs[("p", (r, g))] = (r, [last_host] if last_host is not None else [], None, (), None)
                     last_host = ("p", (r, g))
                     deps.append(last_host)
                 if g:
                     deps.append(("d", (r, g - 1)))
-                specs[("a", (r, g))] = (r, deps, None, ())
+                specs[("a", (r, g))] = (r, deps, None, (), None)
                 transfers = []
                 for a in item.actions:
                     peer = a.matching()
@@ -130,24 +136,25 @@ def _structure(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> t
                     # SEND_B / RECV_F of stage s+1 all carry stage s's output (or its gradient)
                     boundary = min(a.stage, a.peer_stage)
                     transfers.append((("a", table[peer]), boundary))
-                specs[("d", (r, g))] = (r, [("a", (r, g))] + [t[0] for t in transfers], None, tuple(transfers))
+                specs[("d", (r, g))] = (r, [("a", (r, g))] + [t[0] for t in transfers], None, tuple(transfers), None)
                 g += 1
             else:
                 deps = [last_host] if last_host is not None else []
                 deps += [("c", d) for d in dependencies(item, S)]
                 feed = _feed(item)
-                if feed is not None and feed in recv_group:
-                    deps.append(("d", recv_group[feed]))
-                specs[("c", item)] = (r, deps, item, ())
+                fed = ("d", recv_group[feed]) if feed is not None and feed in recv_group else None
+                if fed is not None:
+                    deps.append(fed)
+                specs[("c", item)] = (r, deps, item, (), fed)
                 last_compute = last_host = ("c", item)
     order = _topological(specs)
     index = {key: k for k, key in enumerate(order)}
     nodes = []
     for key in order:
-        r, deps, action, transfers = specs[key]
+        r, deps, action, transfers, fed = specs[key]
         kind = {"c": "compute", "p": "posted", "a": "active", "d": "done"}[key[0]]
         nodes.append(_Node(kind, r, tuple(index[d] for d in deps), action,
-                           tuple((index[t], b) for t, b in transfers)))
+                           tuple((index[t], b) for t, b in transfers), index[fed] if fed is not None else -1))
     return nodes, [place.rank(s) for s in range(S)], S
 
 
@@ -163,7 +170,7 @@ def _topological(specs: dict[tuple, tuple]) -> list[tuple]:
     the simulator accepted)."""
     users: dict[tuple, list[tuple]] = {k: [] for k in specs}
     missing = {}
-    for k, (_, deps, _, _) in specs.items():
+    for k, (_, deps, *_) in specs.items():
         missing[k] = len(deps)
         for d in deps:
             users[d].append(k)
@@ -213,13 +220,14 @@ def _instant(n: _Node, value: list, stages, p2p: bool, post: float) -> float:
 
 
 def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing",
-                post: float = 0.0):
+                post: float = 0.0, wake: float = 0.0):
     """The timed run with processor sharing (see *sharing*): (values, per rank seconds spent computing).
 
     Events in time order: a compute whose dependencies have ended is *ready* at the latest of their
     ends; from then its compute part runs at the host's current rate, which changes whenever a compute
     on that host starts or finishes its compute part; its tp part follows at full duration.  Groups'
-    values are the same formulas as in ``_run`` once their dependencies are known."""
+    values are the same formulas as in ``_run`` once their dependencies are known.  A compute that
+    waited for its transfer is delayed by ``wake`` once, when it would start (see *wake*)."""
     n_nodes = len(nodes)
     value: list = [None] * n_nodes
     missing = [len(n.deps) for n in nodes]
@@ -231,6 +239,7 @@ def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sha
     tails: list = []                     # heap of (end time, node): computes in their tp part
     running: dict[int, list] = {}        # rank -> [node, compute seconds left (unshared)]
     busy = [0.0] * (max(n.rank for n in nodes) + 1)
+    woken: set[int] = set()              # computes already delayed by ``wake``
 
     def resolve(k: int, t: float) -> None:
         stack = [(k, t)]
@@ -275,9 +284,21 @@ def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sha
         while ready and ready[0][0] <= now:
             _, k = heapq.heappop(ready)
             n = nodes[k]
+            if wake and p2p and k not in woken and _waited_for_transfer(n, value) \
+                    and sharing.busy_others(running, n.rank) >= sharing.wake_busy():
+                woken.add(k)
+                heapq.heappush(ready, (now + wake, k))
+                continue
             t = stages[n.action.stage]
             running[n.rank] = [k, _duration(n.action, t) - _tp_part(n.action, t)]
     return value, busy
+
+
+def _waited_for_transfer(n: _Node, value: list) -> bool:
+    """Did compute ``n`` wait for its input's transfer (its group ended after everything else it waited for)?"""
+    if n.feed < 0:
+        return False
+    return value[n.feed] > max((value[d] for d in n.deps if d != n.feed), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -298,6 +319,17 @@ class Sharing:
             n = min(per_host, active[r // ranks_per_host] * self.group)
             out[r] = self.slowdown[n - 1]
         return out
+
+    def busy_others(self, running, rank: int) -> int:
+        """Processes computing on pipeline rank ``rank``'s host, not counting its own group."""
+        ranks_per_host = max(1, len(self.slowdown) // self.group)
+        host = rank // ranks_per_host
+        return sum(self.group for r in running if r != rank and r // ranks_per_host == host)
+
+    def wake_busy(self) -> int:
+        """How many other processes computing make a waiting rank pay ``wake``: as measured, the host's
+        processes but the two relaying (see *wake*)."""
+        return max(1, len(self.slowdown) - 2)
 
 
 def sharing_of(profile, group: int) -> "Sharing | None":
@@ -328,7 +360,8 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
-                 stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0) -> StepPrediction:
+                 stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0,
+                 wake: float = 0.0) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -337,6 +370,8 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         stages: one StageTimes per global stage, in stage order.
         sharing: how ranks share a host's cores (``sharing_of(profile, tp * dp)``); None: not shared.
         post: host seconds per posted transfer group (``profile.p2p_post``; see *post*).
+        wake: seconds a waiting rank pays to get a core back on a busy host (``profile.p2p_wake``; see
+            *wake*; only with ``sharing``).
     """
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
@@ -346,7 +381,7 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         timed = _run(nodes, stages, p2p=True, post=post)
         free = _run(nodes, stages, p2p=False)
     else:   # the free run: transfers and posting cost nothing
-        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post) for p2p in (True, False))
+        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post, wake) for p2p in (True, False))
     ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     for k, n in enumerate(nodes):
         if n.kind == "compute":
@@ -400,7 +435,7 @@ def predict_plan(plan, device=None) -> StepPrediction:
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
     return predict_step(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
                         plan_stage_times(plan, profile), sharing_of(profile, plan.mesh.tp * plan.mesh.dp),
-                        profile.p2p_post)
+                        profile.p2p_post, profile.p2p_wake)
 
 
 def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
@@ -411,7 +446,7 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
       its computes run one after another (m forwards and backwards of each of its stages);
       without a split backward its last compute is a backward of a stage >= l, and that microbatch's
       backwards of stages < l all follow it.
-    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers,
+    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers (and wake),
     posting and dp sync only add, and so does sharing (a slowdown is at least 1).  With equal stages and 1F1B
     this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)

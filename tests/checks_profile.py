@@ -26,3 +26,13 @@ def measured_then_cached(directory: str) -> dict:
     os.environ.pop("AUTOSPLIT_PROFILE_DIR")
     return {"profile": profile_cache.to_dict(profile), "planned_with": pm.profile.name,
             "same_stream": same_stream, "fwd": [s.fwd_time for s in pm.plan.stages]}
+
+
+def wake_measured() -> float:
+    """sharing_bench.measure_wake in this live world (every rank gets the host's figure)."""
+    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.sharing_bench import measure_wake
+    from autosplit.runtime.world import init_world
+    world = init_world((1, 1, -1))
+    watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
+    return measure_wake(world, watchdog, world.size, trips=20)

@@ -82,6 +82,12 @@ def test_plan_and_prediction_use_the_measured_profile():
     assert pred.total >= pred.compute > 0
 
 
+def test_wake_is_measured_with_more_than_two_ranks_per_host(pool4):
+    """4 ranks: two relay while two compute; every rank returns the host's one figure (seconds, small)."""
+    values = pool4.run(checks_profile.wake_measured)
+    assert len(set(values)) == 1 and 0.0 <= values[0] < 0.05, values
+
+
 def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     a, b = pool2.run(checks_profile.measured_then_cached, str(tmp_path))
     assert a["profile"] == b["profile"]                                     # one profile on every rank
@@ -92,6 +98,7 @@ def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     assert len(p["sharing"]) == 2 and p["sharing"][0] == 1.0 <= p["sharing"][1]   # 2 ranks on this host
     assert 0 < p["p2p_post"] < 0.05           # host seconds to post a transfer group: measured, and small
     assert "post/2" not in p["comm"]
+    assert p["p2p_wake"] == 0.0               # 2 ranks: no other rank to compute while they relay
     assert a["planned_with"] == b["planned_with"] == p["name"]             # parallelize found the cached one
     assert a["fwd"] == b["fwd"] and a["same_stream"] and b["same_stream"]
     assert list(tmp_path.glob("*-2r-*.json"))

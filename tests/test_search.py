@@ -58,7 +58,8 @@ def _measured_cpu():
     posting cost per transfer group."""
     import dataclasses
     from tests.test_measured_profile import CPU
-    return dataclasses.replace(CPU, sharing=(1.0, 1.2, 1.6, 2.1, 2.5, 3.0, 3.4, 3.9), p2p_post=4e-4)
+    return dataclasses.replace(CPU, sharing=(1.0, 1.2, 1.6, 2.1, 2.5, 3.0, 3.4, 3.9), p2p_post=4e-4,
+                               p2p_wake=3e-4)
 
 
 @pytest.mark.parametrize("world,budget,measured", [(4, None, False), (8, 400_000, False), (4, None, True)])

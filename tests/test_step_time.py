@@ -139,3 +139,26 @@ def test_posting_a_group_takes_host_time_before_the_next_compute():
         base, posted = (predict_step(name, 2, 4, v, stages, post=q).total for q in (0.0, p))
         assert base < posted <= base + p * 4 * 2 * v * 2 + 1e-9          # at most every group of a rank
         assert lower_bound(name, 2, 4, v, stages) <= posted
+
+
+def test_wake_delays_only_a_rank_that_waited_on_a_busy_host():
+    """``wake`` (a waiting rank winning a core back) delays a compute whose last wait was its transfer, and
+    only while at least host processes - 2 others compute (as measured); it counts as exposed transfer."""
+    from autosplit.cost_model.step_time import Sharing, lower_bound
+    unit = [StageTimes(1.0, 1.0)] * 3
+    # gpipe, one microbatch: one rank computes at a time, so nobody else is busy when data arrives
+    assert predict_step("gpipe", 3, 1, 1, unit, Sharing((1.0,) * 3), wake=0.5).total == pytest.approx(6.0)
+    # two ranks on a 4-process host: never 2 others computing, so never a wake
+    two = [StageTimes(1.0, 2.0, send=0.01)] * 2
+    assert predict_step("1f1b", 2, 8, 1, two, Sharing((1.0,) * 4), wake=0.5).total == \
+        pytest.approx(predict_step("1f1b", 2, 8, 1, two, Sharing((1.0,) * 4)).total)
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        stages = [StageTimes(1.0, 2.0, 0.8 if name.startswith("zb") else 0.0, send=0.01)] * (4 * v)
+        # a flat host (no slowdown): delays only add, at most once per compute fed by a transfer
+        base, woken = (predict_step(name, 4, 8, v, stages, Sharing((1.0,) * 4), wake=w) for w in (0.0, 0.05))
+        assert base.total < woken.total <= base.total + 0.05 * 2 * 8 * 4 * v, name
+        assert woken.exposed_comm > base.exposed_comm
+        # with a slowdown a delayed rank also frees the others' cores, so the total need not grow
+        shared = predict_step(name, 4, 8, v, stages, Sharing((1.0, 1.2, 1.6, 2.2)), wake=0.05)
+        assert lower_bound(name, 4, 8, v, stages) <= shared.total
+        assert shared.total == pytest.approx(shared.compute + shared.bubble + shared.exposed_comm + shared.dp_comm)

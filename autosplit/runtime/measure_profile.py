@@ -4,7 +4,8 @@ Terms:
   measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py),
                ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
                cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py) and ``p2p_post``
-               (comm_bench.py's *post*: the slowest rank's).  On a GPU the
+               (comm_bench.py's *post*: the slowest rank's) and ``p2p_wake`` (sharing_bench.py's
+               *wake*: rank 0's host's).  On a GPU the
                compute numbers stay the datasheet's (the built-in profile) and only the communication
                is measured.
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
@@ -36,7 +37,7 @@ from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
 from autosplit.host_memory import keep_freed_host_memory
 from autosplit.runtime.comm_bench import POST_BYTES, measure_comm, world_barrier
-from autosplit.runtime.sharing_bench import measure_sharing
+from autosplit.runtime.sharing_bench import measure_sharing, measure_wake
 
 _CALLS = [0]
 
@@ -57,6 +58,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     """
     cuda = world.device.type == "cuda"
     compute = base = sharing = None
+    wake = 0.0
     if not cuda:
         keep_freed_host_memory()                 # measure under the malloc settings training runs with
         world_barrier(world, watchdog)
@@ -66,6 +68,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
                 base = calibrate(seconds=0.5, link=False)
         world_barrier(world, watchdog)
         sharing = measure_sharing(world, watchdog, local_ranks(world))
+        wake = measure_wake(world, watchdog, local_ranks(world))
     comm = measure_comm(world, watchdog)
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
@@ -77,7 +80,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         for k in keys:
             for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
                 slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
-        profile = _build(world, base, compute, slowest, sharing)
+        profile = _build(world, base, compute, slowest, sharing, wake)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
             profile_cache.save(profile_cache.machine_key(world.device, local_ranks(world)), profile)
@@ -86,7 +89,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     return pickle.loads(world.store.get(f"{key}profile"))
 
 
-def _build(world, base, compute, slowest: dict, sharing):
+def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0):
     """The profile from rank 0's compute fits and the slowest rank's collective times."""
     samples: dict = {}
     post = slowest.pop(("post", 2, POST_BYTES), 0.0)
@@ -101,7 +104,8 @@ def _build(world, base, compute, slowest: dict, sharing):
         name = f"cpu (measured: {profile_cache.machine_key('cpu')['processor']}, {torch.get_num_threads()} " \
                f"threads x {local_ranks(world)} ranks)"
     link = {} if p2p is None or not p2p[1] else {"link_latency": p2p[0], "link_bandwidth": 1 / p2p[1]}
-    return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, p2p_post=post, **link)
+    return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, p2p_post=post,
+                               p2p_wake=wake, **link)
 
 
 def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:

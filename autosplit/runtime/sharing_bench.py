@@ -13,6 +13,16 @@ Terms:
   slowdown -- per level, the mean over its active ranks of their mean seconds per workload, divided by
               level 1's: the profile's ``sharing`` (cost_model/device.py), made non-decreasing and at
               least 1 (a level cannot be faster than fewer ranks; a smaller figure is noise).
+  wake     -- (``measure_wake``) extra seconds a pipeline transfer takes to reach a rank that waits for it
+              while the host's other local ranks all compute: local ranks 0 and 1 relay a stamp, each
+              computing one workload before it sends (as pipeline stages do), while local ranks 2..n-1
+              run the workload until the relay is done; one-way time = receive time - the sender's
+              stamp (``time.perf_counter``, CLOCK_MONOTONIC on Linux: one clock for the whole host).
+              The mean over the relay's transfers minus the same relay's mean with the others idle.
+              With more ranks than cores the waiting rank must win a core back from a computing one
+              before it can run: 0.4-1.1 ms per transfer on a 2-core host with 4 ranks, a tail of
+              several ms (measured while building this; a ping-pong of ranks that never compute
+              misses it: the scheduler favours a task that has slept).  Needs 3 or more local ranks.
 Every host measures its own ranks at the same time (hosts hold consecutive ranks, as torchrun starts
 them); the profile takes rank 0's host's.  Every wait is bounded by the Watchdog.
 Ordering (NCCL's rule): every rank runs the same barriers in the same order, active or not.
@@ -25,6 +35,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autosplit.runtime.comm_bench import world_barrier
@@ -88,3 +99,57 @@ def measure_sharing(world, watchdog, local_ranks: int, budget: float = 0.5) -> t
         level = statistics.fmean(r[n] for r in per_rank[:n]) / alone
         slowdown.append(max(slowdown[-1], level))
     return tuple(slowdown)
+
+
+def _relay(world, watchdog, local: int, peer: int, run, trips: int) -> list[float]:
+    """Local ranks 0 and 1 take turns: compute ``run`` once, stamp, send; the other receives and records
+    now - stamp.  Returns this rank's one-way times."""
+    stamp = torch.zeros(1, dtype=torch.float64)
+    times = []
+    for i in range(trips):
+        if i % 2 == local:
+            run()
+            stamp[0] = time.perf_counter()
+            watchdog.wait(dist.isend(stamp, peer), "profile measurement relay")
+        else:
+            watchdog.wait(dist.irecv(stamp, peer), "profile measurement relay")
+            times.append(time.perf_counter() - stamp[0].item())
+    return times
+
+
+def measure_wake(world, watchdog, local_ranks: int, trips: int = 60) -> float:
+    """Seconds a transfer to a waiting rank takes longer while every other local rank computes (see
+    *wake*); 0.0 with fewer than 3 local ranks (nobody else to compute).
+
+    Args:
+        world: the runtime World; every rank calls this together.
+        watchdog: bounds every wait.
+        local_ranks: processes of the job per host.
+        trips: transfers per relay (half of them received by each of the two relay ranks).
+    """
+    if local_ranks < 3:
+        return 0.0
+    local = int(os.environ.get("LOCAL_RANK", world.rank % local_ranks))
+    host = world.rank // local_ranks
+    first = host * local_ranks                     # world rank of the host's local rank 0
+    with torch.random.fork_rng(devices=[]):
+        run = _workload(world.device)
+    _CALLS[0] += 1
+    key = f"autosplit/wake/{_CALLS[0]}/{host}"
+    means = []
+    for busy in (False, True):
+        world_barrier(world, watchdog)             # why a barrier: the relay and the busy ranks start together
+        if local < 2:
+            times = _relay(world, watchdog, local, first + 1 - local, run, trips)
+            means.append(statistics.fmean(times))
+            if busy and local == 0:
+                world.store.set(f"{key}/done", b"1")
+        elif busy:                                 # compute until the relay is done (polled between workloads)
+            while not world.store.check([f"{key}/done"]):
+                run()
+    world_barrier(world, watchdog)
+    if local < 2:
+        world.store.set(f"{key}/{local}", pickle.dumps(means[1] - means[0]))
+    keys = [f"{key}/0", f"{key}/1"]
+    watchdog.until(lambda: world.store.check(keys), "waiting for the relay's wake measurement")
+    return max(0.0, statistics.fmean(pickle.loads(world.store.get(k)) for k in keys))

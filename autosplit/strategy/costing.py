@@ -182,6 +182,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
     if budget is not None and rank_memory > budget:
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
+    profile = get_profile(group.profile)
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
-                         get_profile(group.profile).p2p_post)
+                         profile.p2p_post, profile.p2p_wake)
     return price, rank_memory, bounds
