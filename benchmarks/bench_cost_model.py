@@ -248,7 +248,8 @@ def fitted(profiles: dict, vit: dict, fit: bool) -> dict:
 
 def _described(profile) -> str:
     sharing = "/".join(f"{x:.2f}" for x in profile.sharing) if profile.sharing else "none"
-    return f"{profile.name}; sharing {sharing}; posting {profile.p2p_post * 1e3:.2f} ms per transfer group"
+    return (f"{profile.name}; sharing {sharing}; posting {profile.p2p_post * 1e3:.2f} ms per transfer group; "
+            f"wake {profile.p2p_wake * 1e3:.2f} ms")
 
 
 def table(rows: dict) -> tuple[str, float, float]:

@@ -18,8 +18,13 @@ Terms:
                    the step is reported, naming the first unfinished work, before the host blocks.
     gloo Work   -- gloo's send/recv Work only completes inside ``wait()``, and a timed-out gloo
                    ``wait(timeout)`` marks the Work failed for good, so ``wait()`` runs on a helper
-                   thread while this thread polls the result.
-    Future      -- (the strict transport's groups) polled directly.
+                   thread and this thread waits for the helper's Future.
+    Future      -- (the strict transport's groups, the helper's) waited for on its condition variable,
+                   ``_CHECK_EVERY_S`` at a time, checking the store and the deadline in between: the
+                   waiting thread wakes the moment the Future is set, and sleeps otherwise.  Why not
+                   poll with sleeps: a poll notices completion up to a sleep late (1 ms at the longest)
+                   on every receive a pipeline waits for, and each poll wakes a rank that, on a CPU
+                   host with more ranks than cores, takes a core from a rank that computes.
   blame       -- a wait that times out or breaks (a peer's connection reset) asks the heartbeats
                  (heartbeat.py) which rank died, stalled or is part of a deadlock, and the published
                  message names that rank first, so the survivors do not report themselves.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 import torch.distributed as dist
 
@@ -120,7 +126,7 @@ class Watchdog:
         if handle is None:
             return
         if isinstance(handle, Future):
-            return self._until(handle.done, doing, lambda: handle.result())
+            return self._until(handle.done, doing, lambda: handle.result(), handle)
         if self.polled and not on_host:
             try:
                 handle.wait()                       # stream ordering only; returns at once
@@ -135,7 +141,7 @@ class Watchdog:
         if self._waiter is None:
             self._waiter = SerialThread("autosplit-wait")
         future = self._waiter.submit(handle.wait)
-        return self._until(future.done, doing, future.result)
+        return self._until(future.done, doing, future.result, future)
 
     def close(self) -> None:
         """End the waiting thread (a later wait starts a new one)."""
@@ -153,8 +159,9 @@ class Watchdog:
         """Poll ``done()`` (a store key, say) with the same deadline and failure checks as a wait."""
         self._until(done, doing, lambda: None)
 
-    def _until(self, done, doing: str, finish) -> None:
-        """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure."""
+    def _until(self, done, doing: str, finish, future: Future | None = None) -> None:
+        """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure.
+        With ``future`` (what ``done`` reports on), block on it between checks instead of sleeping."""
         before = self.beat.doing, self.beat.waiting
         self.beat.at(doing, waiting=True)
         start = time.monotonic()
@@ -168,6 +175,9 @@ class Watchdog:
                     raise self.fail(doing, TimeoutError(
                         f"no progress for {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"),
                         blame_others=True)
+            if future is not None:
+                wait_futures([future], timeout=max(0.0, next_check - time.monotonic()))
+                continue
             time.sleep(sleep)
             sleep = min(2 * sleep, _POLL_S[1])
         try:

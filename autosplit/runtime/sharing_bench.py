@@ -117,7 +117,7 @@ def _relay(world, watchdog, local: int, peer: int, run, trips: int) -> list[floa
     return times
 
 
-def measure_wake(world, watchdog, local_ranks: int, trips: int = 60) -> float:
+def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
     """Seconds a transfer to a waiting rank takes longer while every other local rank computes (see
     *wake*); 0.0 with fewer than 3 local ranks (nobody else to compute).
 
