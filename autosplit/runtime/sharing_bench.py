@@ -20,8 +20,8 @@ Terms:
               stamp (``time.perf_counter``, CLOCK_MONOTONIC on Linux: one clock for the whole host).
               The mean over the relay's transfers minus the same relay's mean with the others idle.
               With more ranks than cores the waiting rank must win a core back from a computing one
-              before it can run: 0.4-1.1 ms per transfer on a 2-core host with 4 ranks, a tail of
-              several ms (measured while building this; a ping-pong of ranks that never compute
+              before it can run: on a 2-core host with 4 ranks this gave 0.07-0.57 ms per transfer
+              (the mean moves with rare waits of several ms; a ping-pong of ranks that never compute
               misses it: the scheduler favours a task that has slept).  Needs 3 or more local ranks.
 Every host measures its own ranks at the same time (hosts hold consecutive ranks, as torchrun starts
 them); the profile takes rank 0's host's.  Every wait is bounded by the Watchdog.
@@ -137,6 +137,7 @@ def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
     _CALLS[0] += 1
     key = f"autosplit/wake/{_CALLS[0]}/{host}"
     means = []
+    trips += trips % 2                             # even: local rank 0 receives last, then says done
     for busy in (False, True):
         world_barrier(world, watchdog)             # why a barrier: the relay and the busy ranks start together
         if local < 2:
@@ -144,9 +145,14 @@ def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
             means.append(statistics.fmean(times))
             if busy and local == 0:
                 world.store.set(f"{key}/done", b"1")
-        elif busy:                                 # compute until the relay is done (polled between workloads)
+        elif busy:     # compute until the relay is done, watching for failures and the deadline as a wait does
+            deadline = time.monotonic() + world.timeout_s
             while not world.store.check([f"{key}/done"]):
                 run()
+                watchdog.check("profile measurement: computing beside the relay")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {world.rank}: the wake measurement's relay did not end within "
+                                       f"{world.timeout_s:g} s")
     world_barrier(world, watchdog)
     if local < 2:
         world.store.set(f"{key}/{local}", pickle.dumps(means[1] - means[0]))
