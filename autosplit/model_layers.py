@@ -53,6 +53,12 @@ def _within(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
 
 
+def layer_of(node: fx.Node, layers: Sequence[str]) -> str | None:
+    """The layer (one of ``layers``) that ``node``'s module path lies in, or None."""
+    path = node.meta.get("module_path", "")
+    return next((layer for layer in layers if _within(path, layer)), None)
+
+
 def _key(path: str, layers: Sequence[str]) -> tuple[str, str]:
     """(group, part): the layer a path lies in (else its top-level module), and the child within it."""
     for layer in layers:

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from autosplit.cost_model import collective_time, graph_time, p2p_time
+from autosplit.model_layers import layer_of
 from autosplit.passes.shape_prop import tensor_bytes
 
 OPTIMIZER_FACTOR = 4   # parameter + gradient + two Adam moments, all in the parameter's dtype
@@ -29,11 +30,6 @@ CHECKPOINTS = (None, "stage", "block")
 def comm_time(nodes: Sequence[fx.Node], tp: int, profile) -> float:
     """Tensor-parallel communication of ``nodes``, forward plus backward."""
     return sum(sum(collective_time(n, tp, profile)) for n in nodes)
-
-
-def _layer_of(node: fx.Node, layers: Sequence[str]) -> str | None:
-    path = node.meta.get("module_path", "")
-    return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
 
 
 class SegmentCosts:
@@ -59,7 +55,7 @@ class SegmentCosts:
         if self.checkpoint is None:
             return 0.0
         if self.checkpoint == "block":
-            nodes = [n for n in nodes if _layer_of(n, self.layers) is not None]
+            nodes = [n for n in nodes if layer_of(n, self.layers) is not None]
         return graph_time(nodes, self.profile)[0]
 
     def activations(self, first: int, last: int) -> tuple[int, int]:
@@ -90,7 +86,7 @@ def _block_activations(nodes: list[fx.Node], layers: Sequence[str]) -> tuple[int
     kept, recompute = 0, 0
     runs: list[tuple[str | None, list[fx.Node]]] = []
     for n in nodes:
-        layer = runs[-1][0] if n.op == "get_attr" and runs else _layer_of(n, layers)
+        layer = runs[-1][0] if n.op == "get_attr" and runs else layer_of(n, layers)
         if not runs or runs[-1][0] != layer:
             runs.append((layer, []))
         runs[-1][1].append(n)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.infra.pass_base import PassResult
 
-from autosplit.model_layers import layer_paths
+from autosplit.model_layers import layer_of, layer_paths
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.tp import ops
 from autosplit.tp.local_modules import RowParallelLinear
@@ -116,11 +116,6 @@ def activation_args(gm: fx.GraphModule, node: fx.Node, rows: int) -> list[int] |
     return split
 
 
-def _layer_of(node: fx.Node, layers: list[str]) -> str | None:
-    path = node.meta.get("module_path", "")
-    return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
-
-
 def find_runs(gm: fx.GraphModule, layers: list[str], chunks: int) -> list[list[fx.Node]]:
     """The runs of ``gm`` that hold an all-reduce (see *run*), each a list of nodes in graph order."""
     runs, run, rows, layer = [], [], None, None
@@ -134,14 +129,14 @@ def find_runs(gm: fx.GraphModule, layers: list[str], chunks: int) -> list[list[f
         if node.op == "get_attr":
             continue
         if run:
-            if _layer_of(node, layers) == layer and activation_args(gm, node, rows) is not None:
+            if layer_of(node, layers) == layer and activation_args(gm, node, rows) is not None:
                 run.append(node)
                 continue
             close()
         val = _val(node)                         # may a run start here?
         if val is not None and val.dim() >= 2 and val.shape[0] >= chunks \
                 and activation_args(gm, node, val.shape[0]) is not None:
-            rows, layer = val.shape[0], _layer_of(node, layers)
+            rows, layer = val.shape[0], layer_of(node, layers)
             run.append(node)
     close()
     return runs
@@ -151,9 +146,9 @@ def _sizes(rows: int, chunks: int) -> list[int]:
     return [t.shape[0] for t in torch.empty(rows, device="meta").tensor_split(chunks)]
 
 
-def _meta(node: fx.Node, val, **extra) -> dict:
-    meta = {k: v for k, v in node.meta.items() if k not in ("val", "cost")}
-    return {**meta, "val": val, **extra}
+def _meta(node: fx.Node, val) -> dict:
+    """``node``'s metadata for a node standing in for (a chunk of) it: its own value, no cost."""
+    return {**{k: v for k, v in node.meta.items() if k not in ("val", "cost")}, "val": val}
 
 
 def chunk_run(gm: fx.GraphModule, run: list[fx.Node], chunks: int) -> None:
@@ -169,9 +164,10 @@ def chunk_run(gm: fx.GraphModule, run: list[fx.Node], chunks: int) -> None:
     split_of: dict[fx.Node, list[fx.Node]] = {}      # an input from outside -> its chunks
     copies: dict[fx.Node, list[fx.Node]] = {}        # a run node -> its chunk copies (waited results)
     started: dict[fx.Node, list[fx.Node]] = {}       # an all_reduce -> its chunks' all_reduce_start
+    positions = {node: activation_args(gm, node, rows) for node in run}   # find_runs checked: never None
     phase: dict[fx.Node, int] = {}
     for node in run:
-        ins = [node.args[i] for i in activation_args(gm, node, rows) if node.args[i] in members]
+        ins = [node.args[i] for i in positions[node] if node.args[i] in members]
         phase[node] = max((phase[a] + (a.target is ops.all_reduce) for a in ins), default=0)
 
     node = run[0].next                           # parameters read inside the run: fetched before it
@@ -181,7 +177,7 @@ def chunk_run(gm: fx.GraphModule, run: list[fx.Node], chunks: int) -> None:
             run[0].prepend(here)
     with graph.inserting_before(run[0]):
         for node in run:                         # inputs from outside the run: split once, here
-            for i in activation_args(gm, node, rows):
+            for i in positions[node]:
                 a = node.args[i]
                 if a not in members and a not in split_of:
                     parts = graph.create_node("call_method", "tensor_split", (a, chunks), {"dim": 0},
@@ -204,8 +200,7 @@ def chunk_run(gm: fx.GraphModule, run: list[fx.Node], chunks: int) -> None:
         for p in range(max(phase.values()) + 1):
             for c in range(chunks):
                 for node in (n for n in run if phase[n] == p):
-                    positions = activation_args(gm, node, rows)
-                    args = tuple(chunk_arg(a, c) if i in positions else a for i, a in enumerate(node.args))
+                    args = tuple(chunk_arg(a, c) if i in positions[node] else a for i, a in enumerate(node.args))
                     if node.target is ops.all_reduce:
                         new = graph.create_node("call_function", ops.all_reduce_start, args, dict(node.kwargs),
                                                 name=f"{node.name}_start_c{c}")

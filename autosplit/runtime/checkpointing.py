@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from autosplit.model_layers import layer_paths
+from autosplit.model_layers import layer_of, layer_paths
 
 
 class Checkpointed(torch.nn.Module):
@@ -31,10 +31,6 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.module, *inputs, use_reentrant=False)
 
 
-def _layer_of(path: str, layers: list[str]) -> str | None:
-    return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
-
-
 def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.GraphModule, list[str]]:
     """``stage`` split into contiguous runs of nodes, one submodule per run, and the names of the
     runs that are one of the model's layers (runtime/fsdp.py shards each of those on its own)."""
@@ -45,7 +41,7 @@ def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.Grap
     for node in stage.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        layer = _layer_of(node.meta.get("module_path", ""), layers) if node.op != "get_attr" else current
+        layer = layer_of(node, layers) if node.op != "get_attr" else current
         if layer != current:
             run, current = run + 1, layer
             is_layer[run] = layer is not None

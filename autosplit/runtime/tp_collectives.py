@@ -74,11 +74,16 @@ def _wait(work, what: str, kind: str = "other") -> None:
     EXPOSED[kind] += time.perf_counter() - t0
 
 
+def _launch_all_reduce(x: torch.Tensor, axis: str):
+    """(the tensor being reduced in place, the Work): ``x`` itself, or a contiguous copy of it."""
+    x = x.contiguous()
+    return x, dist.all_reduce(x, group=_group(axis), async_op=True)
+
+
 def _all_reduce_overlapped(x: torch.Tensor, axis: str) -> torch.Tensor:
     """``_all_reduce`` of a backward gradient, with the queued weight-gradient GEMMs run while it is in
     flight (see *overlap* in the module docstring)."""
-    x = x.contiguous()
-    work = dist.all_reduce(x, group=_group(axis), async_op=True)
+    x, work = _launch_all_reduce(x, axis)
     DEFERRED.run_while_communicating()
     _wait(work, f"all_reduce over {axis}", "input_grad")
     return x
@@ -91,8 +96,8 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     reduction (the tp rewrite routes every other user to the reduced result), or a gradient the
     autograd engine hands over for this backward alone.  A non-contiguous input is reduced in a copy.
     """
-    x = x.contiguous()
-    _wait(dist.all_reduce(x, group=_group(axis), async_op=True), f"all_reduce over {axis}")
+    x, work = _launch_all_reduce(x, axis)
+    _wait(work, f"all_reduce over {axis}")
     return x
 
 
@@ -149,21 +154,17 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _AllReduceStart(torch.autograd.Function):
+class _AllReduceStart(_AllReduce):
+    """``_AllReduce`` launched, not waited (its backward, identity, is inherited)."""
+
     @staticmethod
     def forward(ctx, x, axis):
         COUNTS[("all_reduce", "fwd")] += 1
-        out = x.contiguous()              # reduced in place, as _all_reduce does (the caller owns x)
-        work = dist.all_reduce(out, group=_group(axis), async_op=True)
+        out, work = _launch_all_reduce(x, axis)     # in place, as _all_reduce (the caller owns x)
         _IN_FLIGHT[id(out)] = (out, work, f"all_reduce over {axis}")
         if out is x:
             ctx.mark_dirty(x)
         return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        COUNTS[("all_reduce", "bwd")] += 1
-        return grad, None
 
 
 class _Wait(torch.autograd.Function):
