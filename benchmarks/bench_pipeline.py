@@ -244,7 +244,7 @@ def render(per_rank: list[dict], args, command: str, total_s: float) -> str:
     lines += ["", *md_table(["comparison", "median step ratio", "median of per-round ratios", "target"], rows),
               "", f"Hand split vs whole model, max abs diff of logits: {per_rank[0]['split_max_abs_diff']:.1e}."]
     if per_rank[0].get("phases"):
-        lines += ["", *phase_tables(per_rank), "", *pingpong_table(per_rank)]
+        lines += ["", *phase_tables(per_rank), "", *bound_table(per_rank, st), "", *pingpong_table(per_rank)]
     return "\n".join(lines + ["", END]) + "\n"
 
 
@@ -283,6 +283,34 @@ def phase_tables(per_rank: list[dict]) -> list[str]:
     return lines + ["", "One microbatch's compute per stage inside the pipelines (median over the profiled steps "
                     "of each action's exclusive time, ms; the waits for receives excluded):", "",
                     *md_table(["pipeline", "stage", "F", "B", "I", "W", "I + W"], rows)]
+
+
+def bound_table(per_rank: list[dict], st: dict) -> list[str]:
+    """Each autosplit schedule timed at the compute it measured, with nothing else: what is the schedule's
+    and what is the runtime's.  ``predict_step`` (the cost model's timed run of the lowered lists) with
+    each stage's profiled median F / B / I / W (the table above), free transfers, no posting, no sharing.
+    The profiled actions carry the profiler's own cost, so a bound is compared with the 1F1B bound of the
+    same profiled steps, not with a timed median."""
+    from autosplit.cost_model.step_time import StageTimes, predict_step
+    bounds, rows = {}, []
+    for name in ("ours_1f1b", "ours_zbh1", "ours_interleaved", "ours_zbv"):
+        if name not in per_rank[0]["phases"] or name not in st:
+            continue
+        schedule, chunks, _ = OURS[name]
+        times = {k: v for r in per_rank for k, v in action_times(r["phases"][name]).items()}
+        stages = [StageTimes(fwd=f, bwd=b or i + w, w=w)
+                  for f, b, i, w in ((times.get((s, k), 0.0) for k in "FBIW") for s in range(WORLD * chunks))]
+        bounds[name] = predict_step(schedule, WORLD, MICROBATCHES, chunks, stages).total
+        base = bounds.get("ours_1f1b")
+        target = next((t for o, th, t in COMPARE if o == name and th == "torch_1f1b" and t), "")
+        rows.append([LABELS[name], f"{bounds[name]:.3f}", f"{bounds[name] / base:.3f}" if base else "-",
+                     f"{st[name]['median'] / st['ours_1f1b']['median']:.3f}" if "ours_1f1b" in st else "-", target])
+    return ["Each autosplit schedule at the compute it measured, and nothing else: the cost model's timed run of "
+            "the schedule's lowered lists (`cost_model/step_time.predict_step`) with each stage's median F / B / I / W "
+            "of the profiled steps (the table above), transfers free, no posting, no sharing. Its ratio to 1F1B's is "
+            "the most the schedule can gain at this machine's F : I : W; the timed ratio beside it is what it gained.",
+            "", *md_table(["pipeline", "schedule at its profiled compute (s)", "that / autosplit 1f1b's",
+                           "timed median / autosplit 1f1b's", "target (of torch Schedule1F1B)"], rows)]
 
 
 def pingpong_table(per_rank: list[dict]) -> list[str]:

@@ -53,6 +53,17 @@ def adamw_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, micr
             "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}
 
 
+def rebuilt_after_close(runs: list[tuple]) -> list[dict]:
+    """``adamw_matches`` for each (name, mesh, options), closing each module before the next is built."""
+    from autosplit.runtime.parallel_module import open_modules
+    out = []
+    for name, mesh, kw in runs:
+        out.append(adamw_matches(name, mesh, **kw))
+        for pm in open_modules():
+            pm.close()
+    return out
+
+
 def accumulate_and_predict(name: str, mesh, micro_steps: int = 2, batch: int = 8, **kw):
     """no_sync accumulation over ``micro_steps`` calls of ``step`` (SGD), then predict and a
     load_full_state_dict round trip, against single-device training."""

@@ -379,6 +379,38 @@ def _process_resources() -> tuple[int, tuple]:
     return groups, names
 
 
+def dropped_releases(configs: list[tuple[tuple, dict]], checkpoint_dir: str) -> dict:
+    """Build and step one ParallelModule per (mesh, options), save a checkpoint (its own group), then drop
+    it without close(); and one parallelize that raises after the world is built (a bad loss_fn).  The
+    process's groups and threads before, while the dropped ones are held, and after release_orphans; the
+    bucket hooks left on the models' parameters."""
+    from autosplit import AutosplitError
+    from autosplit.runtime.parallel_module import release_orphans
+    xs, ys = batches(1, 8)
+    with autosplit.parallelize(VARIANTS["tp_timm"](), mesh=configs[0][0], num_microbatches=2) as pm:
+        pm.step(xs[0][: 8 // pm.dp_size], ys[0][: 8 // pm.dp_size])       # once per process: profile, heartbeat
+    before = _process_resources()
+    models = []
+    for mesh, kw in configs:
+        torch.manual_seed(0)
+        models.append(VARIANTS["tp_timm"]())
+        pm = autosplit.parallelize(models[-1], mesh=mesh, num_microbatches=2, **kw)
+        rows = slice(pm.dp_rank * 8 // pm.dp_size, (pm.dp_rank + 1) * 8 // pm.dp_size)
+        pm.step(xs[0][rows], ys[0][rows])
+        pm.save_checkpoint(checkpoint_dir)
+        del pm                                              # dropped, never closed
+    try:
+        autosplit.parallelize(VARIANTS["tp_timm"](), mesh=configs[0][0], loss_fn=42)
+        raised = None
+    except AutosplitError as exc:
+        raised = str(exc)
+    held = _process_resources()
+    released = release_orphans()
+    hooks = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for m in models for p in m.parameters())
+    return {"before": before, "held": held, "released": released, "after": _process_resources(),
+            "raised": raised, "hooks": hooks}
+
+
 def close_releases(configs: list[tuple[tuple, dict]], checkpoint_dir: str | None = None) -> dict:
     """Build, step and close one ParallelModule per (mesh, options); the process's groups and threads
     before (after a first module built and closed: the profile measurement and the heartbeat thread

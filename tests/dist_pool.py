@@ -49,21 +49,32 @@ def _worker(rank: int, size: int, port: int, tasks, results) -> None:
             results.put((rank, True, value))
         except BaseException as exc:  # report everything, including RankFailure
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    _release_modules()
     dist.destroy_process_group()
+    # Why exit at once: every result went out (the queue's feeder is joined), and the interpreter's own
+    # teardown of torch took 3-5 s per worker, paid by every pool at the end of the session.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def _release_modules() -> None:
-    """Release the ParallelModules the previous check left open, so that a worker running hundreds of
-    checks does not keep every one's process groups (each a set of gloo connections and threads).
-    Without meeting the other ranks (``release``, not ``close``): a new task is sent only once every
-    rank has returned from the previous one, and the ranks may differ in what they left open (a
+    """Release the ParallelModules the previous check left open or dropped without closing, so that a
+    worker running hundreds of checks does not keep every one's process groups (each a set of gloo
+    connections and threads that wake even when idle: dozens of them ate a fifth of a core per idle
+    worker).  Without meeting the other ranks (``release``, not ``close``): a new task is sent only once
+    every rank has returned from the previous one, and the ranks may differ in what they left open (a
     check whose ``parallelize`` failed on one rank only)."""
-    from autosplit.runtime.parallel_module import open_modules
+    from autosplit.runtime.parallel_module import open_modules, release_orphans
     for pm in open_modules():
         try:
             pm.release()
         except Exception:       # the next check still runs; its own groups are fresh
             traceback.print_exc()
+    try:
+        release_orphans()
+    except Exception:
+        traceback.print_exc()
 
 
 class RankError(AssertionError):

@@ -38,6 +38,17 @@ def test_dp4_and_pipeline_dp2(pool4):
     assert all(0 < r["sharded"] < r["params"] for r in rs), rs[0]    # the tp partial-sum norms are left out
 
 
+def test_rebuilt_on_the_same_mesh_after_close(pool4):
+    """close() destroys the groups; torch's DTensor caches key on mesh equality (not the groups), so a
+    module rebuilt on the same mesh got the destroyed groups back from them after its AdamW steps
+    ("Could not resolve the process group registered under the name 11").  World.close empties them."""
+    runs = [("timm_cls", (2, 1, 2), {"dp_shard": "layer"}),
+            ("torchvision", (2, 1, 2), {"schedule": "interleaved", "chunks": 2, "dp_shard": True})]
+    for per_run in pool4.run(C.rebuilt_after_close, runs):
+        for r in per_run:
+            assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
 def test_accumulate_predict_load_bf16(pool4):
     """no_sync accumulation over steps, predict, load_full_state_dict; bf16 autocast gathers bf16 copies
     of float32 shards (FSDP2's MixedPrecisionPolicy)."""

@@ -134,9 +134,9 @@ def _optimizer_entries(pm, optimizer, names: dict[int, str]) -> tuple[dict, str 
 def _dcp_group(pm):
     """A gloo group over the world for DCP's collectives, made once (a collective call: every rank
     makes it at the same point, its first save or load, right after the call gate)."""
-    if getattr(pm, "_dcp_group", None) is None:
-        pm._dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=pm.world.timeout_s))
-    return pm._dcp_group
+    if pm._owned.dcp_group is None:        # released with the module's other groups
+        pm._owned.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=pm.world.timeout_s))
+    return pm._owned.dcp_group
 
 
 def _record(pm, optimizer) -> dict:

@@ -11,11 +11,23 @@ rank's modules, buckets and executor), gradients.py (partial-gradient reduction,
 scaler's calls, the mean loss), model_state.py / state_dict.py (full state dicts), checkpoint.py
 (sharded checkpoints), call_gate.py / agreement.py (ranks agree), faults.py (bounded waits),
 executor.py (the schedule), loss_scaler.py, buffers.py, params.py.
+  owned         -- what a module holds that outlives it unless released: the world's process groups
+                   (torch keeps every group in its registries until destroyed: their connections and,
+                   on gloo, three threads each, which wake even when idle), the checkpoint group, the
+                   watchdog's and executor's threads, and the gradient buckets' hooks on the user's
+                   parameters (which would keep firing in a later backward of the same model).
+  orphan        -- the owned part of a module that was garbage-collected without ``close()`` (a dropped
+                   module, or one whose construction raised): ``release_orphans()`` releases it at the next
+                   ``parallelize`` in the process, a point every rank reaches in the same order, in build
+                   order.  Not at collection time: a finalizer runs wherever the collector happens to run,
+                   possibly inside torch.distributed's own bookkeeping of another group.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -40,6 +52,39 @@ from autosplit.runtime.world import World
 
 _OPEN: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()    # built and not closed, in this process
 _BUILT = itertools.count()
+_ORPHANS: list["_Owned"] = []          # see *orphan*
+_log = logging.getLogger("autosplit")
+
+
+class _Owned:
+    """See *owned*; filled in as ``ParallelModule.__init__`` creates each part."""
+
+    def __init__(self, world: World, serial: int):
+        self.world, self.serial = world, serial
+        self.watchdog = self.planner = self.dcp_group = None
+
+    def release(self) -> None:
+        if self.planner is not None:
+            self.planner.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.dcp_group is not None:                      # runtime/checkpoint.py's
+            dist.destroy_process_group(self.dcp_group)
+        self.world.close()
+        self.planner = self.watchdog = self.dcp_group = None
+
+
+def release_orphans() -> int:
+    """Release what ParallelModules collected without ``close()`` held (see *orphan*); the number released.
+    ``parallelize`` calls it before it builds; a process that drops modules without building new ones can
+    call it at a point where every rank is done with them."""
+    gc.collect()                       # modules in reference cycles: their finalizers run now
+    orphans = sorted(_ORPHANS, key=lambda o: o.serial)
+    _ORPHANS.clear()
+    for owned in orphans:
+        _log.debug("releasing the groups of ParallelModule #%d, dropped without close()", owned.serial)
+        owned.release()
+    return len(orphans)
 
 
 def open_modules() -> list["ParallelModule"]:
@@ -69,6 +114,10 @@ class ParallelModule:
     def __init__(self, model: torch.nn.Module, world: World, loss_fn: Callable, options: PlanOptions,
                  example_input=None, *, bucket_bytes: int = 25 * 2**20, seed: int = 0,
                  init_fn: Callable | None = None):
+        self._closed, self._serial = False, next(_BUILT)
+        # first: whatever raises below, the world's groups are released (as an orphan) once this goes
+        self._owned = _Owned(world, self._serial)
+        self._orphaned = weakref.finalize(self, _ORPHANS.append, self._owned)
         options.check(world.mesh)
         problem = loss_fn_problem(loss_fn)
         if problem:
@@ -80,11 +129,11 @@ class ParallelModule:
         # a meta model: each rank initializes only its own shards (autosplit/meta_init.py)
         self.initializer = Initializer(model, seed, init_fn) if meta_names(model) else None
         self.planner = RankPlanner(model, world, self.watchdog, options, loss_fn, bucket_bytes, self.initializer)
+        self._owned.watchdog, self._owned.planner = self.watchdog, self.planner
         # the plan all ranks agreed on; model checked (a meta model is never whole on a rank, and its
         # values are a function of (seed, name): nothing to compare)
         self._agreed, self._params_agreed = None, self.initializer is not None
         self.step_count = 0                 # completed steps (checkpoint metadata)
-        self._closed, self._serial = False, next(_BUILT)
         _OPEN.add(self)
         if example_input is not None:
             self.planner.build(example_input)
@@ -150,12 +199,8 @@ class ParallelModule:
             return
         self._closed = True
         _OPEN.discard(self)
-        self.planner.close()
-        self.watchdog.close()
-        if getattr(self, "_dcp_group", None) is not None:     # runtime/checkpoint.py's
-            dist.destroy_process_group(self._dcp_group)
-            self._dcp_group = None
-        self.world.close()
+        self._orphaned.detach()
+        self._owned.release()
 
     def __enter__(self) -> "ParallelModule":
         return self

@@ -12,7 +12,7 @@ import torch
 from autosplit.options import PlanOptions, check_dp_shard
 from autosplit.runtime.auto_mesh import auto_arguments
 from autosplit.host_memory import keep_freed_host_memory
-from autosplit.runtime.parallel_module import ParallelModule
+from autosplit.runtime.parallel_module import ParallelModule, release_orphans
 from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
 
 
@@ -68,6 +68,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
         return parallelize(model, loss_fn=loss_fn, timeout_s=timeout_s, bucket_mb=bucket_mb, seed=seed,
                            init_fn=init_fn, **chosen)
     check_dp_shard(plan_options.dp_shard)     # before any rendezvous: the same error on every rank
+    release_orphans()         # groups of modules dropped without close() (parallel_module.py *orphan*)
     world = init_world(mesh, timeout_s, plan_options.tp_mode)
     if world.device.type == "cpu":     # activations live in host memory: keep it (autosplit/host_memory.py)
         keep_freed_host_memory()

@@ -84,6 +84,23 @@ class World:
             dist.destroy_process_group(group)
         # A gloo group's connections and threads end when its last reference goes, not at destroy
         self.device_mesh = self.grid_mesh = self.control_group = None
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty torch's DTensor caches of meshes.  Why: they key on DeviceMesh *equality* (layout, dim
+    names, device type: not the groups) and keep the meshes they saw, so the next World with the same
+    layout would be handed this one's destroyed groups from them (FSDP2's full_tensor: "Could not
+    resolve the process group registered under the name 11").  These caches are private to torch: each
+    is looked up and skipped where a torch version lacks it."""
+    from torch.distributed.tensor import DTensor, _redistribute
+    for clear in (getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),    # the C++ dispatch's
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(getattr(getattr(DTensor._op_dispatcher, "sharding_propagator", None),
+                                  "propagate_op_sharding", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
 
 
 def _choose_backend() -> tuple[str, torch.device]:
