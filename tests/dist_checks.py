@@ -281,6 +281,9 @@ def hanging_rank():
     # 2 s on a loaded machine, and this test is about the stall in the loss, not about planning
     pm = _small(microbatches=2, loss_fn=loss_fn, example_input=torch.randn(1, 3, 32, 32), timeout_s=2,
                 device="h100")
+    # the ranks finish parallelize up to seconds apart on a loaded machine: start the step together, so
+    # that the 2 s run out in the loss, not in the step's plan agreement (seen once in a full suite run)
+    dist.barrier()
     start = time.monotonic()
     err = error_of(pm.step, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     return {"error": err, "seconds": time.monotonic() - start}
