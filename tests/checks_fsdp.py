@@ -32,9 +32,10 @@ def _parallel(name, mesh, microbatches, batch, **kw):
 
 
 def adamw_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, microbatches: int = 4,
-                  batch: int = 8, steps: int = 3, clip: float | None = None, **kw):
+                  batch: int = 8, steps: int = 3, clip: float | None = None, close: bool = False, **kw):
     """``steps`` AdamW steps with ``dp_shard`` vs single-device training: max |loss diff|, max |param
-    diff| of full_state_dict, whether this rank's parameters are dp shards, and the global norms."""
+    diff| of full_state_dict, whether this rank's parameters are dp shards, and the global norms;
+    ``close``: then ``pm.close()``."""
     pm, ref, rows = _parallel(name, mesh, microbatches, batch, schedule=schedule, chunks_per_rank=chunks, **kw)
     xs, ys = batches(steps, batch)
     opt, ref_opt = _adamw(pm.parameters()), _adamw(ref.parameters())
@@ -48,20 +49,18 @@ def adamw_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, micr
         opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
         loss_diff = max(loss_diff, abs(loss - ref_loss.item()))
     sharded = [isinstance(p, DTensor) for p in pm.parameters()]
-    return {"loss_diff": loss_diff, "param_diff": max_diff(pm.full_state_dict(), ref.state_dict()),
-            "sharded": sum(sharded), "params": len(sharded), "norms": norms, "plan_dp_shard": pm.plan.dp_shard,
-            "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}
+    out = {"loss_diff": loss_diff, "param_diff": max_diff(pm.full_state_dict(), ref.state_dict()),
+           "sharded": sum(sharded), "params": len(sharded), "norms": norms, "plan_dp_shard": pm.plan.dp_shard,
+           "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}
+    if close:
+        pm.close()
+    return out
 
 
 def rebuilt_after_close(runs: list[tuple]) -> list[dict]:
-    """``adamw_matches`` for each (name, mesh, options), closing each module before the next is built."""
-    from autosplit.runtime.parallel_module import open_modules
-    out = []
-    for name, mesh, kw in runs:
-        out.append(adamw_matches(name, mesh, **kw))
-        for pm in open_modules():
-            pm.close()
-    return out
+    """``adamw_matches`` for each (name, mesh, options), each module closed before the next is built
+    (a dropped one would only be an orphan, released by the next parallelize: not what this checks)."""
+    return [adamw_matches(name, mesh, close=True, **kw) for name, mesh, kw in runs]
 
 
 def accumulate_and_predict(name: str, mesh, micro_steps: int = 2, batch: int = 8, **kw):
