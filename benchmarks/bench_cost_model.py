@@ -30,7 +30,6 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -324,5 +323,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     main()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 from pathlib import Path
 
 from common import cpu_name, rotate, slowest, spawn_ranks, step_stats, train_step, write_section
@@ -145,7 +144,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     load = os.getloadavg()[0]
     mem, comm, steps = memory_rows(), comm_rows(), time_rows(args)
     section = "\n".join([

@@ -65,13 +65,18 @@ _CASES = [
 ]
 
 
-def traced(model: nn.Module, inputs: tuple, leaf_modules=(), concrete_args=None):
+def traced(model: nn.Module, inputs: tuple, leaf_modules=(), concrete_args=None, autocast=None,
+           device_type: str = "cpu"):
     """``model`` traced and priced as a plan's stage would be: a GraphModule whose nodes carry ``val`` and
-    ``cost`` for ``inputs`` (here the chains; model_fit.py the user's model)."""
+    ``cost`` for ``inputs`` (here the chains; model_fit.py the user's model), with the dtypes
+    ``torch.autocast(device_type, autocast)`` gives where ``autocast`` is a half dtype, as compile does."""
     from autosplit.passes.shape_prop import MetaShapeProp      # graph passes: the level above flops.py
     from autosplit.trace import trace
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
     MetaShapeProp(inputs)(gm)
+    if autocast is not None:
+        from autosplit.passes.autocast_prop import AutocastDtypeProp
+        AutocastDtypeProp(inputs, autocast, device_type)(gm)
     AnnotateCosts()(gm)
     return gm
 

@@ -112,3 +112,54 @@ def equal_block_bounds(layer_end_segment: Sequence[int], n_segments: int, n_stag
         return None
     per = L // n_stages
     return [layer_end_segment[(s + 1) * per - 1] for s in range(n_stages - 1)] + [n_segments - 1]
+
+
+def rank_balanced_bounds(bounds: Sequence[int], seg_time: Sequence[float], out_time: Sequence[float],
+                         stage_rank: Sequence[int], feasible: Callable[[int, int, int], bool] | None = None,
+                         seg_params: Sequence[int] | None = None, max_shift: int = 3) -> list[int]:
+    """``bounds`` with cuts moved until the busiest *rank* is as light as local moves make it.
+
+    Where a rank holds several stages (interleaved: stages r, r + p, ...; ZB-V: stages r and 2p-1-r),
+    a step is as long as the rank with the most work, not the slowest stage: the min-max stage cut can
+    leave rank 0 of a V (embedding and head stages) several percent busier than the others.  An exact
+    DP would carry every rank's running sum in its state, so this is a descent from the stage-balanced
+    cut instead: each round tries moving every cut by up to ``max_shift`` segments either way and keeps
+    the best move, while it lowers (stages without parameters, the busiest rank's load, the slowest
+    stage, the sum of squared stage costs), in that order; a move that makes a stage infeasible
+    (``feasible(stage, first_seg, last_seg)`` false, e.g. over the memory budget) is not taken.
+
+    ``stage_rank[s]``: the pipeline rank holding stage s.  With one stage per rank it returns ``bounds``.
+    """
+    bounds = list(bounds)
+    S, K = len(bounds), len(seg_time)
+    if len(set(stage_rank)) == S:
+        return bounds
+    params = [0, *accumulate(seg_params)] if seg_params is not None else None
+
+    def key(bs):
+        costs = stage_costs(bs, seg_time, out_time)
+        load = [0.0] * (max(stage_rank) + 1)
+        for s, c in enumerate(costs):
+            load[stage_rank[s]] += c
+        starts = [0, *(b + 1 for b in bs[:-1])]
+        empty = 0 if params is None else sum(params[b + 1] == params[a] for a, b in zip(starts, bs))
+        return (empty, max(load), max(costs), sum(c * c for c in costs))
+
+    best = key(bounds)
+    for _ in range(S * K):                       # each round strictly improves the key: this cannot loop
+        move = None
+        for i in range(S - 1):                   # the last bound is the graph's end
+            lo, hi = (bounds[i - 1] + 1 if i else 0), bounds[i + 1] - 1
+            for new in range(max(lo, bounds[i] - max_shift), min(hi, bounds[i] + max_shift) + 1):
+                if new == bounds[i]:
+                    continue
+                cand = [*bounds[:i], new, *bounds[i + 1:]]
+                if feasible is not None and not (feasible(i, lo, new) and feasible(i + 1, new + 1, cand[i + 1])):
+                    continue
+                k = key(cand)
+                if k < best:
+                    best, move = k, cand
+        if move is None:
+            break
+        bounds = move
+    return bounds

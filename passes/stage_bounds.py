@@ -6,6 +6,9 @@ Terms: see passes/partition.py (bounds, budget, torchtitan's baseline cut) and c
             cut fits ``memory_budget`` wins.  A stage's memory counts its dp state as that sharding
             leaves it, instead of 4 x parameter bytes.  With ``stage_bounds`` given the cut is the
             user's (checked), and only the sharding is chosen.
+  rank balance -- where a rank holds several stages (interleaved, ZB-V) the min-max stage cut is then
+            moved until the busiest rank is lightest (``rank_balanced_bounds``): a step lasts as long as
+            the busiest rank, not the slowest stage.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from autosplit.cost_model.sharding import StageDataParallel, candidates
 from autosplit.errors import PlanError
 from autosplit.model_layers import find_layer_ends, first_layer_segment
 from autosplit.passes.infra import MetaPass, PlanState
-from autosplit.passes.partition import balanced_bounds, stage_costs, torchtitan_bounds
+from autosplit.passes.partition import balanced_bounds, rank_balanced_bounds, stage_costs, torchtitan_bounds
+from autosplit.schedule import placement_of
 from autosplit.segment_costs import OPTIMIZER_FACTOR
 
 
@@ -48,6 +52,10 @@ class ChooseStageBounds(MetaPass):
                 else:
                     bounds = balanced_bounds(seg.time, seg.out_time, s.n_stages, memory, s.budget,
                                              seg_params=seg.params)
+                    place = placement_of(opts.schedule, s.mesh.pp, opts.chunks_per_rank)
+                    fits = None if s.budget is None else (lambda st, a, b, m=memory: m(st, a, b) <= s.budget)
+                    bounds = rank_balanced_bounds(bounds, seg.time, seg.out_time,
+                                                  [place.rank(st) for st in range(s.n_stages)], fits, seg.params)
                 break
             except PlanError:
                 if sharding == options[-1]:

@@ -7,7 +7,8 @@ Terms:
              parts the predictor needs (fwd, bwd, W, tp forward / backward seconds).
   cut     -- ``balanced_bounds``' cut (strategy/cuts.py ``CutSolver``, exact and shared by every stage count);
              where it does not fit the memory budget, ``balanced_bounds`` itself with compile's memory
-             function decides, so the cut is always the one ``autosplit.compile`` makes.
+             function decides; then ``rank_balanced_bounds`` for the schedule's placement, as compile
+             does, so the cut is always the one ``autosplit.compile`` makes.
   memory  -- per stage exactly as compile's StageInfo.memory_bytes (SegmentCosts.memory with the dp state
              of cost_model/sharding.py); per rank the sum over the stages it holds.
   price   -- ``cost_model.step_time.predict_step`` of the stage times, with the profile's core sharing for
@@ -29,7 +30,7 @@ from autosplit.cost_model.sharding import StageDataParallel
 from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step, sharing_of
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
-from autosplit.passes.partition import balanced_bounds
+from autosplit.passes.partition import balanced_bounds, rank_balanced_bounds
 from autosplit.schedule import SPLIT_BACKWARD, build_schedule, peak_in_flight, placement_of
 from autosplit.strategy.cuts import CutSolver
 from autosplit.segment_costs import OPTIMIZER_FACTOR, SegmentCosts
@@ -152,8 +153,11 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
     S, seg, split = pp * v, group.seg, schedule in SPLIT_BACKWARD
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0)
+    place = placement_of(schedule, pp, v)
+    stage_rank = [place.rank(s) for s in range(S)]
     bounds = group.bounds(S)
     if budget is None:                        # the cut is final: bound before simulating anything
+        bounds = rank_balanced_bounds(bounds, seg.time, seg.out_time, stage_rank, None, seg.params)
         stages, _ = _stage_times(group, bounds, split, dpc)
         if lower_bound(schedule, pp, m, v, stages) > incumbent:
             return PRUNED
@@ -165,11 +169,14 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
                 - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes)
 
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
-    if budget is not None and any(memory(s, a, b) > budget for s, (a, b) in enumerate(ranges)):
-        try:
-            bounds = balanced_bounds(seg.time, seg.out_time, S, memory, budget, seg_params=seg.params)
-        except PlanError:
-            return f"no cut into {S} stages fits {budget / 2**30:.1f} GiB per stage"
+    if budget is not None:                    # compile's order: the budgeted stage cut, then rank balance
+        if any(memory(s, a, b) > budget for s, (a, b) in enumerate(ranges)):
+            try:
+                bounds = balanced_bounds(seg.time, seg.out_time, S, memory, budget, seg_params=seg.params)
+            except PlanError:
+                return f"no cut into {S} stages fits {budget / 2**30:.1f} GiB per stage"
+        bounds = rank_balanced_bounds(bounds, seg.time, seg.out_time, stage_rank,
+                                      lambda s, a, b: memory(s, a, b) <= budget, seg.params)
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = _stage_times(group, bounds, split, dpc)
     if lower_bound(schedule, pp, m, v, stages) > incumbent:
@@ -178,7 +185,6 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     for s, (a, b) in enumerate(ranges):
         kept, recompute = group.activations(a, b)
         stage_memory.append(int(costs[s].memory_bytes) + seg.in_flight[s] * kept + recompute)
-    place = placement_of(schedule, pp, v)
     rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
     if budget is not None and rank_memory > budget:
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
