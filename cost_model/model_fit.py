@@ -19,7 +19,8 @@ Terms:
   measured -- the median of at least ``reps`` timed passes (after one warm-up) of the traced model,
              forward then backward of the sum of its outputs, the two sizes taking turns, on a private
              copy (the user's model and its gradients are not touched; a meta model's copy gets small
-             random values), under autosplit/host_memory.py's malloc settings, as training runs.
+             random values), under autosplit/host_memory.py's malloc settings and with the gradients
+             accumulating from pass to pass, as training runs.
   fits    -- a profile with measured compute fits (a CPU profile from runtime/measure_profile.py) has
              each class's fit rescaled, forward and backward apart.  A roofline profile (a datasheet GPU,
              ``calibrate()``'s peaks) has one pair for the whole pass: ``op_overhead * k_alpha`` and
@@ -121,7 +122,8 @@ def _pass_times(gm, inputs, device: torch.device, autocast) -> tuple[float, floa
     sum(x.float().sum() for x in tree_leaves(out) if isinstance(x, torch.Tensor) and x.requires_grad).backward()
     sync()
     t2 = time.perf_counter()
-    gm.zero_grad(set_to_none=True)
+    # no zero_grad between passes: the gradients accumulate, as they do over a step's microbatches
+    # (adding into .grad cost 0.5-1 ms more per pass of the depth-6 CPU ViT than writing a fresh one)
     return t1 - t0, t2 - t1
 
 

@@ -102,3 +102,25 @@ def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     assert a["planned_with"] == b["planned_with"] == p["name"]             # parallelize found the cached one
     assert a["fwd"] == b["fwd"] and a["same_stream"] and b["same_stream"]
     assert list(tmp_path.glob("*-2r-*.json"))
+
+
+def test_sharing_is_the_median_round_not_one_noisy_pass():
+    """Two ranks on a host whose workload takes 20 ms alone and 22 ms in pairs (slowdown 1.10), in three
+    rounds.  One round's lone pass ran 14.3 ms (a quiet moment) or one round's pair 40 ms (a stranger on
+    the host): as a single pass, each would be the profile's figure (1.54, what a real profile once
+    recorded, or 2.0); the median round gives 1.10 either way.  A level never falls below the one before."""
+    from autosplit.runtime.sharing_bench import slowdowns
+
+    def rounds(lone=0.020, pair=0.022):
+        return [{**{(rnd, 1): lone for rnd in range(3)}, **{(rnd, 2): pair for rnd in range(3)}},
+                {(rnd, 2): pair for rnd in range(3)}]
+    assert slowdowns(rounds(), 2, 3) == pytest.approx((1.0, 1.1))
+    quiet = rounds()
+    quiet[0][0, 1] = 0.0143                            # round 0: what one pass would have kept
+    assert slowdowns(quiet, 2, 1)[1] == pytest.approx(1.54, abs=0.01)
+    assert slowdowns(quiet, 2, 3) == pytest.approx((1.0, 1.1))
+    stranger = rounds()
+    stranger[0][0, 2] = stranger[1][0, 2] = 0.040
+    assert slowdowns(stranger, 2, 1)[1] == pytest.approx(2.0)
+    assert slowdowns(stranger, 2, 3) == pytest.approx((1.0, 1.1))
+    assert slowdowns([{(0, 1): 0.02, (0, 2): 0.019}, {(0, 2): 0.019}], 2, 1) == (1.0, 1.0)

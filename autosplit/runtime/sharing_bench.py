@@ -10,9 +10,14 @@ Terms:
               gloo barrier polled locally: they take next to no core, as a rank waiting in a step does).
   reps     -- how many workloads local rank 0 fits into ``budget`` seconds alone (level 1); every level
               runs that many, so the active ranks stay busy together until the end.
-  slowdown -- per level, the mean over its active ranks of their mean seconds per workload, divided by
-              level 1's: the profile's ``sharing`` (cost_model/device.py), made non-decreasing and at
-              least 1 (a level cannot be faster than fewer ranks; a smaller figure is noise).
+  round    -- level 1, then 2, ..., then n, each after a barrier; ``ROUNDS`` rounds.  Why rounds: one
+              pass once gave 1.54 for 2 ranks on a 2-core host where the model's own passes and this
+              workload, timed alone and in pairs a minute later, slowed by 0.99-1.01; a moment of
+              noise in level 1 or level n sets a one-pass figure, and the profile prices every step with it.
+  slowdown -- per level and round, the mean over its active ranks of their mean seconds per workload,
+              divided by that round's level 1; the median over the rounds is the profile's ``sharing``
+              (cost_model/device.py), made non-decreasing and at least 1 (a level cannot be faster than
+              fewer ranks; a smaller figure is noise).
   wake     -- (``measure_wake``) extra seconds a pipeline transfer takes to reach a rank that waits for it
               while the host's other local ranks all compute: local ranks 0 and 1 relay a stamp, each
               computing one workload before it sends (as pipeline stages do), while local ranks 2..n-1
@@ -42,6 +47,7 @@ from autosplit.runtime.comm_bench import world_barrier
 
 _CALLS = [0]
 _BLOCKS = 6      # 7 MB of weights: more than a core's L2, as a stage of a real model has
+ROUNDS = 3       # level 1, 2, ..., n in turn, this many times; each level's slowdown is the median round's
 
 
 def _workload(device):
@@ -66,8 +72,8 @@ def measure_sharing(world, watchdog, local_ranks: int, budget: float = 0.5) -> t
         world: the runtime World; every rank calls this together.
         watchdog: bounds every wait.
         local_ranks: processes of the job per host (the profile's length).
-        budget: seconds local rank 0 spends on level 1's repeats; each level takes about that long times
-            its slowdown.
+        budget: seconds local rank 0 spends on level 1's repeats; each level of each round takes about
+            that long times its slowdown (4 ranks on 2 cores: about 3 x 5.5 x budget in all).
     """
     local = int(os.environ.get("LOCAL_RANK", world.rank % local_ranks))
     host = world.rank // local_ranks
@@ -83,20 +89,26 @@ def measure_sharing(world, watchdog, local_ranks: int, budget: float = 0.5) -> t
             times.append(_mean_time(run, 1))
         world.store.set(f"{key}reps/{host}", pickle.dumps((len(times), statistics.fmean(times))))
     world_barrier(world, watchdog)
-    reps, alone = pickle.loads(world.store.get(f"{key}reps/{host}"))
-    mine = {}
-    for n in range(2, local_ranks + 1):
-        world_barrier(world, watchdog)                 # why a barrier: the n ranks must start together
-        if local < n:
-            mine[n] = _mean_time(run, reps)
+    reps, _ = pickle.loads(world.store.get(f"{key}reps/{host}"))
+    mine: dict = {}                                    # (round, level) -> this rank's seconds per workload
+    for rnd in range(ROUNDS):
+        for n in range(1, local_ranks + 1):
+            world_barrier(world, watchdog)             # why a barrier: the n ranks must start together
+            if local < n:
+                mine[rnd, n] = _mean_time(run, reps)
     world_barrier(world, watchdog)
     world.store.set(f"{key}{world.rank}", pickle.dumps(mine))
     keys = [f"{key}{r}" for r in range(host * local_ranks, min(world.size, (host + 1) * local_ranks))]
     watchdog.until(lambda: world.store.check(keys), "waiting for every local rank's sharing measurement")
-    per_rank = [pickle.loads(world.store.get(k)) for k in keys]
+    return slowdowns([pickle.loads(world.store.get(k)) for k in keys], local_ranks, ROUNDS)
+
+
+def slowdowns(per_rank: list[dict], local_ranks: int, rounds: int) -> tuple[float, ...]:
+    """The profile's ``sharing`` from the host's ranks' {(round, level): seconds} (see *slowdown*)."""
     slowdown = [1.0]
     for n in range(2, local_ranks + 1):
-        level = statistics.fmean(r[n] for r in per_rank[:n]) / alone
+        level = statistics.median(statistics.fmean(r[rnd, n] for r in per_rank[:n]) / per_rank[0][rnd, 1]
+                                  for rnd in range(rounds))
         slowdown.append(max(slowdown[-1], level))
     return tuple(slowdown)
 
