@@ -125,41 +125,45 @@ def rank_balanced_bounds(bounds: Sequence[int], seg_time: Sequence[float], out_t
     DP would carry every rank's running sum in its state, so this is a descent from the stage-balanced
     cut instead: each round tries moving every cut by up to ``max_shift`` segments either way and keeps
     the best move, while it lowers (stages without parameters, the busiest rank's load, the slowest
-    stage, the sum of squared stage costs), in that order; a move that makes a stage infeasible
-    (``feasible(stage, first_seg, last_seg)`` false, e.g. over the memory budget) is not taken.
+    stage, the sum of squared stage costs), in that order; at most ``4 S`` rounds.  Where the result
+    has a stage ``feasible(stage, first_seg, last_seg)`` refuses (e.g. over the memory budget), the
+    stage cut ``bounds`` is returned as it is: the descent itself ignores ``feasible``, so that its
+    result depends on the costs alone and the strategy search can reuse it across configurations.
 
     ``stage_rank[s]``: the pipeline rank holding stage s.  With one stage per rank it returns ``bounds``.
     """
-    bounds = list(bounds)
-    S, K = len(bounds), len(seg_time)
+    start = list(bounds)
+    S, K = len(start), len(seg_time)
     if len(set(stage_rank)) == S:
-        return bounds
+        return start
+    prefix = [0.0, *accumulate(seg_time)]
     params = [0, *accumulate(seg_params)] if seg_params is not None else None
+    n_ranks = max(stage_rank) + 1
 
     def key(bs):
-        costs = stage_costs(bs, seg_time, out_time)
-        load = [0.0] * (max(stage_rank) + 1)
-        for s, c in enumerate(costs):
+        costs, load, empty, a = [], [0.0] * n_ranks, 0, 0
+        for s, b in enumerate(bs):
+            c = prefix[b + 1] - prefix[a] + (out_time[b] if b < K - 1 else 0.0)
+            costs.append(c)
             load[stage_rank[s]] += c
-        starts = [0, *(b + 1 for b in bs[:-1])]
-        empty = 0 if params is None else sum(params[b + 1] == params[a] for a, b in zip(starts, bs))
+            empty += params is not None and params[b + 1] == params[a]
+            a = b + 1
         return (empty, max(load), max(costs), sum(c * c for c in costs))
 
-    best = key(bounds)
-    for _ in range(S * K):                       # each round strictly improves the key: this cannot loop
+    cut, best = list(start), key(start)
+    for _ in range(4 * S):                       # each round strictly improves the key: no cycle
         move = None
         for i in range(S - 1):                   # the last bound is the graph's end
-            lo, hi = (bounds[i - 1] + 1 if i else 0), bounds[i + 1] - 1
-            for new in range(max(lo, bounds[i] - max_shift), min(hi, bounds[i] + max_shift) + 1):
-                if new == bounds[i]:
-                    continue
-                cand = [*bounds[:i], new, *bounds[i + 1:]]
-                if feasible is not None and not (feasible(i, lo, new) and feasible(i + 1, new + 1, cand[i + 1])):
-                    continue
-                k = key(cand)
-                if k < best:
-                    best, move = k, cand
+            lo, hi = (cut[i - 1] + 1 if i else 0), cut[i + 1] - 1
+            for new in range(max(lo, cut[i] - max_shift), min(hi, cut[i] + max_shift) + 1):
+                if new != cut[i]:
+                    cand = [*cut[:i], new, *cut[i + 1:]]
+                    k = key(cand)
+                    if k < best:
+                        best, move = k, cand
         if move is None:
             break
-        bounds = move
-    return bounds
+        cut = move
+    if feasible is not None and not all(feasible(s, a + 1, b) for s, (a, b) in enumerate(zip([-1, *cut], cut))):
+        return start
+    return cut

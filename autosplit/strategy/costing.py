@@ -36,6 +36,17 @@ from autosplit.strategy.cuts import CutSolver
 from autosplit.segment_costs import OPTIMIZER_FACTOR, SegmentCosts
 
 
+def _rank_cut(group, start: list[int], stage_rank: list[int]) -> list[int]:
+    """``rank_balanced_bounds`` of ``start`` without a budget, computed once per group, cut and placement:
+    the descent depends on the segment costs alone, and the search asks for it once per configuration."""
+    cache = group.__dict__.setdefault("_rank_cuts", {})
+    key = (tuple(start), tuple(stage_rank))
+    if key not in cache:
+        cache[key] = rank_balanced_bounds(start, group.seg.time, group.seg.out_time, stage_rank, None,
+                                          group.seg.params)
+    return cache[key]
+
+
 @functools.lru_cache(maxsize=1024)
 def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
     """Microbatches each stage holds at the schedule's peak: compile's rule on the unit simulator's peak,
@@ -157,7 +168,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     stage_rank = [place.rank(s) for s in range(S)]
     bounds = group.bounds(S)
     if budget is None:                        # the cut is final: bound before simulating anything
-        bounds = rank_balanced_bounds(bounds, seg.time, seg.out_time, stage_rank, None, seg.params)
+        bounds = _rank_cut(group, bounds, stage_rank)
         stages, _ = _stage_times(group, bounds, split, dpc)
         if lower_bound(schedule, pp, m, v, stages) > incumbent:
             return PRUNED
@@ -175,8 +186,9 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
                 bounds = balanced_bounds(seg.time, seg.out_time, S, memory, budget, seg_params=seg.params)
             except PlanError:
                 return f"no cut into {S} stages fits {budget / 2**30:.1f} GiB per stage"
-        bounds = rank_balanced_bounds(bounds, seg.time, seg.out_time, stage_rank,
-                                      lambda s, a, b: memory(s, a, b) <= budget, seg.params)
+        moved = _rank_cut(group, bounds, stage_rank)           # rank_balanced_bounds with the budget:
+        if all(memory(s, a + 1, b) <= budget for s, (a, b) in enumerate(zip([-1, *moved], moved))):
+            bounds = moved                                   # the moved cut where it fits, else the stage cut
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = _stage_times(group, bounds, split, dpc)
     if lower_bound(schedule, pp, m, v, stages) > incumbent:
