@@ -108,7 +108,7 @@ def fp16_training(mesh=(2, 1, 2), steps: int = 6, poison_step: int = 2, lr: floa
     state, ref_state = pm.full_state_dict(), ref.state_dict()
     scale_of = max(ref_state[k].abs().max().item() for k in ref_state)
     return {"param_diff": max_diff(state, ref_state), "param_scale": scale_of, "scales": scales,
-            "skipped": skipped, "syncs": syncs, "grads": n_grads,
+            "skipped": skipped, "syncs": syncs, "grads": n_grads, "params": len(list(pm.parameters())),
             "loss_diff": max(abs(a - b) for i, (a, b) in enumerate(zip(losses, ref_losses)) if i != poison_step)}
 
 

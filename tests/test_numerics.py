@@ -29,7 +29,9 @@ def test_fp16_scaler_against_fp32(pool4):
         s = r["scales"][0]
         assert r["scales"] == [s, s, 2 * s, s, s, 2 * s], r     # x2 after 2 clean steps, /2 on the skip
         # the first step also runs the once-per-plan agreement (plan fingerprint, parameter checksums)
-        assert r["syncs"][1:] == [1] * 5 and r["grads"] > 10, r
+        # every local parameter got a gradient (a count, not "> 10": the cut, and so the count, follows
+        # the machine's measured profile)
+        assert r["syncs"][1:] == [1] * 5 and r["grads"] == r["params"] > 0, r
         assert r["param_diff"] <= FP16_TOL and r["loss_diff"] <= FP16_TOL, r
 
 
