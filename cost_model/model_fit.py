@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model.measured import measured_op_parts, op_class
-from autosplit.cost_model.roofline import output_dtype
+from autosplit.cost_model.roofline import output_dtype, roofline_op_parts
 from autosplit.errors import AutosplitError
 
 
@@ -67,28 +67,20 @@ def _fill(name: str, t: torch.Tensor) -> None:
     t.normal_(0, 0.02) if t.is_floating_point() else t.zero_()
 
 
-def _private_copy(model: nn.Module, device: torch.device) -> nn.Module:
-    """A copy on ``device`` with real tensors: the model's own values, small random ones for meta tensors
-    (the time of a pass does not depend on them)."""
+def _private_copy(model: nn.Module) -> nn.Module:
+    """A CPU copy with real tensors: the model's own values, small random ones for meta tensors (the time
+    of a pass does not depend on them); fit_to_model traces it on the CPU and moves it after."""
     copied = copy.deepcopy(model)
     if any(t.device.type == "meta" for t in (*copied.parameters(), *copied.buffers())):
         from autosplit.meta_init import materialize            # the level above: its names and placement
         materialize(copied, init_fn=_fill)
-    return copied.to(device).train()
+    return copied.train()
 
 
 def _inputs(example: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(b, *x.shape[1:], generator=g).to(x.dtype) if x.is_floating_point()
                  else torch.zeros(b, *x.shape[1:], dtype=x.dtype) for x in example)
-
-
-def _roofline_parts(cost, dtype: torch.dtype, profile) -> tuple[tuple, tuple]:
-    """roofline.op_time's terms: ((overhead, forward work s), (overhead, backward work s))."""
-    peak = profile.flops_for(dtype)
-    fwd = max(cost.fwd_flops / peak, cost.fwd_bytes / profile.mem_bandwidth)
-    bwd = max(cost.bwd_flops / peak, cost.bwd_bytes / profile.mem_bandwidth)
-    return (profile.op_overhead if fwd else 0.0, fwd), (profile.op_overhead if bwd else 0.0, bwd)
 
 
 def _predicted_parts(gm, profile) -> dict:
@@ -102,7 +94,7 @@ def _predicted_parts(gm, profile) -> dict:
         if profile.compute is not None and cls in profile.compute:
             fwd, bwd = measured_op_parts(cost, cls, output_dtype(n), profile)
         else:
-            fwd, bwd = _roofline_parts(cost, output_dtype(n), profile)
+            fwd, bwd = roofline_op_parts(cost, output_dtype(n), profile)
         for key, (alpha, work) in (("fwd", fwd), ("bwd", bwd)):
             sums[key][0] += alpha
             sums[key][1] += work
@@ -191,7 +183,7 @@ def fit_to_model(profile, model: nn.Module, example_input, *, sizes: tuple[int, 
         from autosplit.host_memory import keep_freed_host_memory
         keep_freed_host_memory()           # time the passes under the malloc settings training runs with
     example = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    real = _private_copy(model, torch.device("cpu"))
+    real = _private_copy(model)
     pred, meas, runs = {"fwd": [], "bwd": []}, {"fwd": [], "bwd": []}, []
     with torch.random.fork_rng(devices=[]):
         for b in sizes:

@@ -31,10 +31,18 @@ def op_time(cost: NodeCost, dtype: torch.dtype, profile, cls: str | None = None)
     p = get_profile(profile)
     if cls is not None and p.compute is not None and cls in p.compute:
         return measured_op_time(cost, cls, dtype, p)
+    (fa, fw), (ba, bw) = roofline_op_parts(cost, dtype, p)
+    return fa + fw, ba + bw
+
+
+def roofline_op_parts(cost: NodeCost, dtype: torch.dtype, p) -> tuple[tuple, tuple]:
+    """The roofline's ((overhead s, forward work s), (overhead s, backward work s)) of one op on the
+    DeviceProfile ``p``: work is the larger of the FLOP and byte terms, and an op with work pays the
+    per-op overhead (model_fit.py scales the two terms apart)."""
     peak = p.flops_for(dtype)
     fwd = max(cost.fwd_flops / peak, cost.fwd_bytes / p.mem_bandwidth)
     bwd = max(cost.bwd_flops / peak, cost.bwd_bytes / p.mem_bandwidth)
-    return fwd + (p.op_overhead if fwd else 0.0), bwd + (p.op_overhead if bwd else 0.0)
+    return (p.op_overhead if fwd else 0.0, fwd), (p.op_overhead if bwd else 0.0, bwd)
 
 
 def output_dtype(node: fx.Node) -> torch.dtype:

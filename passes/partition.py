@@ -164,6 +164,9 @@ def rank_balanced_bounds(bounds: Sequence[int], seg_time: Sequence[float], out_t
         if move is None:
             break
         cut = move
-    if feasible is not None and not all(feasible(s, a + 1, b) for s, (a, b) in enumerate(zip([-1, *cut], cut))):
-        return start
-    return cut
+    return cut if cut_fits(cut, feasible) else start
+
+
+def cut_fits(bounds: Sequence[int], feasible: Callable[[int, int, int], bool] | None) -> bool:
+    """Does every stage of ``bounds`` pass ``feasible(stage, first_seg, last_seg)`` (None: no limit)?"""
+    return feasible is None or all(feasible(s, a + 1, b) for s, (a, b) in enumerate(zip([-1, *bounds], bounds)))

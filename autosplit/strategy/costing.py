@@ -30,7 +30,7 @@ from autosplit.cost_model.sharding import StageDataParallel
 from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step, sharing_of
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
-from autosplit.passes.partition import balanced_bounds, rank_balanced_bounds
+from autosplit.passes.partition import balanced_bounds, cut_fits, rank_balanced_bounds
 from autosplit.schedule import SPLIT_BACKWARD, build_schedule, peak_in_flight, placement_of
 from autosplit.strategy.cuts import CutSolver
 from autosplit.segment_costs import OPTIMIZER_FACTOR, SegmentCosts
@@ -187,7 +187,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
             except PlanError:
                 return f"no cut into {S} stages fits {budget / 2**30:.1f} GiB per stage"
         moved = _rank_cut(group, bounds, stage_rank)           # rank_balanced_bounds with the budget:
-        if all(memory(s, a + 1, b) <= budget for s, (a, b) in enumerate(zip([-1, *moved], moved))):
+        if cut_fits(moved, lambda s, a, b: memory(s, a, b) <= budget):
             bounds = moved                                   # the moved cut where it fits, else the stage cut
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = _stage_times(group, bounds, split, dpc)
