@@ -46,9 +46,17 @@ class ChooseStageBounds(MetaPass):
             try:
                 if opts.stage_bounds is not None:
                     bounds = validate.stage_bounds(opts.stage_bounds, s.n_stages, len(s.segments))
-                    if s.budget is not None and sharding != options[-1] and max(
-                            memory(st, a + 1, b) for st, (a, b) in enumerate(zip([-1, *bounds], bounds))) > s.budget:
+                    over = [(st, memory(st, a + 1, b)) for st, (a, b) in enumerate(zip([-1, *bounds], bounds))]
+                    over = [(st, m) for st, m in over if s.budget is not None and m > s.budget]
+                    if over and sharding != options[-1]:
                         continue
+                    if over:        # the user's cut is kept as given, so a budget it breaks is an error
+                        st, m = max(over, key=lambda o: o[1])
+                        raise PlanError(
+                            f"stage_bounds={list(opts.stage_bounds)}: stage {st} needs {m / 2**20:.2f} MiB "
+                            f"> the memory budget of {s.budget / 2**20:.2f} MiB per stage"
+                            f"{'' if sharding is None else f' (dp state sharded per {sharding})'}; "
+                            f"move the cut, raise the budget, or shard the dp state (dp_shard=True)")
                 else:
                     bounds = balanced_bounds(seg.time, seg.out_time, s.n_stages, memory, s.budget,
                                              seg_params=seg.params)
