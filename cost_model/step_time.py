@@ -54,7 +54,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autosplit.schedule import Action, Group, build_schedule, lower, placement_of
+from autosplit.schedule import (SPLIT_BACKWARD, Action, Group, build_schedule, deferring_stages, lower,
+                                placement_of)
 from autosplit.schedule.actions import RECV_B, RECV_F, B, F, I, W
 from autosplit.schedule.timing import ScheduleDeadlock, dependencies
 
@@ -423,10 +424,24 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
             f, b = collective_time(n, plan.mesh.tp, profile)
             tp[stage][0] += f
             tp[stage][1] += b
-    split = plan.schedule in ("zb-h1", "zb-v")
-    return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if split else 0.0, tp_fwd=f, tp_bwd=b,
+    split = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
+                              plan.mesh.tp)
+    return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f, tp_bwd=b,
                        send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time)
-            for s, (f, b) in zip(plan.stages, tp)]
+            for k, (s, (f, b)) in enumerate(zip(plan.stages, tp))]
+
+
+@functools.lru_cache(maxsize=256)
+def deferred_w_stages(schedule: str, pp: int, m: int, v: int, tp: int) -> frozenset[int]:
+    """The stages whose W the runtime really defers (a W priced apart from its I; elsewhere I is the
+    whole backward and W nothing): under an I / W schedule the stages where some W does not directly
+    follow its I (``schedule.deferring_stages``), and every stage when tp > 1 (the runtime splits every
+    stage there, for its overlapped backward: runtime/rank_plan.py); none under F / B schedules."""
+    if schedule not in SPLIT_BACKWARD:
+        return frozenset()
+    if tp > 1:
+        return frozenset(range(pp * v))
+    return frozenset(deferring_stages(build_schedule(schedule, pp, m, v).actions))
 
 
 def predict_plan(plan, device=None) -> StepPrediction:

@@ -49,12 +49,15 @@ VARIANTS.setdefault("shared_weight", SharedWeightViT)
 def train_with_deferral(name: str, mesh, schedule: str, microbatches: int, **kw) -> dict:
     """``train_matches_single_device``, also counting the weight gradients the split GEMMs deferred (so
     a pass that split nothing cannot pass), those run while a tp backward collective was in flight,
-    and the dp buckets that launched before the step's end (arming at the last W keeps the overlap)."""
-    counted = {"deferred": 0, "early": []}
+    and the dp buckets that launched before the step's end (arming at the last W keeps the overlap);
+    ``deferring``: the stages whose weight gradients were queued (the split ones)."""
+    counted = {"deferred": 0, "early": [], "deferring": set()}
     run, overlapped = DEFERRED.run, DEFERRED.overlapped
 
     def counting_run(key):
         counted["deferred"] += len(DEFERRED.pending.get(key, []))
+        if DEFERRED.pending.get(key) and len(key) == 2 and isinstance(key[0], int):   # (stage, microbatch)
+            counted["deferring"].add(key[0])
         run(key)
 
     DEFERRED.run = counting_run

@@ -55,10 +55,13 @@ class PipelineExecutor:
         self.train_items = lower(build_schedule(plan.schedule, pp, self.m, plan.chunks_per_rank))[r]
         self.predict_items = lower(forward_schedule("gpipe", pp, self.m, plan.chunks_per_rank,
                                                     placement=self.place.kind))[r]
-        # the compute after which a stage's gradients are final: its last B, or its last W
-        computes = [a for a in self.train_items if a.is_compute and a.kind in (B, W)]
-        self.last_grad = {s: [a for a in computes if a.stage == s][-1] for s in self.modules}
         self.split = {s: uses_split_ops(mod) for s, mod in self.modules.items()}
+        # the compute after which a stage's gradients are final: its last B, or its last W; on a stage
+        # kept fused under an I / W schedule (rank_plan, deferring_stages) its last I, which runs the
+        # whole backward (its W's find nothing queued)
+        final = {s: (B, W) if self.split[s] else (B, I) for s in self.modules}
+        self.last_grad = {s: [a for a in self.train_items if a.is_compute and a.stage == s and a.kind in final[s]][-1]
+                          for s in self.modules}
         self.autocast_dtype = autocast_dtype
         self.on_last_backward = on_last_backward or (lambda stage, final=(): None)
         self.transport = make_transport(world.backend, world.group("pp")) if pp > 1 else None

@@ -15,10 +15,11 @@ from .lower import flatten, lower
 from .placement import Placement, placement_of
 from .simulate import SimResult, check_schedule, peak_in_flight, simulate
 from .timing import ScheduleDeadlock
+from .zero_bubble import deferring_stages
 
 __all__ = [
     "Action", "ActionKind", "Group", "Item", "parse_item", "SCHEDULES", "SPLIT_BACKWARD", "Schedule",
     "build_schedule", "Placement", "placement_of",
     "forward_schedule", "lower", "flatten", "ScheduleDeadlock", "SimResult", "check_schedule", "peak_in_flight",
-    "simulate",
+    "simulate", "deferring_stages",
 ]

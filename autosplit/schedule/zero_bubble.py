@@ -86,3 +86,23 @@ def zb_v(rank: int, pp: int, m: int, v: int, place: Placement) -> list[Action]:
     while count[(s0, W)] < count[(s0, I)]:
         add(s0, W)
     return [a for a in out if a.microbatch < m]
+
+
+def deferring_stages(actions: dict[int, list[Action]]) -> set[int]:
+    """The stages of compute-only ``actions`` (rank -> list) that really defer a weight gradient: some
+    W of theirs does not directly follow its own I in the rank's list.
+
+    A stage whose every W comes right after its I gains from the split only that its I hands the
+    input gradient on a W earlier (and a first stage hands nothing on), while the split costs on every
+    microbatch: the split GEMMs' own forward and backward, and a W that reads its inputs back cold
+    (4-9 % of the stage's backward on a CPU, ``benchmarks/bench_split_backward.py``).  The runtime
+    keeps such a stage's GEMMs fused: its I runs the whole backward and its W finds nothing queued.
+    ZB-H1 on any pp: every stage but the first (rank r delays its W's by r rounds); ZB-V at pp = 2,
+    m = 8: stages 1 and 2 (the cooldown moves their W's), not 0 and 3.
+    """
+    deferring = set()
+    for acts in actions.values():
+        for pos, a in enumerate(acts):
+            if a.kind is I and (pos + 1 == len(acts) or acts[pos + 1] != Action(a.stage, W, a.microbatch)):
+                deferring.add(a.stage)
+    return deferring

@@ -27,11 +27,11 @@ from autosplit.cost_model import collective_time, get_profile, op_time, p2p_time
 from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.cost_model.sharding import StageDataParallel
-from autosplit.cost_model.step_time import StageTimes, lower_bound, predict_step, sharing_of
+from autosplit.cost_model.step_time import StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds, cut_fits, rank_balanced_bounds
-from autosplit.schedule import SPLIT_BACKWARD, build_schedule, peak_in_flight, placement_of
+from autosplit.schedule import build_schedule, peak_in_flight, placement_of
 from autosplit.strategy.cuts import CutSolver
 from autosplit.segment_costs import OPTIMIZER_FACTOR, SegmentCosts
 
@@ -146,14 +146,14 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
 PRUNED = "pruned"
 
 
-def _stage_times(group: Group, bounds, split: bool, dpc) -> tuple[list[StageTimes], list]:
+def _stage_times(group: Group, bounds, split: frozenset[int], dpc) -> tuple[list[StageTimes], list]:
     sums, param_bytes = group.stages(bounds)
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = [], []
     for s, (a, b) in enumerate(ranges):
         f, bw, w, tf, tb = (float(x) for x in sums[s])
         costs.append(dpc(a, b, param_bytes[s]))
-        stages.append(StageTimes(fwd=f, bwd=bw, w=w if split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
+        stages.append(StageTimes(fwd=f, bwd=bw, w=w if s in split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
                                  dp=costs[-1].time))
     return stages, costs
 
@@ -162,7 +162,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
           incumbent: float = float("inf")):
     """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
     or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
-    S, seg, split = pp * v, group.seg, schedule in SPLIT_BACKWARD
+    S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp)
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]
