@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from autosplit.compiler import compile_with
+from autosplit.cost_model.step_time import deferred_w_stages
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.meta_init import Initializer
@@ -39,7 +40,6 @@ from autosplit.runtime.loss_check import checked_loss
 from autosplit.runtime.params import adopt_parameters, graph_order_params, materialize_local
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.tp_collectives import bind_axis_groups, unbind_groups
-from autosplit.schedule import SPLIT_BACKWARD, build_schedule, deferring_stages
 
 log = logging.getLogger("autosplit")      # the library logs; it never prints
 
@@ -157,17 +157,15 @@ class RankPlanner:
             materialize_local(modules, self.initializer, self.sharded(), coord.tp, world.device)
         modules = [m.to(world.device) for m in modules]
         modules = [fork_sharded_random(m) for m in modules] if world.mesh.tp > 1 else modules
-        # I / W schedules defer weight gradients to W, on the stages where some W does not directly
-        # follow its I (deferring_stages: elsewhere the split only costs); under tp, B overlaps them
-        # with the backward all-reduce / reduce-scatter of the entries' input gradients
-        # (runtime/tp_collectives.py), on every stage.  Not under dp_shard: FSDP2 reduce-scatters a
-        # module's gradients when its backward ends.
+        # I / W schedules defer weight gradients to W, on the stages the cost model prices a W apart for
+        # (deferred_w_stages: where some W does not directly follow its I; elsewhere the split only
+        # costs); under tp, B overlaps them with the backward all-reduce / reduce-scatter of the
+        # entries' input gradients (runtime/tp_collectives.py), on every stage.  Not under dp_shard:
+        # FSDP2 reduce-scatters a module's gradients when its backward ends.
         overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard
         stages = plan.placement.stages(coord.pp)
-        deferring = set()
-        if opts.schedule in SPLIT_BACKWARD:
-            deferring = deferring_stages(build_schedule(plan.schedule, plan.mesh.pp, plan.num_microbatches,
-                                                        plan.chunks_per_rank).actions)
+        deferring = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
+                                      plan.mesh.tp)
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
         if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
