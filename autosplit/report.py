@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.step_time import deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
 
@@ -67,14 +68,14 @@ def summary_table(plan: Plan) -> str:
                     f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
     if plan.schedule in ("zb-h1", "zb-v"):
         deferred = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                                     plan.mesh.tp)
+                                     plan.mesh.tp, get_profile(plan.profile or plan.device).device_type)
         fused = [k for k in range(plan.n_stages) if k not in deferred]
         foot.append(f"{plan.schedule}: backward split into I (input gradient) and W (weight gradients, deferred "
                     f"to fill the bubble); W ms per stage (part of bwd ms): "
                     + ", ".join(f"{s.w_time * 1e3:.3f}" for s in plan.stages)
                     + ("" if not fused else f"; stage{'s' if len(fused) > 1 else ''} "
                        f"{', '.join(map(str, fused))} kept fused (every W right after its I: I runs the whole "
-                       f"backward)"))
+                       f"backward; see schedule.deferring_stages)"))
     if plan.mesh.dp > 1:
         foot.append(_dp_note(plan))
     if plan.tp_plan is not None:

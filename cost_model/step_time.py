@@ -425,23 +425,25 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
             tp[stage][0] += f
             tp[stage][1] += b
     split = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                              plan.mesh.tp)
+                              plan.mesh.tp, profile.device_type)
     return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f, tp_bwd=b,
                        send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time)
             for k, (s, (f, b)) in enumerate(zip(plan.stages, tp))]
 
 
 @functools.lru_cache(maxsize=256)
-def deferred_w_stages(schedule: str, pp: int, m: int, v: int, tp: int) -> frozenset[int]:
+def deferred_w_stages(schedule: str, pp: int, m: int, v: int, tp: int, device_type: str) -> frozenset[int]:
     """The stages whose W the runtime really defers (a W priced apart from its I; elsewhere I is the
-    whole backward and W nothing): under an I / W schedule the stages where some W does not directly
-    follow its I (``schedule.deferring_stages``), and every stage when tp > 1 (the runtime splits every
-    stage there, for its overlapped backward: runtime/rank_plan.py); none under F / B schedules."""
+    whole backward and W nothing): under an I / W schedule ``schedule.deferring_stages``, with the early
+    hand-off worth the split's cost except on a CPU (``device_type``, the profile's); every stage when
+    tp > 1 (the runtime splits every stage there, for its overlapped backward: runtime/rank_plan.py);
+    none under F / B schedules."""
     if schedule not in SPLIT_BACKWARD:
         return frozenset()
     if tp > 1:
         return frozenset(range(pp * v))
-    return frozenset(deferring_stages(build_schedule(schedule, pp, m, v).actions))
+    actions = build_schedule(schedule, pp, m, v).actions
+    return frozenset(deferring_stages(actions, early_send=device_type != "cpu"))
 
 
 def predict_plan(plan, device=None) -> StepPrediction:

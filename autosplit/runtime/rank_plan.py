@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from autosplit.compiler import compile_with
+from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.step_time import deferred_w_stages
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
@@ -158,14 +159,15 @@ class RankPlanner:
         modules = [m.to(world.device) for m in modules]
         modules = [fork_sharded_random(m) for m in modules] if world.mesh.tp > 1 else modules
         # I / W schedules defer weight gradients to W, on the stages the cost model prices a W apart for
-        # (deferred_w_stages: where some W does not directly follow its I; elsewhere the split only
-        # costs); under tp, B overlaps them with the backward all-reduce / reduce-scatter of the
+        # (deferred_w_stages: where some W does not directly follow its I, and on a GPU also where the
+        # split only hands the input gradient on earlier; elsewhere it only costs); under tp, B
+        # overlaps them with the backward all-reduce / reduce-scatter of the
         # entries' input gradients (runtime/tp_collectives.py), on every stage.  Not under dp_shard:
         # FSDP2 reduce-scatters a module's gradients when its backward ends.
         overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard
         stages = plan.placement.stages(coord.pp)
         deferring = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                                      plan.mesh.tp)
+                                      plan.mesh.tp, get_profile(plan.profile or plan.device).device_type)
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
         if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets

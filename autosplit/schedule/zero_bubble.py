@@ -88,21 +88,29 @@ def zb_v(rank: int, pp: int, m: int, v: int, place: Placement) -> list[Action]:
     return [a for a in out if a.microbatch < m]
 
 
-def deferring_stages(actions: dict[int, list[Action]]) -> set[int]:
-    """The stages of compute-only ``actions`` (rank -> list) that really defer a weight gradient: some
-    W of theirs does not directly follow its own I in the rank's list.
+def deferring_stages(actions: dict[int, list[Action]], early_send: bool = False) -> set[int]:
+    """The stages of compute-only ``actions`` (rank -> list) worth splitting: some W of theirs does not
+    directly follow its own I in the rank's list, or (``early_send``) every W does but the stage is not
+    the first one.
 
     A stage whose every W comes right after its I gains from the split only that its I hands the
-    input gradient on a W earlier (and a first stage hands nothing on), while the split costs on every
-    microbatch: the split GEMMs' own forward and backward, and a W that reads its inputs back cold
-    (4-9 % of the stage's backward on a CPU, ``benchmarks/bench_split_backward.py``).  The runtime
-    keeps such a stage's GEMMs fused: its I runs the whole backward and its W finds nothing queued.
-    ZB-H1 on any pp: every stage but the first (rank r delays its W's by r rounds); ZB-V at pp = 2,
-    m = 8: stages 1 and 2 (the cooldown moves their W's), not 0 and 3.
+    input gradient on a W earlier (the first stage hands nothing on: never worth it), while the split
+    costs on every microbatch: the split GEMMs' own forward and backward, and a W that reads its
+    inputs back cold.  Where the split is cheap (GPUs: ``early_send=True``) the earlier hand-off wins:
+    the cost model's timed run puts zb-v at pp = 2, m = 8 1.6 % longer with its last stage fused.
+    Where it is not (CPU hosts: ``early_send=False``; there the split stages of that zb-v computed
+    F +6 % and I + W +8.5 % over the fused ones in the pipeline benchmark) fusing them wins: that
+    zb-v ran 4 % faster with its first and last stage fused than with its first only.
+    The runtime keeps a stage outside this set fused: its I runs the whole backward and its W finds
+    nothing queued.  ZB-H1: every stage but the first (rank r delays its W's by r rounds) either way;
+    ZB-V at pp = 2, m = 8: stages 1 and 2 (the cooldown moves their W's), and 3 with ``early_send``.
     """
     deferring = set()
     for acts in actions.values():
         for pos, a in enumerate(acts):
-            if a.kind is I and (pos + 1 == len(acts) or acts[pos + 1] != Action(a.stage, W, a.microbatch)):
+            if a.kind is not I:
+                continue
+            moved = pos + 1 == len(acts) or acts[pos + 1] != Action(a.stage, W, a.microbatch)
+            if moved or early_send and a.stage > 0:
                 deferring.add(a.stage)
     return deferring

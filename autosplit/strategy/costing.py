@@ -162,7 +162,8 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
           incumbent: float = float("inf")):
     """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
     or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
-    S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp)
+    S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp,
+                                                            group.profile.device_type)
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]
