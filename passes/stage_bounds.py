@@ -56,7 +56,8 @@ class ChooseStageBounds(MetaPass):
                             f"stage_bounds={list(opts.stage_bounds)}: stage {st} needs {m / 2**20:.2f} MiB "
                             f"> the memory budget of {s.budget / 2**20:.2f} MiB per stage"
                             f"{'' if sharding is None else f' (dp state sharded per {sharding})'}; "
-                            f"move the cut, raise the budget, or shard the dp state (dp_shard=True)")
+                            f"move the cut or raise the budget"
+                            f"{', or shard the dp state (dp_shard=True)' if sharding is None and s.mesh.dp > 1 else ''}")
                 else:
                     bounds = balanced_bounds(seg.time, seg.out_time, s.n_stages, memory, s.budget,
                                              seg_params=seg.params)

@@ -57,7 +57,7 @@ CASES = [  # (id, compile overrides, exception type, regex the message must matc
     ("bounds_decreasing", dict(stage_bounds=[5, 2]), AutosplitError, r"stage_bounds=\[5, 2\]: not strictly increasing, stage 1 ends at segment 2 <= 5"),
     ("bounds_last_wrong", dict(stage_bounds=[1, 2]), AutosplitError, r"stage_bounds=\[1, 2\]: the last stage must end at the last segment, \d+ \(the graph has \d+ segments\), not 2"),
     ("bounds_negative", dict(stage_bounds=[-1, 0]), AutosplitError, r"stage_bounds=\[-1, 0\]: segment -1 < 0"),
-    ("bounds_over_budget", dict(stage_bounds=[11, 23], memory_budget="1KiB"), PlanError, r"stage_bounds=\[11, 23\]: stage \d needs [\d.]+ MiB > the memory budget of 0\.00 MiB per stage; move the cut, raise the budget"),
+    ("bounds_over_budget", dict(stage_bounds=[11, 23], memory_budget="1KiB"), PlanError, r"stage_bounds=\[11, 23\]: stage \d needs [\d.]+ MiB > the memory budget of 0\.00 MiB per stage; move the cut or raise the budget\n"),
     ("bounds_not_int", dict(stage_bounds=[1.0, 2.0]), AutosplitError, r"stage_bounds=\[1\.0, 2\.0\]: entries must be integers"),
     ("too_many_stages", dict(mesh=(40, 1, 1)), AutosplitError, r"pp\(40\) \* chunks_per_rank\(1\) = 40 stages, but the graph has only \d+ places to cut"),
     ("sequence_parallel_string", dict(sequence_parallel="yes"), AutosplitError, r"sequence_parallel='yes': expected True or False"),
