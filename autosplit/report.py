@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.step_time import deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
+from autosplit.schedule import SPLIT_BACKWARD
 
 if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
     from autosplit.plan import Plan, StageInfo
@@ -66,7 +67,7 @@ def summary_table(plan: Plan) -> str:
         what = "its inputs" if plan.checkpoint == "stage" else "the tensors entering each layer"
         foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
                     f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
-    if plan.schedule in ("zb-h1", "zb-v"):
+    if plan.schedule in SPLIT_BACKWARD:
         deferred = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
                                      plan.mesh.tp, get_profile(plan.profile or plan.device).device_type)
         fused = [k for k in range(plan.n_stages) if k not in deferred]

@@ -467,7 +467,7 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
     posting and dp sync only add, and so does sharing (a slowdown is at least 1).  With equal stages and 1F1B
     this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)
-    split = schedule in ("zb-h1", "zb-v")
+    split = schedule in SPLIT_BACKWARD
     fwd = [t.fwd + t.tp_fwd for t in stages]
     bwd = [t.bwd + t.tp_bwd for t in stages]
     bound = 0.0

@@ -160,10 +160,10 @@ class RankPlanner:
         modules = [fork_sharded_random(m) for m in modules] if world.mesh.tp > 1 else modules
         # I / W schedules defer weight gradients to W, on the stages the cost model prices a W apart for
         # (deferred_w_stages: where some W does not directly follow its I, and on a GPU also where the
-        # split only hands the input gradient on earlier; elsewhere it only costs); under tp, B
-        # overlaps them with the backward all-reduce / reduce-scatter of the
-        # entries' input gradients (runtime/tp_collectives.py), on every stage.  Not under dp_shard:
-        # FSDP2 reduce-scatters a module's gradients when its backward ends.
+        # split only hands the input gradient on earlier; elsewhere it only costs).  Under tp, B
+        # overlaps them with the backward all-reduce / reduce-scatter of the entries' input gradients
+        # (runtime/tp_collectives.py), on every stage.  Not under dp_shard: FSDP2 reduce-scatters a
+        # module's gradients when its backward ends.
         overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard
         stages = plan.placement.stages(coord.pp)
         deferring = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
