@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from autosplit.cost_model.profiles import get_profile
-from autosplit.cost_model.step_time import deferred_w_stages, predict_plan
+from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
 from autosplit.schedule import SPLIT_BACKWARD
 
@@ -68,8 +67,7 @@ def summary_table(plan: Plan) -> str:
         foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
                     f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
     if plan.schedule in SPLIT_BACKWARD:
-        deferred = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                                     plan.mesh.tp, get_profile(plan.profile or plan.device).device_type)
+        deferred = plan_deferred_w_stages(plan)
         fused = [k for k in range(plan.n_stages) if k not in deferred]
         foot.append(f"{plan.schedule}: backward split into I (input gradient) and W (weight gradients, deferred "
                     f"to fill the bubble); W ms per stage (part of bwd ms): "

@@ -66,7 +66,7 @@ def _rank(rank: int, args: dict) -> dict:
     import torch.distributed as dist
     import timm
     import autosplit
-    from autosplit.cost_model.step_time import deferred_w_stages, predict_plan
+    from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
     m = args["microbatches"]
     torch.manual_seed(0)
     pm = autosplit.parallelize(timm.models.VisionTransformer(**VIT), mesh=(2, 1, 1), num_microbatches=m,
@@ -127,8 +127,7 @@ def _rank(rank: int, args: dict) -> dict:
     s = plan.stages[stage]
     pred = predict_plan(plan, device=args["profile"])
     # a zero-bubble stage the runtime keeps fused runs its whole backward in I (and W finds nothing)
-    w = s.w_time if stage in deferred_w_stages(plan.schedule, plan.mesh.pp, m, plan.chunks_per_rank, plan.mesh.tp,
-                                               args["profile"].device_type) else 0.0
+    w = s.w_time if stage in plan_deferred_w_stages(plan, args["profile"]) else 0.0
     return {"stage": stage, "steps": steps, "iso": iso, "before": _median_ms(before), "after": _median_ms(after),
             "posting": _median_ms(posting), "net": {k: _median_ms(v) for k, v in net.items()},
             "computing": _median_ms(computing), "waiting": _median_ms(waiting),

@@ -424,8 +424,7 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
             f, b = collective_time(n, plan.mesh.tp, profile)
             tp[stage][0] += f
             tp[stage][1] += b
-    split = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                              plan.mesh.tp, profile.device_type)
+    split = plan_deferred_w_stages(plan, profile)
     return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f, tp_bwd=b,
                        send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time)
             for k, (s, (f, b)) in enumerate(zip(plan.stages, tp))]
@@ -444,6 +443,15 @@ def deferred_w_stages(schedule: str, pp: int, m: int, v: int, tp: int, device_ty
         return frozenset(range(pp * v))
     actions = build_schedule(schedule, pp, m, v).actions
     return frozenset(deferring_stages(actions, early_send=device_type != "cpu"))
+
+
+def plan_deferred_w_stages(plan, device=None) -> frozenset[int]:
+    """``deferred_w_stages`` of a compiled Plan (its schedule and mesh), for the device type of
+    ``device`` (default: the plan's own profile, as ``plan_stage_times``)."""
+    from autosplit.cost_model.profiles import get_profile
+    profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
+    return deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
+                             plan.mesh.tp, profile.device_type)
 
 
 def predict_plan(plan, device=None) -> StepPrediction:

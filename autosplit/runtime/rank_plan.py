@@ -22,8 +22,7 @@ from collections.abc import Callable
 import torch
 
 from autosplit.compiler import compile_with
-from autosplit.cost_model.profiles import get_profile
-from autosplit.cost_model.step_time import deferred_w_stages
+from autosplit.cost_model.step_time import plan_deferred_w_stages
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.meta_init import Initializer
@@ -166,8 +165,7 @@ class RankPlanner:
         # module's gradients when its backward ends.
         overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard
         stages = plan.placement.stages(coord.pp)
-        deferring = deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                                      plan.mesh.tp, get_profile(plan.profile or plan.device).device_type)
+        deferring = plan_deferred_w_stages(plan)
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
         if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
