@@ -1,15 +1,20 @@
 """Where a pipeline step's time goes on this CPU, beside what the cost model predicts for it (issue 14).
 
-One pipeline (default: timm ViT width 192, depth 6, 6 heads, 32 px, batch 16, mesh (2, 1, 1), 1F1B,
-4 microbatches; the cost model's accuracy benchmark's "pp2 1f1b m4") on 2 gloo ranks, one thread each,
-planned with this machine's measured profile fitted to the model (as bench_cost_model.py does). Terms:
+One configuration (default: timm ViT width 192, depth 6, 6 heads, 32 px, batch 16, mesh (2, 1, 1), 1F1B,
+4 microbatches; the cost model's accuracy benchmark's "pp2 1f1b m4"; ``--mesh 1,2,1 --microbatches 2`` is
+its "tp2 m2") on pp x tp x dp gloo ranks, one thread each, planned with this machine's measured profile
+fitted to the model (as bench_cost_model.py does). Terms:
 
   action      -- one F / B (I / W) of the running pipeline, timed by wrapping the executor's per-action
-                 call: its wall time, and its *net* time (minus the receive wait inside it).
+                 call: its wall time, and its *net* time (minus the receive wait and the tensor-parallel
+                 collective waits inside it).
+  collectives -- per step, the time the rank waited in tensor-parallel collectives
+                 (``tp_collectives.EXPOSED``), beside the prediction's exposed communication.
   isolated    -- the same stage module's forward (with grad) and backward, on the same rank, outside the
                  pipeline: ``back to back`` (one microbatch, nothing between passes), ``after waits``
                  (two microbatches in flight, a 5 ms sleep before each pass, as a pipeline rank waits),
-                 once with the other rank idle and once with both ranks doing it at once.
+                 once with the other rank idle and once with both ranks doing it at once (pp only: a
+                 tensor-parallel stage cannot run without its peers).
   outside     -- per step, the time before the rank's first action (the call check's all-gather, input
                  checks) and after its last (the sends' final waits, the loss all-reduce), and the time
                  spent posting transfer groups (``[...]`` items of the schedule).
@@ -19,6 +24,7 @@ Timing: after 3 warm-up steps, ``--steps`` steps each after a barrier; medians. 
 nothing (docs/benchmarks.md quotes its runs by hand).
 
 Run from the repository root:  python benchmarks/bench_step_anatomy.py [--schedule zb-h1] [--microbatches 8]
+[--mesh 1,2,1] [--sequence-parallel]
 """
 from __future__ import annotations
 
@@ -67,29 +73,33 @@ def _rank(rank: int, args: dict) -> dict:
     import timm
     import autosplit
     from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
-    m = args["microbatches"]
+    from autosplit.runtime import tp_collectives
+    m, mesh = args["microbatches"], args["mesh"]
+    rows = BATCH // mesh[2]                                  # this replica's batch
     torch.manual_seed(0)
-    pm = autosplit.parallelize(timm.models.VisionTransformer(**VIT), mesh=(2, 1, 1), num_microbatches=m,
-                               schedule=args["schedule"], device=args["profile"],
-                               example_input=torch.randn(BATCH // m, 3, 32, 32))
+    pm = autosplit.parallelize(timm.models.VisionTransformer(**VIT), mesh=mesh, num_microbatches=m,
+                               schedule=args["schedule"], sequence_parallel=args["sequence_parallel"],
+                               device=args["profile"], example_input=torch.randn(rows // m, 3, 32, 32))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    x, y = x[pm.dp_rank * rows:(pm.dp_rank + 1) * rows], y[pm.dp_rank * rows:(pm.dp_rank + 1) * rows]
     for _ in range(3):
         pm.step(x, y)
     ex, plan = pm.executor, pm.plan
     stage = [s for s in range(plan.n_stages) if s in ex.modules][0]
     last = stage == plan.n_stages - 1
-    inp = [x[:BATCH // m]] if stage == 0 else [torch.randn(t.shape) for t in plan.stages[stage].inputs]
     iso = {}
-    for who, label in ((0, "alone"), (1, "alone"), (None, "both ranks")):
-        for in_flight, sleep, how in ((1, 0.0, "back to back"), (2, 0.005, "after waits")):
-            dist.barrier()
-            if who is None or who == rank:
-                run = (ex.modules[stage], inp, y[:BATCH // m], stage == 0, last, in_flight, sleep)
-                _isolated(*run, reps=2)                                    # warm-up
-                iso[f"{how}, {label}"] = _isolated(*run)
-            dist.barrier()
-    # the running pipeline: per action wall and net time, posting, before / after the actions
+    if mesh[1] == 1:            # a tensor-parallel stage runs collectives: it cannot be timed alone
+        inp = [x[:rows // m]] if stage == 0 else [torch.randn(t.shape) for t in plan.stages[stage].inputs]
+        for who, label in ((0, "alone"), (1, "alone"), (None, "both ranks")):
+            for in_flight, sleep, how in ((1, 0.0, "back to back"), (2, 0.005, "after waits")):
+                dist.barrier()
+                if who is None or who == rank:
+                    run = (ex.modules[stage], inp, y[:rows // m], stage == 0, last, in_flight, sleep)
+                    _isolated(*run, reps=2)                                    # warm-up
+                    iso[f"{how}, {label}"] = _isolated(*run)
+                dist.barrier()
+    # the running step: per action wall and net time, posting, collectives, before / after the actions
     log, waits = [], [0.0]
     take, guarded = ex._take, ex._guarded
 
@@ -102,11 +112,13 @@ def _rank(rank: int, args: dict) -> dict:
 
     def timed_guarded(item, fn):
         waits[0] = 0.0
+        exposed = sum(tp_collectives.EXPOSED.values())
         t0 = time.perf_counter()
         guarded(item, fn)
-        log.append((str(item), t0, time.perf_counter() - t0, waits[0]))
+        collective = sum(tp_collectives.EXPOSED.values()) - exposed
+        log.append((str(item), t0, time.perf_counter() - t0, waits[0], collective))
     ex._take, ex._guarded = timed_take, timed_guarded
-    steps, before, after, posting, net, computing, waiting = [], [], [], [], {}, [], []
+    steps, before, after, posting, net, computing, waiting, collectives = [], [], [], [], {}, [], [], []
     for _ in range(args["steps"]):
         log.clear()
         dist.barrier()
@@ -118,11 +130,12 @@ def _rank(rank: int, args: dict) -> dict:
         before.append(computes[0][1] - t0)
         end_of_last = computes[-1][1] + computes[-1][2]
         after.append(t1 - end_of_last)
-        posting.append(sum(d for name, start, d, _ in log if name.startswith("[") and start < end_of_last))
-        for name, _, d, w in computes:
-            net.setdefault(name.lstrip("0123456789")[0], []).append(d - w)
-        computing.append(sum(d - w for _, _, d, w in computes))
-        waiting.append(sum(w for _, _, _, w in computes))
+        posting.append(sum(e[2] for e in log if e[0].startswith("[") and e[1] < end_of_last))
+        for name, _, d, w, c in computes:
+            net.setdefault(name.lstrip("0123456789")[0], []).append(d - w - c)
+        computing.append(sum(d - w - c for _, _, d, w, c in computes))
+        waiting.append(sum(w for _, _, _, w, _ in computes))
+        collectives.append(sum(c for *_, c in computes))
     ex._take, ex._guarded = take, guarded
     s = plan.stages[stage]
     pred = predict_plan(plan, device=args["profile"])
@@ -131,6 +144,7 @@ def _rank(rank: int, args: dict) -> dict:
     return {"stage": stage, "steps": steps, "iso": iso, "before": _median_ms(before), "after": _median_ms(after),
             "posting": _median_ms(posting), "net": {k: _median_ms(v) for k, v in net.items()},
             "computing": _median_ms(computing), "waiting": _median_ms(waiting),
+            "collectives": _median_ms(collectives),
             "pred": {"F": s.fwd_time * 1e3, "B": s.bwd_time * 1e3, "I": (s.bwd_time - w) * 1e3, "W": w * 1e3, "step": pred.total * 1e3, "compute": pred.compute * 1e3,
                      "bubble": pred.bubble * 1e3, "exposed": pred.exposed_comm * 1e3}}
 
@@ -145,34 +159,38 @@ def main() -> None:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--mesh", type=lambda v: tuple(int(k) for k in v.split(",")), default=(2, 1, 1),
+                    help="pp,tp,dp (default 2,1,1)")
+    ap.add_argument("--sequence-parallel", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    key = profile_cache.machine_key("cpu", 2)
+    world = args.mesh[0] * args.mesh[1] * args.mesh[2]
+    key = profile_cache.machine_key("cpu", world)
     key["threads"] = 1
-    profile = profile_cache.load(key) or measure_here(2, threads=1)
+    profile = profile_cache.load(key) or measure_here(world, threads=1)
     with torch.device("meta"):
         model = timm.models.VisionTransformer(**VIT)
     profile = fit_to_model(profile, model, torch.empty(1, 3, 32, 32), sizes=(2, 8))[0]
     print(profile.name)
-    per_rank = spawn_ranks(_rank, 2, {**vars(args), "profile": profile}, timeout=1800)
+    per_rank = spawn_ranks(_rank, world, {**vars(args), "profile": profile}, timeout=1800)
     slowest = [max(r["steps"][i] for r in per_rank) for i in range(args.steps)]
     print(f"\nstep: measured {_median_ms(slowest):.1f} ms (slowest rank, median of {args.steps}), "
           f"predicted {per_rank[0]['pred']['step']:.1f} ms\n")
-    print("| rank (stage) | action | predicted ms | in the pipeline, net of waits | "
-          + " | ".join(f"isolated: {k}" for k in per_rank[0]["iso"]) + " |")
-    print("|---" * (4 + len(per_rank[0]["iso"])) + "|")
+    head = ["rank (stage)", "action", "predicted ms", "in the step, net of waits"]
+    print("| " + " | ".join(head + [f"isolated: {k}" for k in per_rank[0]["iso"]]) + " |")
+    print("|---" * (len(head) + len(per_rank[0]["iso"])) + "|")
     for rank, r in enumerate(per_rank):
         for kind, ms in sorted(r["net"].items()):
             iso = [f"{v[0 if kind == 'F' else 1]:.2f}" if kind in "FB" else "-" for v in r["iso"].values()]
-            print(f"| {rank} ({r['stage']}) | {kind} | {r['pred'][kind]:.2f} | {ms:.2f} | " + " | ".join(iso) + " |")
+            print("| " + " | ".join([f"{rank} ({r['stage']})", kind, f"{r['pred'][kind]:.2f}", f"{ms:.2f}"] + iso) + " |")
     pred = predict_plan_parts(per_rank[0])
     print(f"\npredicted for the slowest rank: {pred}")
-    print("\n| rank | before its first action | computing (actions net of waits) | waiting inside actions | "
-          "posting groups | after its last action |  (ms per step, medians)")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| rank | before its first action | computing (actions net of waits) | waiting for receives | "
+          "waiting in tp collectives | posting groups | after its last action |  (ms per step, medians)")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for rank, r in enumerate(per_rank):
-        print(f"| {rank} | {r['before']:.2f} | {r['computing']:.2f} | {r['waiting']:.2f} | {r['posting']:.2f} | "
-              f"{r['after']:.2f} |")
+        print(f"| {rank} | {r['before']:.2f} | {r['computing']:.2f} | {r['waiting']:.2f} | {r['collectives']:.2f} | "
+              f"{r['posting']:.2f} | {r['after']:.2f} |")
 
 
 def predict_plan_parts(r: dict) -> str:
