@@ -13,7 +13,7 @@ fitted to the model (as bench_cost_model.py does). Terms:
   isolated    -- the same stage module's forward (with grad) and backward, on the same rank, outside the
                  pipeline: ``back to back`` (one microbatch, nothing between passes), ``after waits``
                  (two microbatches in flight, a 5 ms sleep before each pass, as a pipeline rank waits),
-                 once with the other rank idle and once with both ranks doing it at once (pp only: a
+                 once with the other ranks idle and once with every rank doing it at once (pp only: a
                  tensor-parallel stage cannot run without its peers).
   outside     -- per step, the time before the rank's first action (the call check's all-gather, input
                  checks) and after its last (the sends' final waits, the loss all-reduce), and the time
@@ -91,7 +91,9 @@ def _rank(rank: int, args: dict) -> dict:
     iso = {}
     if mesh[1] == 1:            # a tensor-parallel stage runs collectives: it cannot be timed alone
         inp = [x[:rows // m]] if stage == 0 else [torch.randn(t.shape) for t in plan.stages[stage].inputs]
-        for who, label in ((0, "alone"), (1, "alone"), (None, "both ranks")):
+        every = "both ranks" if dist.get_world_size() == 2 else "every rank"
+        for who in [*range(dist.get_world_size()), None]:       # each rank alone in turn, then all at once
+            label = "alone" if who is not None else every
             for in_flight, sleep, how in ((1, 0.0, "back to back"), (2, 0.005, "after waits")):
                 dist.barrier()
                 if who is None or who == rank:
