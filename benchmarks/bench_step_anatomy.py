@@ -1,4 +1,4 @@
-"""Where a pipeline step's time goes on this CPU, beside what the cost model predicts for it (issue 14).
+"""Where one training step's time goes on this CPU, beside what the cost model predicts for it (issue 14).
 
 One configuration (default: timm ViT width 192, depth 6, 6 heads, 32 px, batch 16, mesh (2, 1, 1), 1F1B,
 4 microbatches; the cost model's accuracy benchmark's "pp2 1f1b m4"; ``--mesh 1,2,1 --microbatches 2`` is
