@@ -21,7 +21,7 @@ import argparse
 import statistics
 import time
 
-from common import spawn_ranks
+from common import md_table, spawn_ranks
 
 
 def _rank(rank: int, args: dict) -> dict:
@@ -64,12 +64,10 @@ def main() -> None:
     per_rank = spawn_ranks(_rank, 2, vars(args), timeout=900)
     print(f"all-reduce of {args.kbytes} KB on 2 gloo ranks; one GEMM (520x192 @ 192x192) "
           f"{per_rank[0]['gemm_ms']:.2f} / {per_rank[1]['gemm_ms']:.2f} ms on rank 0 / 1\n")
-    print("| before each call | rank 0 median ms | rank 0 mean | rank 1 median | rank 1 mean |")
-    print("|---|---:|---:|---:|---:|")
-    for k, (label, *_) in enumerate(per_rank[0]["rows"]):
-        cells = [f"{v:.3f}" for r in per_rank for v in r["rows"][k][1:]]
-        print(f"| {label} | " + " | ".join(cells) + " |")
-
+    rows = [[label] + [f"{v:.3f}" for r in per_rank for v in r["rows"][k][1:]]
+            for k, (label, *_) in enumerate(per_rank[0]["rows"])]
+    print("\n".join(md_table(["before each call", "rank 0 median ms", "rank 0 mean", "rank 1 median", "rank 1 mean"],
+                             rows)))
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ import argparse
 import statistics
 import time
 
-from common import spawn_ranks
+from common import md_table, spawn_ranks
 
 VIT = dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=6, num_classes=10)
 BATCH = 16
@@ -179,21 +179,17 @@ def main() -> None:
     print(f"\nstep: measured {_median_ms(slowest):.1f} ms (slowest rank, median of {args.steps}), "
           f"predicted {per_rank[0]['pred']['step']:.1f} ms\n")
     head = ["rank (stage)", "action", "predicted ms", "in the step, net of waits"]
-    print("| " + " | ".join(head + [f"isolated: {k}" for k in per_rank[0]["iso"]]) + " |")
-    print("|---" * (len(head) + len(per_rank[0]["iso"])) + "|")
-    for rank, r in enumerate(per_rank):
-        for kind, ms in sorted(r["net"].items()):
-            iso = [f"{v[0 if kind == 'F' else 1]:.2f}" if kind in "FB" else "-" for v in r["iso"].values()]
-            print("| " + " | ".join([f"{rank} ({r['stage']})", kind, f"{r['pred'][kind]:.2f}", f"{ms:.2f}"] + iso) + " |")
-    pred = predict_plan_parts(per_rank[0])
-    print(f"\npredicted for the slowest rank: {pred}")
-    print("\n| rank | before its first action | computing (actions net of waits) | waiting for receives | "
-          "waiting in tp collectives | posting groups | after its last action |  (ms per step, medians)")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for rank, r in enumerate(per_rank):
-        print(f"| {rank} | {r['before']:.2f} | {r['computing']:.2f} | {r['waiting']:.2f} | {r['collectives']:.2f} | "
-              f"{r['posting']:.2f} | {r['after']:.2f} |")
-
+    rows = [[f"{rank} ({r['stage']})", kind, f"{r['pred'][kind]:.2f}", f"{ms:.2f}"]
+            + [f"{v[0 if kind == 'F' else 1]:.2f}" if kind in "FB" else "-" for v in r["iso"].values()]
+            for rank, r in enumerate(per_rank) for kind, ms in sorted(r["net"].items())]
+    print("\n".join(md_table(head + [f"isolated: {k}" for k in per_rank[0]["iso"]], rows)))
+    print(f"\npredicted for the slowest rank: {predict_plan_parts(per_rank[0])}")
+    print("\nms per step, medians:")
+    print("\n".join(md_table(
+        ["rank", "before its first action", "computing (actions net of waits)", "waiting for receives",
+         "waiting in tp collectives", "posting groups", "after its last action"],
+        [[rank] + [f"{r[k]:.2f}" for k in ("before", "computing", "waiting", "collectives", "posting", "after")]
+         for rank, r in enumerate(per_rank)])))
 
 def predict_plan_parts(r: dict) -> str:
     """The prediction's parts for the slowest rank, as one line (ms)."""
