@@ -79,7 +79,7 @@ def _rank(rank: int, args) -> dict:
     from autosplit.cost_model.step_time import predict_plan
     torch.set_num_threads(1)
     world = args["world"]
-    configs = [c for c in CONFIGS if c[1] == world]
+    configs = [c for c in CONFIGS if c[1] == world and (not args["only"] or any(o in c[0] for o in args["only"]))]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
     quick = calibrate(seconds=0.5, link=False) if rank == 0 else None
@@ -206,8 +206,9 @@ def worker(rank: int, port: int, args, results) -> None:
         results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
 
 
-def run_world(world: int, rounds: int, warmup: int, profiles: dict) -> dict:
-    per_rank = launch(worker, world, {"world": world, "rounds": rounds, "warmup": warmup, "profiles": profiles},
+def run_world(world: int, rounds: int, warmup: int, profiles: dict, only: tuple = ()) -> dict:
+    per_rank = launch(worker, world, {"world": world, "rounds": rounds, "warmup": warmup, "profiles": profiles,
+                                      "only": only},
                       timeout=1800)
     rows = {}
     for name in per_rank[0]:
@@ -280,6 +281,7 @@ def main() -> None:
     ap.add_argument("--ranking", action="store_true", help="also the search ranking check (world 4, depth 12)")
     ap.add_argument("--top", type=int, default=12, help="candidates of the search to measure")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the configurations named so")
     ap.add_argument("--no-fit", action="store_true", help="plan with the measured profile as it is")
     ap.add_argument("--patience", type=float, default=600, help="seconds to wait for the load to fall below 4")
     args = ap.parse_args()
@@ -292,7 +294,7 @@ def main() -> None:
     if not args.skip_accuracy:
         for w in worlds:
             load_before = max(load_before, wait_for_quiet(patience_s=args.patience))
-            rows.update(run_world(w, args.rounds, args.warmup, profiles))
+            rows.update(run_world(w, args.rounds, args.warmup, profiles, tuple(filter(None, args.only.split(",")))))
         text, median, worst = table(rows)
         summary = (f"median |error| {median:.1%}, worst {worst:.1%} over {len(rows)} configurations "
                    f"(targets: median <= 10 %, worst <= 25 %)")

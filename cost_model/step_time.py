@@ -36,6 +36,10 @@ Terms:
                 data arrives, at least as many of the host's other processes compute as did while it was
                 measured (all but the two relaying: the host's processes - 2): the rank must win a core
                 back (runtime/sharing_bench.py *wake*).  Part of the transfers' exposed time.
+  fixed      -- seconds every rank spends per step outside the schedule, waiting in collectives over
+                the whole world: the call check's all-gather before its first action
+                (runtime/call_gate.py) and the loss all-reduce after its last (runtime/gradients.py);
+                ``step_collectives`` prices them.  Added to every rank's end and to exposed_comm.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
                 stretched by sharing),
@@ -362,7 +366,7 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
                  stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0,
-                 wake: float = 0.0) -> StepPrediction:
+                 wake: float = 0.0, fixed: float = 0.0) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -373,6 +377,8 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         post: host seconds per posted transfer group (``profile.p2p_post``; see *post*).
         wake: seconds a waiting rank pays to get a core back on a busy host (``profile.p2p_wake``; see
             *wake*; only with ``sharing``).
+        fixed: seconds of the step's own collectives outside the schedule (``step_collectives``; see
+            *fixed*).
     """
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
@@ -397,11 +403,11 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         clock = 0.0
         for s in sorted((s for s in range(S) if rank_of[s] == r), key=lambda s: last_bwd[s]):
             clock = max(clock, last_bwd[s]) + stages[s].dp
-        totals.append(max(ends[r], clock))
+        totals.append(max(ends[r], clock) + fixed)
     r = max(range(pp), key=lambda q: (totals[q], -q))
-    exposed = tp[r] + max(0.0, ends[r] - free_ends[r])
-    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] - compute[r] - exposed,
-                          exposed_comm=exposed, dp_comm=totals[r] - ends[r], rank=r, rank_ends=tuple(totals))
+    exposed = tp[r] + max(0.0, ends[r] - free_ends[r]) + fixed
+    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] + fixed - compute[r] - exposed,
+                          exposed_comm=exposed, dp_comm=totals[r] - fixed - ends[r], rank=r, rank_ends=tuple(totals))
 
 
 def plan_stage_times(plan, device=None) -> list[StageTimes]:
@@ -458,9 +464,27 @@ def predict_plan(plan, device=None) -> StepPrediction:
     """``predict_step`` of a compiled Plan (its schedule, mesh and StageInfos; see plan_stage_times)."""
     from autosplit.cost_model.profiles import get_profile
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
-    return predict_step(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                        plan_stage_times(plan, profile), sharing_of(profile, plan.mesh.tp * plan.mesh.dp),
-                        profile.p2p_post, profile.p2p_wake)
+    mesh = plan.mesh
+    return predict_step(plan.schedule, mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
+                        plan_stage_times(plan, profile), sharing_of(profile, mesh.tp * mesh.dp),
+                        profile.p2p_post, profile.p2p_wake, step_collectives(profile, mesh.pp * mesh.tp * mesh.dp))
+
+
+CALL_ROW_BYTES = 5 * 8      # runtime/call_gate.py: one row of five int64 per rank
+LOSS_BYTES = 2 * 8          # runtime/gradients.py global_mean: loss and overflow flag, float64
+
+
+def step_collectives(profile, world_size: int) -> float:
+    """Seconds of *fixed*: the call check's all-gather of one row per rank and the loss all-reduce, over
+    ``world_size`` ranks with ``profile``'s collectives (0 for one rank).
+
+    Args:
+        profile: a DeviceProfile or a profile name.
+        world_size: ranks of the job (pp * tp * dp).
+    """
+    from autosplit.cost_model.comm import all_gather_time, all_reduce_time
+    return all_gather_time(CALL_ROW_BYTES * world_size, world_size, profile) + \
+        all_reduce_time(LOSS_BYTES, world_size, profile)
 
 
 def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,

@@ -68,6 +68,31 @@ def test_cache_round_trip_key_and_switch(tmp_path, monkeypatch):
     assert profile_cache.load(key) is None and profile_cache.save(key, CPU) is None
 
 
+def test_in_step_cost_is_one_constant_per_group_size_added_to_collectives_only():
+    """What a collective costs after a compute burst beyond back to back (comm_bench.py *in step*): the
+    mean difference over kinds and sizes per group size, never below 0, on every collective kind's
+    alpha of that size and not on send_recv."""
+    from types import SimpleNamespace
+    from autosplit.runtime.measure_profile import _build, in_step_extra
+    times = {("all_reduce", 2, 4096): 1.0e-3, ("in_step/all_reduce", 2, 4096): 1.7e-3,
+             ("all_reduce", 2, 1 << 20): 2.0e-3, ("in_step/all_reduce", 2, 1 << 20): 2.5e-3,
+             ("all_gather", 2, 4096): 1.0e-3, ("in_step/all_gather", 2, 4096): 1.3e-3,
+             ("all_gather", 2, 1 << 20): 2.0e-3, ("in_step/all_gather", 2, 1 << 20): 2.3e-3,
+             ("all_reduce", 4, 4096): 3.0e-3, ("in_step/all_reduce", 4, 4096): 1.0e-3,
+             ("all_reduce", 4, 1 << 20): 4.0e-3, ("in_step/all_reduce", 4, 1 << 20): 3.0e-3,
+             ("send_recv", 2, 4096): 1.0e-4, ("send_recv", 2, 1 << 20): 6.0e-4}
+    extra = in_step_extra(times)
+    assert extra[2] == pytest.approx(0.45e-3) and extra[4] == 0.0        # (0.7 + 0.5 + 0.3 + 0.3) / 4; never < 0
+    profile = _build(SimpleNamespace(device=torch.device("cpu"), size=4), CPU, CPU.compute, dict(times), (1.0,) * 4)
+    plain = {k: fit_alpha_beta([(b, t) for (kind, n, b), t in times.items() if f"{kind}/{n}" == k])
+             for k in ("all_reduce/2", "all_gather/2", "all_reduce/4", "send_recv/2")}
+    assert profile.comm["all_reduce/2"] == pytest.approx((plain["all_reduce/2"][0] + 0.45e-3, plain["all_reduce/2"][1]))
+    assert profile.comm["all_gather/2"][0] == pytest.approx(plain["all_gather/2"][0] + 0.45e-3)
+    assert profile.comm["all_reduce/4"] == pytest.approx(plain["all_reduce/4"])
+    assert profile.comm["send_recv/2"] == pytest.approx(plain["send_recv/2"])
+    assert not any(k.startswith("in_step") for k in profile.comm)
+
+
 def test_plan_and_prediction_use_the_measured_profile():
     import autosplit
     from autosplit.cost_model.step_time import predict_plan

@@ -51,8 +51,21 @@ def test_transfers_tp_and_dp_add_what_they_expose():
     assert tp.compute == pytest.approx(free.compute) and tp.exposed_comm == pytest.approx(4 * 0.3)
     dp = predict_step("1f1b", 2, 4, 1, [StageTimes(f, b, dp=0.5)] * 2)
     assert dp.dp_comm == pytest.approx(0.5) and dp.total == pytest.approx(free.total + 0.5)
-    for p in (pred, tp, dp):
+    fixed = predict_step("1f1b", 2, 4, 1, [StageTimes(f, b, dp=0.5)] * 2, fixed=0.3)
+    # the step's own collectives (call check, loss all-reduce) end every rank 0.3 later, all of it exposed
+    assert fixed.total == pytest.approx(dp.total + 0.3) and fixed.exposed_comm == pytest.approx(dp.exposed_comm + 0.3)
+    assert (fixed.bubble, fixed.dp_comm) == pytest.approx((dp.bubble, dp.dp_comm))
+    assert fixed.rank_ends == pytest.approx([e + 0.3 for e in dp.rank_ends])
+    for p in (pred, tp, dp, fixed):
         assert p.total == pytest.approx(p.compute + p.bubble + p.exposed_comm + p.dp_comm)
+
+
+def test_step_collectives_price_the_call_check_and_the_loss_all_reduce():
+    from autosplit.cost_model import H100, all_gather_time, all_reduce_time
+    from autosplit.cost_model.step_time import step_collectives
+    assert step_collectives(H100, 1) == 0.0                       # one rank: nothing to agree on
+    assert step_collectives(H100, 8) == pytest.approx(all_gather_time(8 * 40, 8, H100) + all_reduce_time(16, 8, H100))
+    assert step_collectives(H100, 8) > step_collectives(H100, 2) > 0
 
 
 def test_zero_bubble_w_fills_the_bubble():

@@ -12,7 +12,20 @@ Terms:
   nbytes    -- the FULL tensor of the collective (comm.py's convention): the gathered result of an
                all_gather, the input of a reduce_scatter.
   timing    -- per (kind, n, nbytes): a barrier over the world, one warm-up, then ``reps`` calls back
-               to back, each waited through the Watchdog; a rank's time is the mean per call.
+               to back, each waited through the Watchdog; a rank's time is the mean per call.  On a
+               GPU that is what a step pays (the host launches while the device computes).
+  in step   -- (CPU) a step's collective follows compute on every rank of its group, and on a CPU that
+               costs more than back to back: the ranks' equal work does not end at the same instant, so
+               each call waits out its peers' lateness, and the launch and the first read of the result
+               run on the rank's own core after the wait.  So on a CPU each call is also timed as a step
+               runs it: every rank runs a *burst* (GEMMs lasting about ``BURST_S`` alone: the compute
+               between two tensor-parallel collectives of a small transformer layer on one CPU core),
+               then the collective, then reads its result; the time is the mean of (burst + collective +
+               read) minus the mean of the same burst and read without the collective, every rank of the
+               world doing either at the same time (so both share the cores alike).  Reported as kind
+               ``in_step/<kind>``; measure_profile.py turns the difference from back to back into one
+               per-call constant per group size.  The burst's GEMM count is rank 0's, broadcast, so
+               every rank computes the same.
   post      -- (CPU only) host seconds to post one pipeline transfer group through the runtime's own
                transport (p2p.make_transport): every rank posts a send to the next rank and a receive
                from the previous one, all at once as a pipeline's ranks do, and times only the posting
@@ -32,6 +45,7 @@ from autosplit.runtime import tp_collectives as T
 from autosplit.runtime.p2p import make_transport
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+BURST_S, BURST_DIM, IN_STEP_REPS = 2e-3, 192, 20
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 POST_BYTES, POST_REPS = 64 << 10, 21
 
@@ -102,6 +116,38 @@ def _timed(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _burst_count(world, device) -> int:
+    """GEMMs of ``BURST_DIM`` square making a burst of about BURST_S on rank 0, the same on every rank."""
+    a = torch.full((BURST_DIM, BURST_DIM), 1.0 / BURST_DIM, device=device)   # no RNG: the job's stream stays
+    t = _timed(lambda: torch.mm(a, a), 20)
+    count = torch.tensor([max(1, round(BURST_S / max(t, 1e-9)))], dtype=torch.int64)
+    dist.broadcast(count, src=0)                # CPU only (gloo): a plain blocking broadcast
+    return int(count)
+
+
+def _burst(count: int, device) -> callable:
+    a = torch.full((BURST_DIM, BURST_DIM), 1.0 / BURST_DIM, device=device)
+    return lambda: [torch.mm(a, a) for _ in range(count)]
+
+
+def _in_step(call, burst, world, watchdog, reps: int = IN_STEP_REPS) -> float:
+    """Mean seconds ``call`` adds after a burst on every rank (see *in step*): (burst, call, read of its
+    result) minus (burst, read of the same result) per repetition, every rank of the world doing the
+    same thing at the same time."""
+    result = call()
+    read = (lambda: float(result.sum())) if isinstance(result, torch.Tensor) else (lambda: None)
+    world_barrier(world, watchdog)
+    plain = _timed(lambda: (burst(), read()), reps)
+    world_barrier(world, watchdog)
+
+    def step_like():
+        nonlocal result
+        burst()
+        result = call()
+        return read()
+    return max(0.0, _timed(step_like, reps) - plain)
+
+
 def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str, int, int, float]]:
     """This rank's (kind, n, nbytes, seconds per call) for every kind, group size and size (see Terms).
 
@@ -112,6 +158,8 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
         sizes: the full-tensor sizes in bytes.
     """
     out = []
+    cpu = world.device.type == "cpu"
+    burst = _burst(_burst_count(world, world.device), world.device) if cpu else None
     for n in group_sizes(world.size):
         group, _ = dist.new_subgroups(group_size=n)
         axis = f"measure/{n}"
@@ -121,6 +169,8 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
                 call = _collective(kind, axis, group, n, nbytes, world.device)
                 world_barrier(world, watchdog)
                 out.append((kind, n, nbytes, _timed(call, reps)))
+                if cpu:
+                    out.append((f"in_step/{kind}", n, nbytes, _in_step(call, burst, world, watchdog)))
         world_barrier(world, watchdog)     # every rank is done with the group before it goes
         T.unbind_groups([group])
         dist.destroy_process_group(group)

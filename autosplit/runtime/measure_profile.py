@@ -13,6 +13,12 @@ Terms:
                (runtime/sharing_bench.py: the profile's ``sharing``) and applied by the step predictor
                to whatever actually runs at once; fits taken with every rank measuring at its own pace
                mixed both and priced every configuration with the same, accidental, contention.
+  in step    -- (CPU) what a collective costs a step beyond its back-to-back time (comm_bench.py *in
+               step*): per group size n, the mean over kinds and sizes of (in-step - back-to-back) seconds
+               of the slowest rank, at least 0, added to the alpha of every collective kind on n ranks
+               (not to send_recv: a pipeline transfer's host costs are ``p2p_post`` / ``p2p_wake``).  One
+               constant per group size, not a fit per kind: it is lateness and host work, not bytes, and
+               each difference alone is as noisy as itself (+-0.5 ms on a 2-core VM).
   agreement  -- every rank measures the collectives at the same time, puts its numbers into the job's
                store, and rank 0 builds the profile: its own compute fits and sharing and, per measured
                collective, the SLOWEST rank's time (a collective ends when its last rank does); every
@@ -89,13 +95,27 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     return pickle.loads(world.store.get(f"{key}profile"))
 
 
+def in_step_extra(slowest: dict) -> dict[int, float]:
+    """Group size -> seconds a step's collective costs beyond back to back (see *in step*), from
+    ``{(kind, n, nbytes): seconds}`` holding both ``kind`` and ``in_step/kind`` entries."""
+    diffs: dict[int, list[float]] = {}
+    for (kind, n, nbytes), seconds in slowest.items():
+        if kind.startswith("in_step/") and (kind[len("in_step/"):], n, nbytes) in slowest:
+            diffs.setdefault(n, []).append(seconds - slowest[(kind[len("in_step/"):], n, nbytes)])
+    return {n: max(0.0, sum(d) / len(d)) for n, d in diffs.items()}
+
+
 def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0):
     """The profile from rank 0's compute fits and the slowest rank's collective times."""
     samples: dict = {}
     post = slowest.pop(("post", 2, POST_BYTES), 0.0)
+    extra = in_step_extra(slowest)
     for (kind, n, nbytes), seconds in slowest.items():
-        samples.setdefault(comm_key(kind, n), []).append((nbytes, seconds))
+        if not kind.startswith("in_step/"):
+            samples.setdefault(comm_key(kind, n), []).append((nbytes, seconds))
     comm = {k: fit_alpha_beta(v) for k, v in samples.items()}
+    comm = {k: (a + extra.get(int(k.split("/")[1]), 0.0) if not k.startswith("send_recv/") else a, b)
+            for k, (a, b) in comm.items()}
     p2p = comm.get(comm_key("send_recv", 2))
     if world.device.type == "cuda":
         base = profile_for_gpu(torch.cuda.get_device_name(world.device))

@@ -27,7 +27,8 @@ from autosplit.cost_model import collective_time, get_profile, op_time, p2p_time
 from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.cost_model.sharding import StageDataParallel
-from autosplit.cost_model.step_time import StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of
+from autosplit.cost_model.step_time import (StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of,
+                                           step_collectives)
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds, cut_fits, rank_balanced_bounds
@@ -203,5 +204,5 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
     profile = get_profile(group.profile)
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
-                         profile.p2p_post, profile.p2p_wake)
+                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp))
     return price, rank_memory, bounds
