@@ -93,6 +93,18 @@ def test_in_step_cost_is_one_constant_per_group_size_added_to_collectives_only()
     assert not any(k.startswith("in_step") for k in profile.comm)
 
 
+def test_posting_is_priced_under_load_where_the_host_has_more_ranks():
+    """p2p_post: posting with every rank idle (comm_bench *post*) on a host of 2 ranks; the relay's
+    posting while the others compute (sharing_bench *loaded post*) where it was measured (3+ ranks)."""
+    from types import SimpleNamespace
+    from autosplit.runtime.comm_bench import POST_BYTES
+    from autosplit.runtime.measure_profile import _build
+    times = {("all_reduce", 2, 4096): 1e-3, ("all_reduce", 2, 1 << 20): 2e-3, ("post", 2, POST_BYTES): 1e-4}
+    world = SimpleNamespace(device=torch.device("cpu"), size=4)
+    assert _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4).p2p_post == 1e-4
+    assert _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4, 3e-4, 1.5e-3).p2p_post == 1.5e-3
+
+
 def test_plan_and_prediction_use_the_measured_profile():
     import autosplit
     from autosplit.cost_model.step_time import predict_plan
@@ -108,9 +120,12 @@ def test_plan_and_prediction_use_the_measured_profile():
 
 
 def test_wake_is_measured_with_more_than_two_ranks_per_host(pool4):
-    """4 ranks: two relay while two compute; every rank returns the host's one figure (seconds, small)."""
+    """4 ranks: two relay while two compute; every rank returns the host's figures (seconds, small): the
+    wake, and the sender's posting time under that load (the profile's p2p_post on such a host)."""
     values = pool4.run(checks_profile.wake_measured)
-    assert len(set(values)) == 1 and 0.0 <= values[0] < 0.05, values
+    assert len(set(values)) == 1, values
+    wake, loaded_post = values[0]
+    assert 0.0 <= wake < 0.05 and 0.0 < loaded_post < 0.05, values
 
 
 def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):

@@ -4,7 +4,8 @@ Terms:
   measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py),
                ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
                cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py) and ``p2p_post``
-               (comm_bench.py's *post*: the slowest rank's) and ``p2p_wake`` (sharing_bench.py's
+               (comm_bench.py's *post*, the slowest rank's; with 3 or more ranks on the host,
+               sharing_bench.py's *loaded post*: a pipeline rank there posts while the others compute) and ``p2p_wake`` (sharing_bench.py's
                *wake*: rank 0's host's).  On a GPU the
                compute numbers stay the datasheet's (the built-in profile) and only the communication
                is measured.
@@ -63,7 +64,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         save: write the profile to the on-disk cache (rank 0).
     """
     cuda = world.device.type == "cuda"
-    compute = base = sharing = None
+    compute = base = sharing = loaded_post = None
     wake = 0.0
     if not cuda:
         keep_freed_host_memory()                 # measure under the malloc settings training runs with
@@ -74,7 +75,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
                 base = calibrate(seconds=0.5, link=False)
         world_barrier(world, watchdog)
         sharing = measure_sharing(world, watchdog, local_ranks(world))
-        wake = measure_wake(world, watchdog, local_ranks(world))
+        wake, loaded_post = measure_wake(world, watchdog, local_ranks(world))
     comm = measure_comm(world, watchdog)
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
@@ -86,7 +87,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         for k in keys:
             for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
                 slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
-        profile = _build(world, base, compute, slowest, sharing, wake)
+        profile = _build(world, base, compute, slowest, sharing, wake, loaded_post)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
             profile_cache.save(profile_cache.machine_key(world.device, local_ranks(world)), profile)
@@ -105,10 +106,12 @@ def in_step_extra(slowest: dict) -> dict[int, float]:
     return {n: max(0.0, sum(d) / len(d)) for n, d in diffs.items()}
 
 
-def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0):
-    """The profile from rank 0's compute fits and the slowest rank's collective times."""
+def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, loaded_post: float | None = None):
+    """The profile from rank 0's compute fits and the slowest rank's collective times; ``p2p_post`` is
+    the *loaded post* where the host has 3 or more ranks, else posting with every rank idle."""
     samples: dict = {}
     post = slowest.pop(("post", 2, POST_BYTES), 0.0)
+    post = post if loaded_post is None else loaded_post
     extra = in_step_extra(slowest)
     for (kind, n, nbytes), seconds in slowest.items():
         if not kind.startswith("in_step/"):

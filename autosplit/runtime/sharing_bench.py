@@ -28,6 +28,12 @@ Terms:
               before it can run: on a 2-core host with 4 ranks this gave 0.07-0.57 ms per transfer
               (the mean moves with rare waits of several ms; a ping-pong of ranks that never compute
               misses it: the scheduler favours a task that has slept).  Needs 3 or more local ranks.
+  loaded post -- (``measure_wake`` too) host seconds the relay's sender spends in the ``isend`` call of its
+              ``POST_BYTES`` payload (the stamp rides in it) while the other local ranks compute: posting to
+              a waiting peer wakes it, and on a host with more ranks than free cores the woken peer
+              takes the poster's core before the call returns (0.8-2.2 ms median on a 2-core host with 4
+              ranks, against 0.1 ms with the others idle).  The mean over the busy relay's sends, which is
+              what a pipeline rank pays per group on such a host (the profile's ``p2p_post``).
 Every host measures its own ranks at the same time (hosts hold consecutive ranks, as torchrun starts
 them); the profile takes rank 0's host's.  Every wait is bounded by the Watchdog.
 Ordering (NCCL's rule): every rank runs the same barriers in the same order, active or not.
@@ -43,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosplit.runtime.comm_bench import world_barrier
+from autosplit.runtime.comm_bench import POST_BYTES, world_barrier
 
 _CALLS = [0]
 _BLOCKS = 6      # 7 MB of weights: more than a core's L2, as a stage of a real model has
@@ -113,25 +119,27 @@ def slowdowns(per_rank: list[dict], local_ranks: int, rounds: int) -> tuple[floa
     return tuple(slowdown)
 
 
-def _relay(world, watchdog, local: int, peer: int, run, trips: int) -> list[float]:
+def _relay(world, watchdog, local: int, peer: int, run, trips: int) -> tuple[list[float], list[float]]:
     """Local ranks 0 and 1 take turns: compute ``run`` once, stamp, send; the other receives and records
-    now - stamp.  Returns this rank's one-way times."""
-    stamp = torch.zeros(1, dtype=torch.float64)
-    times = []
+    now - stamp.  Returns this rank's one-way times and the seconds its ``isend`` calls took."""
+    payload = torch.zeros(max(1, POST_BYTES // 8), dtype=torch.float64)     # the stamp is its first element
+    times, posts = [], []
     for i in range(trips):
         if i % 2 == local:
             run()
-            stamp[0] = time.perf_counter()
-            watchdog.wait(dist.isend(stamp, peer), "profile measurement relay")
+            payload[0] = time.perf_counter()
+            work = dist.isend(payload, peer)
+            posts.append(time.perf_counter() - payload[0].item())
+            watchdog.wait(work, "profile measurement relay")
         else:
-            watchdog.wait(dist.irecv(stamp, peer), "profile measurement relay")
-            times.append(time.perf_counter() - stamp[0].item())
-    return times
+            watchdog.wait(dist.irecv(payload, peer), "profile measurement relay")
+            times.append(time.perf_counter() - payload[0].item())
+    return times, posts
 
 
-def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
-    """Seconds a transfer to a waiting rank takes longer while every other local rank computes (see
-    *wake*); 0.0 with fewer than 3 local ranks (nobody else to compute).
+def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> tuple[float, float | None]:
+    """(seconds a transfer to a waiting rank takes longer while every other local rank computes (see
+    *wake*), the *loaded post*); (0.0, None) with fewer than 3 local ranks (nobody else to compute).
 
     Args:
         world: the runtime World; every rank calls this together.
@@ -140,7 +148,7 @@ def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
         trips: transfers per relay (half of them received by each of the two relay ranks).
     """
     if local_ranks < 3:
-        return 0.0
+        return 0.0, None
     local = int(os.environ.get("LOCAL_RANK", world.rank % local_ranks))
     host = world.rank // local_ranks
     first = host * local_ranks                     # world rank of the host's local rank 0
@@ -148,13 +156,14 @@ def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
         run = _workload(world.device)
     _CALLS[0] += 1
     key = f"autosplit/wake/{_CALLS[0]}/{host}"
-    means = []
+    means, posts = [], []
     trips += trips % 2                             # even: local rank 0 receives last, then says done
     for busy in (False, True):
         world_barrier(world, watchdog)             # why a barrier: the relay and the busy ranks start together
         if local < 2:
-            times = _relay(world, watchdog, local, first + 1 - local, run, trips)
+            times, posted = _relay(world, watchdog, local, first + 1 - local, run, trips)
             means.append(statistics.fmean(times))
+            posts = posted
             if busy and local == 0:
                 world.store.set(f"{key}/done", b"1")
         elif busy:     # compute until the relay is done, watching for failures and the deadline as a wait does
@@ -167,7 +176,8 @@ def measure_wake(world, watchdog, local_ranks: int, trips: int = 200) -> float:
                                        f"{world.timeout_s:g} s")
     world_barrier(world, watchdog)
     if local < 2:
-        world.store.set(f"{key}/{local}", pickle.dumps(means[1] - means[0]))
+        world.store.set(f"{key}/{local}", pickle.dumps((means[1] - means[0], statistics.fmean(posts))))
     keys = [f"{key}/0", f"{key}/1"]
     watchdog.until(lambda: world.store.check(keys), "waiting for the relay's wake measurement")
-    return max(0.0, statistics.fmean(pickle.loads(world.store.get(k)) for k in keys))
+    wakes, loaded = zip(*(pickle.loads(world.store.get(k)) for k in keys))
+    return max(0.0, statistics.fmean(wakes)), statistics.fmean(loaded)
