@@ -25,6 +25,10 @@ Terms:
                      ranks compute (runtime/sharing_bench.py's *wake*: the waiting rank must win a core
                      back); the step predictor adds it to such a rank's next compute.  0 on GPUs and
                      with fewer than 3 ranks per host.
+  resume          -- (forward, backward) factors: how much longer a pass takes when it starts after its
+                     rank sat idle (a pipeline rank waiting for a transfer) than back to back; measured on
+                     a CPU in the live world (runtime/resume_bench.py), 1.0 on GPUs.  The step predictor
+                     stretches such computes by it.
   measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
                      size) fits from a measured profile (measured.py); without them the roofline and
                      the link's alpha-beta price everything, as for the datasheet GPUs.
@@ -69,6 +73,8 @@ class DeviceProfile:
     p2p_post: float = 0.0         # measured (CPU): host seconds per posted transfer group; 0: overlapped (GPUs)
     p2p_wake: float = 0.0         # measured (CPU, > 2 ranks per host): extra seconds a transfer takes to reach a
                                   # waiting rank while the host's other ranks compute; 0: not measured / not shared
+    resume: tuple = (1.0, 1.0)    # measured (CPU, resume_bench.py): (forward, backward) time of a pass that starts after an
+                                  # idle wait over its time back to back; 1: not measured / no such effect
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

@@ -25,7 +25,7 @@ import torch
 from autosplit.cost_model.device import DeviceProfile
 from autosplit.cost_model.measured import compute_from_json, compute_to_json
 
-FORMAT = 5       # 5: collectives timed in step (after compute) on CPU; 4: plus ``p2p_wake``; 3: plus ``p2p_post``; 2: compute fits of one process alone plus ``sharing`` (1: fits taken
+FORMAT = 6       # 6: plus ``resume``; 5: collectives timed in step (after compute) on CPU; 4: plus ``p2p_wake``; 3: plus ``p2p_post``; 2: compute fits of one process alone plus ``sharing`` (1: fits taken
                  # under contention)
 
 
@@ -82,6 +82,7 @@ def from_dict(d: dict) -> DeviceProfile:
     d["compute"] = compute_from_json(d.get("compute"))
     d["comm"] = None if d.get("comm") is None else {k: tuple(v) for k, v in d["comm"].items()}
     d["sharing"] = None if d.get("sharing") is None else tuple(d["sharing"])
+    d["resume"] = tuple(d.get("resume", (1.0, 1.0)))
     return DeviceProfile(**d)
 
 

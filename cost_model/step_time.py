@@ -40,6 +40,13 @@ Terms:
                 the whole world: the call check's all-gather before its first action
                 (runtime/call_gate.py) and the loss all-reduce after its last (runtime/gradients.py);
                 ``step_collectives`` prices them.  Added to every rank's end and to exposed_comm.
+  resume     -- a compute that starts after its rank sat idle (it waited for a transfer, or for the other
+                end of the pipeline: it starts later than the rank's previous compute or post ended) runs
+                its compute part ``resume[0]`` (F) or ``resume[1]`` (B, I, W) times as long
+                (``DeviceProfile.resume``: measured on a CPU in the live world by runtime/resume_bench.py,
+                where a pass after an idle wait with two microbatches in flight ran 9-14 % slower than
+                back to back; 1 on GPUs).
+                Part of compute.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
                 stretched by sharing),
@@ -224,15 +231,21 @@ def _instant(n: _Node, value: list, stages, p2p: bool, post: float) -> float:
     return _transfer_end(n, value, stages, p2p)
 
 
+def _resumed(a, resume: tuple[float, float]) -> float:
+    """The factor on compute ``a``'s compute part when its rank sat idle before it (see *resume*)."""
+    return resume[0] if a.kind is F else resume[1]
+
+
 def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing",
-                post: float = 0.0, wake: float = 0.0):
+                post: float = 0.0, wake: float = 0.0, resume: tuple[float, float] = (1.0, 1.0)):
     """The timed run with processor sharing (see *sharing*): (values, per rank seconds spent computing).
 
     Events in time order: a compute whose dependencies have ended is *ready* at the latest of their
     ends; from then its compute part runs at the host's current rate, which changes whenever a compute
     on that host starts or finishes its compute part; its tp part follows at full duration.  Groups'
     values are the same formulas as in ``_run`` once their dependencies are known.  A compute that
-    waited for its transfer is delayed by ``wake`` once, when it would start (see *wake*)."""
+    waited for its transfer is delayed by ``wake`` once, when it would start (see *wake*); one that starts
+    after its rank sat idle is stretched by ``resume`` (see *resume*)."""
     n_nodes = len(nodes)
     value: list = [None] * n_nodes
     missing = [len(n.deps) for n in nodes]
@@ -245,12 +258,15 @@ def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sha
     running: dict[int, list] = {}        # rank -> [node, compute seconds left (unshared)]
     busy = [0.0] * (max(n.rank for n in nodes) + 1)
     woken: set[int] = set()              # computes already delayed by ``wake``
+    host_free = [0.0] * len(busy)        # per rank: when its last compute or post ended
 
     def resolve(k: int, t: float) -> None:
         stack = [(k, t)]
         while stack:
             k, t = stack.pop()
             value[k] = t
+            if nodes[k].kind in ("compute", "posted"):
+                host_free[nodes[k].rank] = max(host_free[nodes[k].rank], t)
             for u in users[k]:
                 missing[u] -= 1
                 if missing[u] == 0:
@@ -295,7 +311,10 @@ def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sha
                 heapq.heappush(ready, (now + wake, k))
                 continue
             t = stages[n.action.stage]
-            running[n.rank] = [k, _duration(n.action, t) - _tp_part(n.action, t)]
+            part = _duration(n.action, t) - _tp_part(n.action, t)
+            if now > host_free[n.rank] + 1e-12 * max(1.0, now):     # the rank sat idle: see *resume*
+                part *= _resumed(n.action, resume)
+            running[n.rank] = [k, part]
     return value, busy
 
 
@@ -345,15 +364,26 @@ def sharing_of(profile, group: int) -> "Sharing | None":
     return Sharing(tuple(max(1.0, x) for x in slowdown), group)
 
 
-def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: float = 0.0) -> list[float]:
+def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: float = 0.0,
+         resume: tuple[float, float] = (1.0, 1.0)) -> tuple[list[float], list[float]]:
+    """The timed run without sharing, in topological order: (values, per rank seconds spent computing)."""
     value = [0.0] * len(nodes)
+    busy = [0.0] * (max(n.rank for n in nodes) + 1)
+    host_free = [0.0] * len(busy)        # per rank: when its last compute or post ended
     for k, n in enumerate(nodes):
         if n.kind == "compute":
             start = max((value[d] for d in n.deps), default=0.0)
-            value[k] = start + _duration(n.action, stages[n.action.stage])
+            t = stages[n.action.stage]
+            part = _duration(n.action, t) - _tp_part(n.action, t)
+            if start > host_free[n.rank] + 1e-12 * max(1.0, start):   # the rank sat idle: see *resume*
+                part *= _resumed(n.action, resume)
+            value[k] = start + part + _tp_part(n.action, t)
+            busy[n.rank] += part
         else:
             value[k] = _instant(n, value, stages, p2p, post)
-    return value
+        if n.kind in ("compute", "posted"):
+            host_free[n.rank] = max(host_free[n.rank], value[k])
+    return value, busy
 
 
 def _rank_ends(nodes, value, pp: int) -> list[float]:
@@ -366,7 +396,7 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
                  stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0,
-                 wake: float = 0.0, fixed: float = 0.0) -> StepPrediction:
+                 wake: float = 0.0, fixed: float = 0.0, resume: tuple[float, float] = (1.0, 1.0)) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -379,23 +409,24 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
             *wake*; only with ``sharing``).
         fixed: seconds of the step's own collectives outside the schedule (``step_collectives``; see
             *fixed*).
+        resume: (F, B) factors on a compute that starts after its rank sat idle (``profile.resume``;
+            see *resume*).
     """
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
-    compute, tp, last_bwd = [0.0] * pp, [0.0] * pp, [0.0] * S
+    tp, last_bwd = [0.0] * pp, [0.0] * S
     if sharing is None:
-        timed = _run(nodes, stages, p2p=True, post=post)
-        free = _run(nodes, stages, p2p=False)
+        timed, compute = _run(nodes, stages, p2p=True, post=post, resume=resume)
+        free, _ = _run(nodes, stages, p2p=False, resume=resume)
     else:   # the free run: transfers and posting cost nothing
-        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post, wake) for p2p in (True, False))
+        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post, wake, resume)
+                                       for p2p in (True, False))
     ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     for k, n in enumerate(nodes):
         if n.kind == "compute":
             a, t = n.action, stages[n.action.stage]
             tp[n.rank] += _tp_part(a, t)
-            if sharing is None:
-                compute[n.rank] += _duration(a, t) - _tp_part(a, t)
             if a.kind is not F:
                 last_bwd[a.stage] = max(last_bwd[a.stage], timed[k])
     totals = []
@@ -467,7 +498,8 @@ def predict_plan(plan, device=None) -> StepPrediction:
     mesh = plan.mesh
     return predict_step(plan.schedule, mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
                         plan_stage_times(plan, profile), sharing_of(profile, mesh.tp * mesh.dp),
-                        profile.p2p_post, profile.p2p_wake, step_collectives(profile, mesh.pp * mesh.tp * mesh.dp))
+                        profile.p2p_post, profile.p2p_wake, step_collectives(profile, mesh.pp * mesh.tp * mesh.dp),
+                        profile.resume)
 
 
 CALL_ROW_BYTES = 5 * 8      # runtime/call_gate.py: one row of five int64 per rank

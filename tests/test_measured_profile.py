@@ -105,6 +105,13 @@ def test_posting_is_priced_under_load_where_the_host_has_more_ranks():
     assert _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4, 3e-4, 1.5e-3).p2p_post == 1.5e-3
 
 
+def test_resume_factor_is_the_median_round_and_never_below_one():
+    from autosplit.runtime.resume_bench import factors
+    plain = [(0.010, 0.020)] * 3
+    rounds = [(plain, [(0.011, 0.021)] * 3), (plain, [(0.012, 0.019)] * 3), (plain, [(0.030, 0.018)] * 3)]
+    assert factors(rounds) == pytest.approx((1.2, 1.0))      # forward: median of 1.1, 1.2, 3.0; backward: 1.05, 0.95, 0.9 -> 1
+
+
 def test_plan_and_prediction_use_the_measured_profile():
     import autosplit
     from autosplit.cost_model.step_time import predict_plan
@@ -139,6 +146,7 @@ def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     assert 0 < p["p2p_post"] < 0.05           # host seconds to post a transfer group: measured, and small
     assert "post/2" not in p["comm"]
     assert p["p2p_wake"] == 0.0               # 2 ranks: no other rank to compute while they relay
+    assert len(p["resume"]) == 2 and all(1.0 <= f < 2.0 for f in p["resume"])   # measured, at least 1
     assert a["planned_with"] == b["planned_with"] == p["name"]             # parallelize found the cached one
     assert a["fwd"] == b["fwd"] and a["same_stream"] and b["same_stream"]
     assert list(tmp_path.glob("*-2r-*.json"))

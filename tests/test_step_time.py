@@ -60,6 +60,22 @@ def test_transfers_tp_and_dp_add_what_they_expose():
         assert p.total == pytest.approx(p.compute + p.bubble + p.exposed_comm + p.dp_comm)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_resume_stretches_only_a_compute_whose_rank_sat_idle(shared):
+    """One microbatch on pp 2: rank 0's F starts the step (not idle), rank 1's F waits for it (idle), its B
+    follows its F at once (not idle), rank 0's B waits for rank 1's (idle).  With (F, B) factors (1.5,
+    1.25): 1 + 1.5 + 2 + 2.5.  The same in the event-driven run with sharing (slowdowns of 1)."""
+    from autosplit.cost_model.step_time import Sharing
+    sharing = Sharing((1.0, 1.0)) if shared else None
+    plain = predict_step("1f1b", 2, 1, 1, [StageTimes(1.0, 2.0)] * 2, sharing)
+    pred = predict_step("1f1b", 2, 1, 1, [StageTimes(1.0, 2.0)] * 2, sharing, resume=(1.5, 1.25))
+    assert plain.total == pytest.approx(6.0) and pred.total == pytest.approx(7.0)
+    assert pred.compute == pytest.approx(1.0 + 2.5) and pred.rank == 0      # rank 0: F, then its idle B
+    assert pred.total == pytest.approx(pred.compute + pred.bubble + pred.exposed_comm + pred.dp_comm)
+    back_to_back = predict_step("1f1b", 1, 4, 1, [StageTimes(1.0, 2.0)], sharing, resume=(1.5, 1.25))
+    assert back_to_back.total == pytest.approx(4 * 3.0)                    # one rank never waits
+
+
 def test_step_collectives_price_the_call_check_and_the_loss_all_reduce():
     from autosplit.cost_model import H100, all_gather_time, all_reduce_time
     from autosplit.cost_model.step_time import step_collectives

@@ -148,7 +148,7 @@ def _in_step(call, burst, world, watchdog, reps: int = IN_STEP_REPS) -> float:
     return max(0.0, _timed(step_like, reps) - plain)
 
 
-def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str, int, int, float]]:
+def measure_comm(world, watchdog, reps: int = 10, sizes=SIZES, in_step: bool = False) -> list[tuple[str, int, int, float]]:
     """This rank's (kind, n, nbytes, seconds per call) for every kind, group size and size (see Terms).
 
     Args:
@@ -156,10 +156,11 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
         watchdog: bounds every wait.
         reps: timed calls per measurement.
         sizes: the full-tensor sizes in bytes.
+        in_step: also time each collective *in step* (CPU only).
     """
     out = []
-    cpu = world.device.type == "cpu"
-    burst = _burst(_burst_count(world, world.device), world.device) if cpu else None
+    in_step = in_step and world.device.type == "cpu"
+    burst = _burst(_burst_count(world, world.device), world.device) if in_step else None
     for n in group_sizes(world.size):
         group, _ = dist.new_subgroups(group_size=n)
         axis = f"measure/{n}"
@@ -169,7 +170,7 @@ def measure_comm(world, watchdog, reps: int = 5, sizes=SIZES) -> list[tuple[str,
                 call = _collective(kind, axis, group, n, nbytes, world.device)
                 world_barrier(world, watchdog)
                 out.append((kind, n, nbytes, _timed(call, reps)))
-                if cpu:
+                if in_step:
                     out.append((f"in_step/{kind}", n, nbytes, _in_step(call, burst, world, watchdog)))
         world_barrier(world, watchdog)     # every rank is done with the group before it goes
         T.unbind_groups([group])

@@ -6,7 +6,7 @@ Terms:
                cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py) and ``p2p_post``
                (comm_bench.py's *post*, the slowest rank's; with 3 or more ranks on the host,
                sharing_bench.py's *loaded post*: a pipeline rank there posts while the others compute) and ``p2p_wake`` (sharing_bench.py's
-               *wake*: rank 0's host's).  On a GPU the
+               *wake*: rank 0's host's) and ``resume`` (resume_bench.py: rank 0's host's).  On a GPU the
                compute numbers stay the datasheet's (the built-in profile) and only the communication
                is measured.
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
@@ -14,8 +14,8 @@ Terms:
                (runtime/sharing_bench.py: the profile's ``sharing``) and applied by the step predictor
                to whatever actually runs at once; fits taken with every rank measuring at its own pace
                mixed both and priced every configuration with the same, accidental, contention.
-  in step    -- (CPU) what a collective costs a step beyond its back-to-back time (comm_bench.py *in
-               step*): per group size n, the mean over kinds and sizes of (in-step - back-to-back) seconds
+  in step    -- (CPU, where the host has no more ranks than cores) what a collective costs a step beyond
+               its back-to-back time (comm_bench.py *in step*): per group size n, the mean over kinds and sizes of (in-step - back-to-back) seconds
                of the slowest rank, at least 0, added to the alpha of every collective kind on n ranks
                (not to send_recv: a pipeline transfer's host costs are ``p2p_post`` / ``p2p_wake``).  One
                constant per group size, not a fit per kind: it is lateness and host work, not bytes, and
@@ -44,6 +44,7 @@ from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
 from autosplit.host_memory import keep_freed_host_memory
 from autosplit.runtime.comm_bench import POST_BYTES, measure_comm, world_barrier
+from autosplit.runtime.resume_bench import measure_resume
 from autosplit.runtime.sharing_bench import measure_sharing, measure_wake
 
 _CALLS = [0]
@@ -65,7 +66,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     """
     cuda = world.device.type == "cuda"
     compute = base = sharing = loaded_post = None
-    wake = 0.0
+    wake, resume = 0.0, (1.0, 1.0)
     if not cuda:
         keep_freed_host_memory()                 # measure under the malloc settings training runs with
         world_barrier(world, watchdog)
@@ -76,7 +77,11 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         world_barrier(world, watchdog)
         sharing = measure_sharing(world, watchdog, local_ranks(world))
         wake, loaded_post = measure_wake(world, watchdog, local_ranks(world))
-    comm = measure_comm(world, watchdog)
+        resume = measure_resume(world, watchdog, local_ranks(world))
+    # in step only where every local rank has a core of its own: on a host with more ranks than cores a
+    # burst's end is the scheduler's time slice (2-3 ms, which ``sharing`` prices in the compute), and
+    # the in-step difference measured 0.0 to 2.1 ms in runs minutes apart on a 2-core host with 4 ranks
+    comm = measure_comm(world, watchdog, in_step=not cuda and local_ranks(world) <= (os.cpu_count() or 1))
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
     world.store.set(f"{key}{world.rank}", pickle.dumps(comm))
@@ -87,7 +92,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         for k in keys:
             for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
                 slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
-        profile = _build(world, base, compute, slowest, sharing, wake, loaded_post)
+        profile = _build(world, base, compute, slowest, sharing, wake, loaded_post, resume)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
             profile_cache.save(profile_cache.machine_key(world.device, local_ranks(world)), profile)
@@ -106,7 +111,8 @@ def in_step_extra(slowest: dict) -> dict[int, float]:
     return {n: max(0.0, sum(d) / len(d)) for n, d in diffs.items()}
 
 
-def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, loaded_post: float | None = None):
+def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, loaded_post: float | None = None,
+           resume: tuple[float, float] = (1.0, 1.0)):
     """The profile from rank 0's compute fits and the slowest rank's collective times; ``p2p_post`` is
     the *loaded post* where the host has 3 or more ranks, else posting with every rank idle."""
     samples: dict = {}
@@ -128,7 +134,7 @@ def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, load
                f"threads x {local_ranks(world)} ranks)"
     link = {} if p2p is None or not p2p[1] else {"link_latency": p2p[0], "link_bandwidth": 1 / p2p[1]}
     return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, p2p_post=post,
-                               p2p_wake=wake, **link)
+                               p2p_wake=wake, resume=tuple(resume), **link)
 
 
 def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:

@@ -204,5 +204,6 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
     profile = get_profile(group.profile)
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
-                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp))
+                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp),
+                         profile.resume)
     return price, rank_memory, bounds
