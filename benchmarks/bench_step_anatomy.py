@@ -78,7 +78,8 @@ def _rank(rank: int, args: dict) -> dict:
     rows = BATCH // mesh[2]                                  # this replica's batch
     torch.manual_seed(0)
     pm = autosplit.parallelize(timm.models.VisionTransformer(**VIT), mesh=mesh, num_microbatches=m,
-                               schedule=args["schedule"], sequence_parallel=args["sequence_parallel"],
+                               schedule=args["schedule"], chunks_per_rank=args["chunks"],
+                               sequence_parallel=args["sequence_parallel"],
                                device=args["profile"], example_input=torch.randn(rows // m, 3, 32, 32))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
@@ -160,6 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--chunks", type=int, default=1, help="chunks_per_rank (interleaved, zb-v: 2)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--mesh", type=lambda v: tuple(int(k) for k in v.split(",")), default=(2, 1, 1),
                     help="pp,tp,dp (default 2,1,1)")

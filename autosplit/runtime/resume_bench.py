@@ -1,10 +1,8 @@
 """Measure how much slower a pass runs on a CPU rank when it starts after an idle wait, as a pipeline's do.
 
 Terms:
-  workload -- forward and backward of three pre-norm transformer encoder layers (``nn.TransformerEncoderLayer``:
-              width 192, 6 heads, MLP 768, GELU) on (4, 65, 192) tokens: a CPU benchmark ViT stage's op
-              mix (attention, softmax, layer norms, reshapes: many small ops, not only GEMMs), from
-              torch.nn so it stands for no model in particular.
+  workload -- forward and backward of an encoder stack of three layers (runtime/cpu_workload.py): a CPU
+              benchmark ViT stage's op mix, from torch.nn so it stands for no model in particular.
   back to back -- forward, backward, forward, ... with nothing between: how op benchmarks and
               cost_model/model_fit.py time passes.
   pipelined -- as a pipeline rank runs them: two microbatches in flight (forward, forward, backward,
@@ -28,23 +26,13 @@ import pickle
 import statistics
 import time
 
-import torch
-from torch import nn
-
 from autosplit.runtime.comm_bench import world_barrier
+from autosplit.runtime.cpu_workload import encoder_stack
 
 RESUME_S = 5e-3   # idle before each pipelined pass: a transfer's wait on a CPU pipeline rank
-ROUNDS = 4        # back to back and pipelined in turn, this many times; the median round's ratio counts
-REPS = 6          # timed passes (or pairs of passes) per mode and round
+ROUNDS = 5        # back to back and pipelined in turn, this many times; the median round's ratio counts
+REPS = 8          # timed passes (or pairs of passes) per mode and round
 _CALLS = [0]
-
-
-def _workload(device):
-    torch.manual_seed(0)
-    net = nn.Sequential(*[nn.TransformerEncoderLayer(192, 6, 768, dropout=0.0, activation="gelu", batch_first=True,
-                                                     norm_first=True) for _ in range(3)]).to(device).train()
-    x = torch.randn(4, 65, 192, device=device)        # (B, N, C)
-    return net, x
 
 
 def _back_to_back(net, x) -> tuple[float, float]:
@@ -90,8 +78,7 @@ def measure_resume(world, watchdog, local_ranks: int) -> tuple[float, float]:
         local_ranks: processes of the job per host.
     """
     local = int(os.environ.get("LOCAL_RANK", world.rank % local_ranks))
-    with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
-        net, x = _workload(world.device)
+    net, x = encoder_stack(world.device, 3)
     rounds = []
     world_barrier(world, watchdog)
     if local == 0:

@@ -1,10 +1,11 @@
 """Measure how much slower a compute runs while other processes of the job compute on the same host.
 
 Terms:
-  workload -- one forward + backward of six transformer MLPs (linear 192 -> 768, GELU, linear back, layer
-              norm) on (260, 192) tokens: the op mix and size of a CPU benchmark ViT's microbatch, with
-              7 MB of weights (more than a core's cache holds, as a real stage's weights are: sharing
-              a host costs caches and memory bandwidth as well as cores).
+  workload -- one forward + backward of an encoder stack of four layers (runtime/cpu_workload.py): the op
+              mix and size of a CPU benchmark ViT's stage, with 7 MB of weights (more than a core's cache
+              holds, as a real stage's weights are: sharing a host costs caches and memory bandwidth as
+              well as cores).  (Six MLP blocks, without attention, measured 1.02-1.03 for two ranks on a
+              2-core VM where the ViT's own passes slowed 1.04-1.06.)
   level n  -- the host's first n local ranks (LOCAL_RANK < n) run the workload ``reps`` times at once,
               started by a barrier over the world; the other ranks wait in the next barrier (an async
               gloo barrier polled locally: they take next to no core, as a rank waiting in a step does).
@@ -47,21 +48,18 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from autosplit.runtime.comm_bench import POST_BYTES, world_barrier
+from autosplit.runtime.cpu_workload import encoder_stack, train_pass
 
 _CALLS = [0]
-_BLOCKS = 6      # 7 MB of weights: more than a core's L2, as a stage of a real model has
+_LAYERS = 4      # 7 MB of weights: more than a core's L2, as a stage of a real model has
 ROUNDS = 3       # level 1, 2, ..., n in turn, this many times; each level's slowdown is the median round's
 
 
 def _workload(device):
-    torch.manual_seed(0)
-    net = nn.Sequential(*[m for _ in range(_BLOCKS) for m in
-                          (nn.Linear(192, 768), nn.GELU(), nn.Linear(768, 192), nn.LayerNorm(192))]).to(device)
-    x = torch.randn(260, 192, device=device, requires_grad=True)     # (B * N, C): 4 images of 65 tokens
-    return lambda: net(x).sum().backward()
+    net, x = encoder_stack(device, _LAYERS)
+    return lambda: train_pass(net, x)
 
 
 def _mean_time(run, reps: int) -> float:
