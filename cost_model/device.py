@@ -73,8 +73,8 @@ class DeviceProfile:
     p2p_post: float = 0.0         # measured (CPU): host seconds per posted transfer group; 0: overlapped (GPUs)
     p2p_wake: float = 0.0         # measured (CPU, > 2 ranks per host): extra seconds a transfer takes to reach a
                                   # waiting rank while the host's other ranks compute; 0: not measured / not shared
-    resume: tuple = (1.0, 1.0)    # measured (CPU, resume_bench.py): (forward, backward) time of a pass that starts after an
-                                  # idle wait over its time back to back; 1: not measured / no such effect
+    resume: tuple = (1.0, 1.0)    # measured (CPU, resume_bench.py): (forward, backward) time of a pass that starts
+                                  # after an idle wait over its time back to back; 1: not measured / no such effect
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

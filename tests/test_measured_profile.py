@@ -109,7 +109,8 @@ def test_resume_factor_is_the_median_round_and_never_below_one():
     from autosplit.runtime.resume_bench import factors
     plain = [(0.010, 0.020)] * 3
     rounds = [(plain, [(0.011, 0.021)] * 3), (plain, [(0.012, 0.019)] * 3), (plain, [(0.030, 0.018)] * 3)]
-    assert factors(rounds) == pytest.approx((1.2, 1.0))      # forward: median of 1.1, 1.2, 3.0; backward: 1.05, 0.95, 0.9 -> 1
+    # forward: the median of 1.1, 1.2, 3.0; backward: of 1.05, 0.95, 0.9, raised to 1
+    assert factors(rounds) == pytest.approx((1.2, 1.0))
 
 
 def test_plan_and_prediction_use_the_measured_profile():

@@ -148,7 +148,8 @@ def _in_step(call, burst, world, watchdog, reps: int = IN_STEP_REPS) -> float:
     return max(0.0, _timed(step_like, reps) - plain)
 
 
-def measure_comm(world, watchdog, reps: int = 10, sizes=SIZES, in_step: bool = False) -> list[tuple[str, int, int, float]]:
+def measure_comm(world, watchdog, reps: int = 10, sizes=SIZES,
+                 in_step: bool = False) -> list[tuple[str, int, int, float]]:
     """This rank's (kind, n, nbytes, seconds per call) for every kind, group size and size (see Terms).
 
     Args:

@@ -5,8 +5,9 @@ Terms:
                ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
                cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py) and ``p2p_post``
                (comm_bench.py's *post*, the slowest rank's; with 3 or more ranks on the host,
-               sharing_bench.py's *loaded post*: a pipeline rank there posts while the others compute) and ``p2p_wake`` (sharing_bench.py's
-               *wake*: rank 0's host's) and ``resume`` (resume_bench.py: rank 0's host's).  On a GPU the
+               sharing_bench.py's *loaded post*: a pipeline rank there posts while the others
+               compute), ``p2p_wake`` (sharing_bench.py's *wake*: rank 0's host's) and ``resume``
+               (resume_bench.py: rank 0's host's).  On a GPU the
                compute numbers stay the datasheet's (the built-in profile) and only the communication
                is measured.
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
@@ -15,11 +16,12 @@ Terms:
                to whatever actually runs at once; fits taken with every rank measuring at its own pace
                mixed both and priced every configuration with the same, accidental, contention.
   in step    -- (CPU, where the host has no more ranks than cores) what a collective costs a step beyond
-               its back-to-back time (comm_bench.py *in step*): per group size n, the mean over kinds and sizes of (in-step - back-to-back) seconds
-               of the slowest rank, at least 0, added to the alpha of every collective kind on n ranks
-               (not to send_recv: a pipeline transfer's host costs are ``p2p_post`` / ``p2p_wake``).  One
-               constant per group size, not a fit per kind: it is lateness and host work, not bytes, and
-               each difference alone is as noisy as itself (+-0.5 ms on a 2-core VM).
+               its back-to-back time (comm_bench.py *in step*): per group size n, the mean over kinds
+               and sizes of (in-step - back-to-back) seconds of the slowest rank, at least 0, added to
+               the alpha of every collective kind on n ranks (not to send_recv: a pipeline transfer's
+               host costs are ``p2p_post`` / ``p2p_wake``).  One constant per group size, not a fit per
+               kind: it is lateness and host work, not bytes, and each difference alone is noisy
+               (+-0.5 ms on a 2-core VM).
   agreement  -- every rank measures the collectives at the same time, puts its numbers into the job's
                store, and rank 0 builds the profile: its own compute fits and sharing and, per measured
                collective, the SLOWEST rank's time (a collective ends when its last rank does); every

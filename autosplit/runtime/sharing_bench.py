@@ -32,8 +32,8 @@ Terms:
   loaded post -- (``measure_wake`` too) host seconds the relay's sender spends in the ``isend`` call of its
               ``POST_BYTES`` payload (the stamp rides in it) while the other local ranks compute: posting to
               a waiting peer wakes it, and on a host with more ranks than free cores the woken peer
-              takes the poster's core before the call returns (0.8-2.2 ms median on a 2-core host with 4
-              ranks, against 0.1 ms with the others idle).  The mean over the busy relay's sends, which is
+              takes the poster's core before the call returns (a mean of 2.3-3.1 ms on a 2-core host with
+              4 ranks, against 0.1 ms with the others idle).  The mean over the busy relay's sends, which is
               what a pipeline rank pays per group on such a host (the profile's ``p2p_post``).
 Every host measures its own ranks at the same time (hosts hold consecutive ranks, as torchrun starts
 them); the profile takes rank 0's host's.  Every wait is bounded by the Watchdog.
