@@ -396,7 +396,8 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
                  stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0,
-                 wake: float = 0.0, fixed: float = 0.0, resume: tuple[float, float] = (1.0, 1.0)) -> StepPrediction:
+                 wake: float = 0.0, fixed: float = 0.0,
+                 resume: tuple[float, float] = (1.0, 1.0)) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -528,8 +529,8 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
       without a split backward its last compute is a backward of a stage >= l, and that microbatch's
       backwards of stages < l all follow it.
     So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers (and wake),
-    posting and dp sync only add, and so does sharing (a slowdown is at least 1).  With equal stages and 1F1B
-    this is the exact (m + pp - 1)(F + B)."""
+    posting, dp sync and the step's own collectives only add, and so do sharing and resume (factors of at
+    least 1).  With equal stages and 1F1B this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)
     split = schedule in SPLIT_BACKWARD
     fwd = [t.fwd + t.tp_fwd for t in stages]
