@@ -27,9 +27,9 @@ microbatches, chunks, sequence parallelism):
                passes (``ModelFit.measured``; with ``--no-fit``, the reference timed in its place);
                drift = median over rounds / at the fit.  A 2-core VM's speed moves by +-20 % within
                minutes, and the same pass by 30 % within seconds (docs/benchmarks.md), which no profile
-               taken once can follow.  The *drift-corrected*
-               error compares ``predicted * drift`` with the measurement: what the cost model misses
-               at the machine's speed of the moment.  The targets are judged on the plain error.
+               taken once can follow.  The *drift-corrected* error compares ``predicted * drift`` with the
+               measurement: what the cost model misses at the machine's speed of the moment.  The targets
+               are judged on the plain error.
 
 Run from the repository root:  python benchmarks/bench_cost_model.py            (writes docs/benchmarks.md)
                                python benchmarks/bench_cost_model.py --rounds 3  (quicker, print only)
@@ -284,7 +284,7 @@ FIT_SIZES = (2, 8)     # fit_to_model's microbatch sizes; the reference runs the
 
 
 def fitted(profiles: dict, vit: dict, fit: bool) -> dict:
-    """world -> (profile to plan with, the unfitted one, the reference seconds right after), the first
+    """world -> (profile to plan with, the unfitted one, the reference seconds at the fit), the first
     fitted to timm's ViT(**vit) in this process, alone (see *predicted* and *drift*)."""
     import torch
     import timm
