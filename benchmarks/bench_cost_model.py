@@ -43,7 +43,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import cpu_name, launch, write_section
+from common import cpu_name, launch, slowest, write_section
 
 START = "<!-- bench_cost_model:start -->"
 END = "<!-- bench_cost_model:end -->"
@@ -214,9 +214,8 @@ def _ranking_rank(rank: int, args) -> dict:
 
 
 def _slowest_steps(per_rank: list[dict], name) -> list[float]:
-    """Each timed step's seconds on its slowest rank."""
-    runs = [r["configs"][name]["times"] for r in per_rank]
-    return [max(run[i] for run in runs) for i in range(len(runs[0]))]
+    """Each timed step's seconds on its slowest rank (``common.slowest`` over the ranks' configurations)."""
+    return slowest([r["configs"] for r in per_rank], name, "times")
 
 
 def drift(per_rank: list[dict], at_fit: float) -> float:
