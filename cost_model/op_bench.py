@@ -83,10 +83,13 @@ def traced(model: nn.Module, inputs: tuple, leaf_modules=(), concrete_args=None,
 
 def _samples(kind: str, k: int, shape, x_shape, y_shape, budget: float, device) -> dict:
     """{op class: [(ops, fwd work, fwd s, bwd work, bwd s)]} of one chain."""
-    torch.manual_seed(0)
-    model = _Chain(kind, k, shape).to(device)
-    x = torch.randn(*x_shape, device=device, requires_grad=True)
-    y = torch.randn(*y_shape, device=device, requires_grad=kind in ("sdpa", "pointwise"))
+    # drawn on the CPU from a seeded private stream: the caller's random streams are left as they were
+    # (calibrate() may run between a user's seeding and their model's creation)
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(0)
+        model = _Chain(kind, k, shape).to(device)
+        x = torch.randn(*x_shape).to(device).requires_grad_()
+        y = torch.randn(*y_shape).to(device).requires_grad_(kind in ("sdpa", "pointwise"))
     gm = traced(model, (x, y))
     per_class: dict[str, list] = {}
     for n in gm.graph.nodes:

@@ -211,7 +211,8 @@ def eval_mode(mesh, drop_path: float = 0.0, batch: int = 4, **kw):
 # ---- item 3: dropout masks under tensor parallelism ------------------------------------------------
 def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4):
     """One training step of a dropout ViT on (1, tp, 1); every nn.Dropout call's mask (output zero
-    where the input is not) by module path, and the default CPU RNG state after the step."""
+    where the input is not) by module path, the default CPU RNG state after the step, and how many
+    times the step called torch.manual_seed."""
     import timm
     torch.manual_seed(0)
     model = timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
@@ -233,8 +234,18 @@ def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4):
     pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
                                example_input=xs[0, : batch // 2], sequence_parallel=sequence_parallel)
     pm.train()
-    pm.step(xs[0], ys[0])
-    return {"masks": {k: torch.stack(v) for k, v in masks.items()}, "rng": torch.get_rng_state()}
+    seeded, global_seed = [], torch.manual_seed           # counts the step's torch.manual_seed calls
+
+    def counting(seed):
+        seeded.append(seed)
+        return global_seed(seed)
+    torch.manual_seed = counting
+    try:
+        pm.step(xs[0], ys[0])
+    finally:
+        torch.manual_seed = global_seed
+    return {"masks": {k: torch.stack(v) for k, v in masks.items()}, "rng": torch.get_rng_state(),
+            "global_seeds": len(seeded)}
 
 
 def checkpoint_replays_tp_dropout(checkpoint, sequence_parallel: bool = False, steps: int = 2, batch: int = 4):

@@ -173,3 +173,15 @@ def test_sharing_is_the_median_round_not_one_noisy_pass():
     assert slowdowns(stranger, 2, 1)[1] == pytest.approx(2.0)
     assert slowdowns(stranger, 2, 3) == pytest.approx((1.0, 1.1))
     assert slowdowns([{(0, 1): 0.02, (0, 2): 0.019}, {(0, 2): 0.019}], 2, 1) == (1.0, 1.0)
+
+
+def test_measurement_workloads_leave_the_callers_random_streams_alone():
+    """The op chains and the encoder-stack workload draw from a seeded private stream: a profile measured
+    between a user's torch.manual_seed and their model's creation does not change that model."""
+    from autosplit.cost_model.op_bench import measure_compute
+    from autosplit.runtime.cpu_workload import encoder_stack
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    measure_compute(budget=0.05)
+    encoder_stack("cpu", 1)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -16,11 +16,13 @@ from torch import nn
 def encoder_stack(device, layers: int):
     """(module, input (B, N, C)) of an encoder stack of ``layers`` layers on ``device``, in training mode."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        # the CPU generator only, drawn on the CPU: torch.manual_seed would reseed every device's
+        # generators (on a GPU host, the ones the caller's training draws from) outside the fork
+        torch.default_generator.manual_seed(0)
         net = nn.Sequential(*[nn.TransformerEncoderLayer(192, 6, 768, dropout=0.0, activation="gelu",
                                                          batch_first=True, norm_first=True)
                               for _ in range(layers)]).to(device).train()
-        x = torch.randn(4, 65, 192, device=device)         # (B, N, C): 4 images of 65 tokens
+        x = torch.randn(4, 65, 192).to(device)             # (B, N, C): 4 images of 65 tokens
     return net, x
 
 

@@ -14,6 +14,8 @@ Terms:
                        default stream advances identically on every tp rank, sharded masks differ,
                        and activation checkpointing, which restores the default stream before it
                        recomputes, replays exactly the same masks.
+  seed              -- the fork seeds the one generator the op draws from (the CPU default generator,
+                       or the default generator of the tensor's CUDA device) and ``fork_rng`` restores it.
 
 ``TpRandom`` wraps one op; ``passes/tp_random.py`` puts it on the sharded random ops of a stage graph.
 """
@@ -63,10 +65,17 @@ class TpRandom(nn.Module):
             return self._call(args, kwargs)
         seed = int(torch.randint(0, 2**62, (1,)).item())        # one draw of the default CPU stream
         rank = ops.axis_rank(self.axis)
-        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            devices, generator = [index], torch.cuda.default_generators[index]
+        else:
+            devices, generator = [], torch.default_generator
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            torch.manual_seed(rank_seed(seed, rank))
+            # *seed*: only the generator the op draws from.  Not torch.manual_seed: it seeds every
+            # device type's generators too, and for each one not initialized in this process (CUDA on a
+            # CPU run, XPU and MTIA everywhere) it formats the Python stack to queue a lazy call:
+            # 1-1.5 ms per call, 40-60 ms per step of the CPU benchmark ViT under sequence parallelism.
+            generator.manual_seed(rank_seed(seed, rank))
             return self._call(args, kwargs)
 
     def extra_repr(self) -> str:
