@@ -144,7 +144,7 @@ def reference_time(vit: dict, batch: int) -> float:
     import torch
     import timm
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.default_generator.manual_seed(0)      # not torch.manual_seed: the CPU stream only
         net = timm.models.VisionTransformer(**vit)
         x = torch.randn(batch, 3, 32, 32)
     net(x).sum().backward()                                      # warm-up
@@ -172,18 +172,16 @@ def repriced(plan, profile) -> float:
     as compiled."""
     import copy
     import dataclasses
-    from autosplit.cost_model import graph_time
     from autosplit.cost_model.step_time import predict_plan
-    from autosplit.cost_model.weight_grad import split_backward_time
     from autosplit.passes.split_backward import weight_gemm_nodes
+    from autosplit.passes.stage_infos import stage_compute_times     # what the plan's stage table priced
     assert plan.checkpoint is None, "recomputation is not repriced"
     gemms = set(weight_gemm_nodes(plan.graph))
     stages = []
     for info in plan.stages:
         nodes = [n for n in plan.graph.graph.nodes if n.meta.get("stage") == info.index]
-        fwd, bwd = graph_time(nodes, profile)
-        stages.append(dataclasses.replace(info, fwd_time=fwd, bwd_time=bwd,
-                                          w_time=split_backward_time(nodes, gemms, profile)[1]))
+        fwd, bwd, w = stage_compute_times(nodes, gemms, profile)
+        stages.append(dataclasses.replace(info, fwd_time=fwd, bwd_time=bwd, w_time=w))
     again = copy.copy(plan)
     again.stages = stages
     return predict_plan(again, device=profile).total

@@ -41,6 +41,14 @@ def tensor_infos(nodes: list[fx.Node]) -> list[TensorInfo]:
     return infos
 
 
+def stage_compute_times(nodes: list[fx.Node], gemms: set, profile) -> tuple[float, float, float]:
+    """(forward s, backward s, W s) per microbatch of one stage's ``nodes`` under ``profile``: W is the part
+    of the backward a split backward defers (``gemms``: the graph's ``weight_gemm_nodes``); recomputation
+    is not included (the caller adds it)."""
+    fwd, bwd = graph_time(nodes, profile)
+    return fwd, bwd, split_backward_time(nodes, gemms, profile)[1]
+
+
 class BuildStageInfos(MetaPass):
     """Requires meta['stage'] and meta['cost'], the split, costs, bounds and dp costs.
     Ensures ``state.stage_infos``."""
@@ -63,7 +71,7 @@ class BuildStageInfos(MetaPass):
         infos = []
         for st, module in enumerate(s.split.stages):
             nodes = [n for n in all_nodes if n.meta.get("stage") == st]
-            fwd, bwd = graph_time(nodes, seg.profile)
+            fwd, bwd, w = stage_compute_times(nodes, gemms, seg.profile)
             params = dict(module.named_parameters())
             param_bytes = sum(p.numel() * p.element_size() for p in params.values())
             first = bounds[st - 1] + 1 if st else 0
@@ -81,6 +89,6 @@ class BuildStageInfos(MetaPass):
                 dp_bytes=int(dp.traffic_bytes), dp_time=dp.time,
                 inputs=tensor_infos([by_name[n] for n in s.split.inputs[st]]),
                 outputs=tensor_infos([by_name[n] for n in s.split.outputs[st]]),
-                recompute_bytes=recompute, w_time=split_backward_time(nodes, gemms, seg.profile)[1]))
+                recompute_bytes=recompute, w_time=w))
         s.put(stage_infos=infos)
         return PassResult(graph_module, False)
