@@ -105,6 +105,47 @@ def test_posting_is_priced_under_load_where_the_host_has_more_ranks():
     assert _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4, 3e-4, 1.5e-3).p2p_post == 1.5e-3
 
 
+def test_posting_after_compute_is_priced_by_its_mean_with_groups_overlapping(monkeypatch):
+    """comm_bench *post*: with a burst (a host with a core per rank) each post follows the burst, the group
+    posted one repetition before is waited only after it (two in flight, told apart by tag), and the
+    time is the mean, stalls included (a step pays each post); idle, the median of posts waited at once."""
+    from types import SimpleNamespace
+    from autosplit.runtime import comm_bench
+    clock, log = [0.0], []
+    stalls = iter([1e-4, 1e-4] + [1e-4] * 9 + [5e-3] + [1e-4] * 100)     # warm-up, then one stall of 5 ms
+
+    class Posted:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def wait(self, watchdog):
+            log.append(("wait", self.tag))
+
+    class Transport:
+        def post(self, ops, what):
+            clock[0] += next(stalls)
+            tags = {tag for _, _, _, tag in ops}
+            assert len(tags) == 1
+            log.append(("post", tags.pop()))
+            return Posted(log[-1][1])
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(comm_bench, "make_transport", lambda backend, group: Transport())
+    monkeypatch.setattr(comm_bench.time, "perf_counter", lambda: clock[0])
+    world = SimpleNamespace(rank=0, size=2, backend="gloo", device=torch.device("cpu"))
+    bursts = []
+    mean = comm_bench.measure_post(world, None, reps=20, burst=lambda: bursts.append(len(log)))
+    assert mean == pytest.approx((19 * 1e-4 + 5e-3) / 20)                 # the stall counts
+    assert len(bursts) == 21 and log[:4] == [("post", 0), ("post", 1), ("wait", 0), ("post", 2)]
+    assert log[-2:] == [("wait", 19), ("wait", 20)] and len({t for k, t in log if k == "post"}) == 21
+    log.clear()
+    stalls = iter([1e-4] * 12 + [5e-3] + [1e-4] * 100)
+    assert comm_bench.measure_post(world, None, reps=21) == pytest.approx(1e-4)   # idle: the median
+    assert log[:2] == [("post", 0), ("wait", 0)]
+
+
 def test_resume_factor_is_the_median_round_and_never_below_one():
     from autosplit.runtime.resume_bench import factors
     plain = [(0.010, 0.020)] * 3

@@ -11,7 +11,7 @@ Terms:
                the ranks compete for the machine's cores and links as they will in training.
   nbytes    -- the FULL tensor of the collective (comm.py's convention): the gathered result of an
                all_gather, the input of a reduce_scatter.
-  timing    -- per (kind, n, nbytes): a barrier over the world, one warm-up, then ``reps`` calls back
+  timing    -- per (kind, n, nbytes): a barrier over the world, one warm-up, then ``COMM_REPS`` calls back
                to back, each waited through the Watchdog; a rank's time is the mean per call.  On a
                GPU that is what a step pays (the host launches while the device computes).
   in step   -- (CPU) a step's collective follows compute on every rank of its group, and on a CPU that
@@ -29,8 +29,15 @@ Terms:
   post      -- (CPU only) host seconds to post one pipeline transfer group through the runtime's own
                transport (p2p.make_transport): every rank posts a send to the next rank and a receive
                from the previous one, all at once as a pipeline's ranks do, and times only the posting
-               call; the median of ``POST_REPS``.  On a GPU the host posts while the device computes,
-               so it costs the step nothing and is not measured.
+               call.  With a *burst* (measure_comm's ``in_step``), as a step posts: every rank runs the
+               burst, posts, and waits for the group it posted one repetition before (a pipeline waits
+               for a group's receive only inside the compute after it), and the time is the mean of
+               ``POST_STEP_REPS``: on a 2-core host posting after compute took a median of 0.04-0.34 ms
+               but a mean of 0.3-1.3 ms (rare stalls of several ms, when the rank's gloo thread or its
+               peer takes the core), a step of pp2 1F1B m8 paid 0.39-0.61 ms a group, and the idle
+               median said 0.05-0.07.  Without one: every rank idle, the median of ``POST_REPS``.  On
+               a GPU the host posts while the device computes, so it costs the step nothing and is not
+               measured.
 Ordering (NCCL's rule): every rank runs the same loop in the same order: each group creation, each
 barrier and each collective of its own group; pairs for send_recv are fixed by rank parity.
 """
@@ -45,9 +52,12 @@ from autosplit.runtime import tp_collectives as T
 from autosplit.runtime.p2p import make_transport
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
-BURST_S, BURST_DIM, IN_STEP_REPS = 2e-3, 192, 20
+BURST_S, BURST_DIM, IN_STEP_REPS = 2e-3, 192, 40
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-POST_BYTES, POST_REPS = 64 << 10, 21
+POST_BYTES, POST_REPS, POST_STEP_REPS = 64 << 10, 21, 60
+# calls per timing: a gloo call on a 2-core host stalls for several ms now and then, and with 10 calls (20 in
+# step) the fitted all_reduce/2 constant moved 1.85 -> 2.49 ms between two measurements minutes apart
+COMM_REPS = 30
 
 
 def group_sizes(world_size: int) -> list[int]:
@@ -88,21 +98,36 @@ def _ping_pong(world, watchdog, nbytes: int):
     return call
 
 
-def measure_post(world, watchdog, nbytes: int = POST_BYTES, reps: int = POST_REPS) -> float:
-    """Median host seconds of posting one ring group (a send and a receive) with the runtime's transport."""
+def measure_post(world, watchdog, nbytes: int = POST_BYTES, reps: int | None = None, burst=None) -> float:
+    """Host seconds of posting one ring group (a send and a receive) with the runtime's transport (see
+    *post*): with ``burst``, the mean of ``reps`` (default POST_STEP_REPS) posts each after the burst;
+    without, the median of ``reps`` (default POST_REPS) posts with every rank idle."""
+    reps = reps or (POST_STEP_REPS if burst is not None else POST_REPS)
     transport = make_transport(world.backend, None)          # None: the default group, every rank
     nxt, prev = (world.rank + 1) % world.size, (world.rank - 1) % world.size
-    out, into = torch.ones(max(1, nbytes // 4), device=world.device), torch.empty(max(1, nbytes // 4),
-                                                                                  device=world.device)
-    times = []
+    out = torch.ones(max(1, nbytes // 4), device=world.device)
+    times, pending = [], None
     try:
-        for _ in range(reps + 1):                            # the first is a warm-up
+        for k in range(reps + 1):                            # the first is a warm-up
+            if burst is not None:
+                burst()
+            into = torch.empty(max(1, nbytes // 4), device=world.device)   # a fresh buffer, as a step's
             t0 = time.perf_counter()
-            posted = transport.post([("send", out, nxt, 0), ("recv", into, prev, 0)], "profile measurement post")
+            # a tag per repetition: with a burst two groups are in flight, and gloo pairs them by tag
+            posted = transport.post([("send", out, nxt, k), ("recv", into, prev, k)], "profile measurement post")
             times.append(time.perf_counter() - t0)
-            posted.wait(watchdog)
+            if burst is None:
+                posted.wait(watchdog)
+                continue
+            if pending is not None:
+                pending.wait(watchdog)
+            pending = posted
+        if pending is not None:
+            pending.wait(watchdog)
     finally:
         transport.close()
+    if burst is not None:
+        return sum(times[1:]) / reps
     return sorted(times[1:])[reps // 2]
 
 
@@ -148,7 +173,7 @@ def _in_step(call, burst, world, watchdog, reps: int = IN_STEP_REPS) -> float:
     return max(0.0, _timed(step_like, reps) - plain)
 
 
-def measure_comm(world, watchdog, reps: int = 10, sizes=SIZES,
+def measure_comm(world, watchdog, reps: int = COMM_REPS, sizes=SIZES,
                  in_step: bool = False) -> list[tuple[str, int, int, float]]:
     """This rank's (kind, n, nbytes, seconds per call) for every kind, group size and size (see Terms).
 
@@ -182,5 +207,5 @@ def measure_comm(world, watchdog, reps: int = 10, sizes=SIZES,
         out.append(("send_recv", 2, nbytes, _timed(call, reps) / 2))
     if world.device.type == "cpu" and world.size > 1:
         world_barrier(world, watchdog)
-        out.append(("post", 2, POST_BYTES, measure_post(world, watchdog)))
+        out.append(("post", 2, POST_BYTES, measure_post(world, watchdog, burst=burst)))
     return out
