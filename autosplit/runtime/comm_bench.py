@@ -32,7 +32,8 @@ Terms:
                call.  With a *burst* (measure_comm's ``in_step``), as a step posts: every rank runs the
                burst, posts, and waits for the group it posted one repetition before (a pipeline waits
                for a group's receive only inside the compute after it), and the time is the mean of
-               ``POST_STEP_REPS``: on a 2-core host posting after compute took a median of 0.04-0.34 ms
+               ``POST_STEP_REPS`` (120: the mean of 60 came out at 0.23-0.93 ms in four measurements on
+               one 2-core host): on a 2-core host posting after compute took a median of 0.04-0.34 ms
                but a mean of 0.3-1.3 ms (rare stalls of several ms, when the rank's gloo thread or its
                peer takes the core), a step of pp2 1F1B m8 paid 0.39-0.61 ms a group, and the idle
                median said 0.05-0.07.  Without one: every rank idle, the median of ``POST_REPS``.  On
@@ -54,7 +55,7 @@ from autosplit.runtime.p2p import make_transport
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 BURST_S, BURST_DIM, IN_STEP_REPS = 2e-3, 192, 40
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-POST_BYTES, POST_REPS, POST_STEP_REPS = 64 << 10, 21, 60
+POST_BYTES, POST_REPS, POST_STEP_REPS = 64 << 10, 21, 120
 # calls per timing: a gloo call on a 2-core host stalls for several ms now and then, and with 10 calls (20 in
 # step) the fitted all_reduce/2 constant moved 1.85 -> 2.49 ms between two measurements minutes apart
 COMM_REPS = 30
