@@ -94,7 +94,7 @@ def test_in_step_cost_is_one_constant_per_group_size_added_to_collectives_only()
 
 
 def test_posting_is_priced_under_load_where_the_host_has_more_ranks():
-    """p2p_post: posting with every rank idle (comm_bench *post*) on a host of 2 ranks; the relay's
+    """p2p_post: comm_bench *post* (after compute, where each rank has a core) on a host of 2 ranks; the relay's
     posting while the others compute (sharing_bench *loaded post*) where it was measured (3+ ranks)."""
     from types import SimpleNamespace
     from autosplit.runtime.comm_bench import POST_BYTES
@@ -112,7 +112,7 @@ def test_posting_after_compute_is_priced_by_its_mean_with_groups_overlapping(mon
     from types import SimpleNamespace
     from autosplit.runtime import comm_bench
     clock, log = [0.0], []
-    stalls = iter([1e-4, 1e-4] + [1e-4] * 9 + [5e-3] + [1e-4] * 100)     # warm-up, then one stall of 5 ms
+    stalls = iter([1e-4] * 11 + [5e-3] + [1e-4] * 100)     # the warm-up and ten posts, a stall of 5 ms, the rest
 
     class Posted:
         def __init__(self, tag):

@@ -116,7 +116,8 @@ def in_step_extra(slowest: dict) -> dict[int, float]:
 def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, loaded_post: float | None = None,
            resume: tuple[float, float] = (1.0, 1.0)):
     """The profile from rank 0's compute fits and the slowest rank's collective times; ``p2p_post`` is
-    the *loaded post* where the host has 3 or more ranks, else posting with every rank idle."""
+    the *loaded post* where the host has 3 or more ranks, else comm_bench's *post* (after compute where each
+    rank has a core, with every rank idle where not)."""
     samples: dict = {}
     post = slowest.pop(("post", 2, POST_BYTES), 0.0)
     post = post if loaded_post is None else loaded_post
