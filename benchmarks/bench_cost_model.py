@@ -358,6 +358,7 @@ def _described(profile) -> str:
     sharing = "/".join(f"{x:.2f}" for x in profile.sharing) if profile.sharing else "none"
     return (f"{profile.name}; sharing {sharing}; posting {profile.p2p_post * 1e3:.2f} ms per transfer group; "
             f"wake {profile.p2p_wake * 1e3:.2f} ms; resume x{profile.resume[0]:.3f} / x{profile.resume[1]:.3f}; "
+            f"pass overhead {profile.pass_overhead * 1e3:.2f} ms; "
             f"all_reduce/2 alpha {((profile.comm or {}).get('all_reduce/2') or (0.0, 0.0))[0] * 1e3:.2f} ms")
 
 

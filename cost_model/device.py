@@ -29,6 +29,10 @@ Terms:
                      rank sat idle (a pipeline rank waiting for a transfer) than back to back; measured on
                      a CPU in the live world (runtime/resume_bench.py), 1.0 on GPUs.  The step predictor
                      stretches such computes by it.
+  pass overhead   -- seconds a pass takes beyond that when it starts after its rank sat idle: what a real
+                     pipeline of the host pays (the scheduler, the other ranks' threads and caches) that the
+                     parts measured one at a time miss; fitted so that the step predictor reproduces a
+                     reference pipeline measured on a CPU host (cost_model/pipeline_fit.py), 0 on GPUs.
   measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
                      size) fits from a measured profile (measured.py); without them the roofline and
                      the link's alpha-beta price everything, as for the datasheet GPUs.
@@ -75,6 +79,7 @@ class DeviceProfile:
                                   # waiting rank while the host's other ranks compute; 0: not measured / not shared
     resume: tuple = (1.0, 1.0)    # measured (CPU, resume_bench.py): (forward, backward) time of a pass that starts
                                   # after an idle wait over its time back to back; 1: not measured / no such effect
+    pass_overhead: float = 0.0    # fitted (CPU, pipeline_fit.py): seconds more such a pass takes; 0: not measured
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.

@@ -45,8 +45,9 @@ Terms:
                 its compute part ``resume[0]`` (F) or ``resume[1]`` (B, I, W) times as long
                 (``DeviceProfile.resume``: measured on a CPU in the live world by runtime/resume_bench.py,
                 where a pass after an idle wait with two microbatches in flight ran 9-14 % slower than
-                back to back; 1 on GPUs).
-                Part of compute.
+                back to back; 1 on GPUs), and then ``overhead`` seconds longer (``DeviceProfile.pass_overhead``:
+                fitted so that this timed run reproduces a reference pipeline measured on the host,
+                cost_model/pipeline_fit.py; 0 on GPUs).  Part of compute.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
                 stretched by sharing),
@@ -231,13 +232,14 @@ def _instant(n: _Node, value: list, stages, p2p: bool, post: float) -> float:
     return _transfer_end(n, value, stages, p2p)
 
 
-def _resumed(a, resume: tuple[float, float]) -> float:
-    """The factor on compute ``a``'s compute part when its rank sat idle before it (see *resume*)."""
-    return resume[0] if a.kind is F else resume[1]
+def _resumed(a, part: float, resume: tuple[float, float], overhead: float) -> float:
+    """Compute ``a``'s compute part ``part`` when its rank sat idle before it (see *resume*)."""
+    return part * (resume[0] if a.kind is F else resume[1]) + overhead
 
 
 def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing",
-                post: float = 0.0, wake: float = 0.0, resume: tuple[float, float] = (1.0, 1.0)):
+                post: float = 0.0, wake: float = 0.0, resume: tuple[float, float] = (1.0, 1.0),
+                overhead: float = 0.0):
     """The timed run with processor sharing (see *sharing*): (values, per rank seconds spent computing).
 
     Events in time order: a compute whose dependencies have ended is *ready* at the latest of their
@@ -313,7 +315,7 @@ def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sha
             t = stages[n.action.stage]
             part = _duration(n.action, t) - _tp_part(n.action, t)
             if now > host_free[n.rank] + 1e-12 * max(1.0, now):     # the rank sat idle: see *resume*
-                part *= _resumed(n.action, resume)
+                part = _resumed(n.action, part, resume, overhead)
             running[n.rank] = [k, part]
     return value, busy
 
@@ -365,7 +367,7 @@ def sharing_of(profile, group: int) -> "Sharing | None":
 
 
 def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: float = 0.0,
-         resume: tuple[float, float] = (1.0, 1.0)) -> tuple[list[float], list[float]]:
+         resume: tuple[float, float] = (1.0, 1.0), overhead: float = 0.0) -> tuple[list[float], list[float]]:
     """The timed run without sharing, in topological order: (values, per rank seconds spent computing)."""
     value = [0.0] * len(nodes)
     busy = [0.0] * (max(n.rank for n in nodes) + 1)
@@ -376,7 +378,7 @@ def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: floa
             t = stages[n.action.stage]
             part = _duration(n.action, t) - _tp_part(n.action, t)
             if start > host_free[n.rank] + 1e-12 * max(1.0, start):   # the rank sat idle: see *resume*
-                part *= _resumed(n.action, resume)
+                part = _resumed(n.action, part, resume, overhead)
             value[k] = start + part + _tp_part(n.action, t)
             busy[n.rank] += part
         else:
@@ -397,7 +399,7 @@ def _rank_ends(nodes, value, pp: int) -> list[float]:
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
                  stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0,
                  wake: float = 0.0, fixed: float = 0.0,
-                 resume: tuple[float, float] = (1.0, 1.0)) -> StepPrediction:
+                 resume: tuple[float, float] = (1.0, 1.0), overhead: float = 0.0) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -412,16 +414,17 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
             *fixed*).
         resume: (F, B) factors on a compute that starts after its rank sat idle (``profile.resume``;
             see *resume*).
+        overhead: seconds added to such a compute after ``resume`` (``profile.pass_overhead``).
     """
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
     tp, last_bwd = [0.0] * pp, [0.0] * S
     if sharing is None:
-        timed, compute = _run(nodes, stages, p2p=True, post=post, resume=resume)
-        free, _ = _run(nodes, stages, p2p=False, resume=resume)
+        timed, compute = _run(nodes, stages, p2p=True, post=post, resume=resume, overhead=overhead)
+        free, _ = _run(nodes, stages, p2p=False, resume=resume, overhead=overhead)
     else:   # the free run: transfers and posting cost nothing
-        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post, wake, resume)
+        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post, wake, resume, overhead)
                                        for p2p in (True, False))
     ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     for k, n in enumerate(nodes):
@@ -500,7 +503,7 @@ def predict_plan(plan, device=None) -> StepPrediction:
     return predict_step(plan.schedule, mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
                         plan_stage_times(plan, profile), sharing_of(profile, mesh.tp * mesh.dp),
                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, mesh.pp * mesh.tp * mesh.dp),
-                        profile.resume)
+                        profile.resume, profile.pass_overhead)
 
 
 CALL_ROW_BYTES = 5 * 8      # runtime/call_gate.py: one row of five int64 per rank

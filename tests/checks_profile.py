@@ -28,6 +28,16 @@ def measured_then_cached(directory: str) -> dict:
             "same_stream": same_stream, "fwd": [s.fwd_time for s in pm.plan.stages]}
 
 
+def pipeline_measured() -> list:
+    """pipeline_bench.measure_pipeline over this live world's ranks as one host."""
+    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.pipeline_bench import measure_pipeline
+    from autosplit.runtime.world import init_world
+    world = init_world((1, 1, -1))
+    watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
+    return measure_pipeline(world, watchdog, world.size)
+
+
 def wake_measured() -> float:
     """sharing_bench.measure_wake in this live world (every rank gets the host's figure)."""
     from autosplit.runtime.faults import Watchdog

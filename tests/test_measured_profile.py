@@ -177,6 +177,18 @@ def test_wake_is_measured_with_more_than_two_ranks_per_host(pool4):
     assert 0.0 <= wake < 0.05 and 0.0 < loaded_post < 0.05, values
 
 
+def test_reference_pipeline_runs_on_every_rank_of_the_host(pool4):
+    """4 ranks as a 1F1B pipeline of 8 microbatches (posting and waiting as the executor does, under the
+    strict transport): every rank gets rank 0's rounds; each rank runs 8 forwards and backwards in turn,
+    so a step lasts at least about 8 x (F + B) of the stage alone (half of it: the alone time is noisy)."""
+    from autosplit.runtime.pipeline_bench import MICROBATCHES, ROUNDS
+    values = pool4.run(checks_profile.pipeline_measured)
+    assert all(v == values[0] for v in values) and len(values[0]) == ROUNDS
+    for fwd, bwd, measured, nbytes in values[0]:
+        assert 0 < fwd and 0 < bwd and measured > 0.5 * MICROBATCHES * (fwd + bwd)
+        assert nbytes == 4 * 65 * 192 * 4                     # one (4, 65, 192) fp32 activation
+
+
 def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     a, b = pool2.run(checks_profile.measured_then_cached, str(tmp_path))
     assert a["profile"] == b["profile"]                                     # one profile on every rank
@@ -189,6 +201,7 @@ def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     assert "post/2" not in p["comm"]
     assert p["p2p_wake"] == 0.0               # 2 ranks: no other rank to compute while they relay
     assert len(p["resume"]) == 2 and all(1.0 <= f < 2.0 for f in p["resume"])   # measured, at least 1
+    assert 0.0 <= p["pass_overhead"] < 0.05   # fitted to the reference pipeline: seconds a pass, small
     assert a["planned_with"] == b["planned_with"] == p["name"]             # parallelize found the cached one
     assert a["fwd"] == b["fwd"] and a["same_stream"] and b["same_stream"]
     assert list(tmp_path.glob("*-2r-*.json"))

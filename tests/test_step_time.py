@@ -76,6 +76,18 @@ def test_resume_stretches_only_a_compute_whose_rank_sat_idle(shared):
     assert back_to_back.total == pytest.approx(4 * 3.0)                    # one rank never waits
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_pass_overhead_adds_seconds_only_to_a_compute_whose_rank_sat_idle(shared):
+    """As the resume test: rank 1's F and rank 0's B waited; each takes ``overhead`` longer after its
+    resume factor: 1 + (1.5 + 0.5) + 2 + (2.5 + 0.5).  One rank never waits: nothing added."""
+    from autosplit.cost_model.step_time import Sharing
+    sharing = Sharing((1.0, 1.0)) if shared else None
+    pred = predict_step("1f1b", 2, 1, 1, [StageTimes(1.0, 2.0)] * 2, sharing, resume=(1.5, 1.25), overhead=0.5)
+    assert pred.total == pytest.approx(8.0) and pred.compute == pytest.approx(1.0 + 3.0)
+    back_to_back = predict_step("1f1b", 1, 4, 1, [StageTimes(1.0, 2.0)], sharing, overhead=0.5)
+    assert back_to_back.total == pytest.approx(4 * 3.0)
+
+
 def test_step_collectives_price_the_call_check_and_the_loss_all_reduce():
     from autosplit.cost_model import H100, all_gather_time, all_reduce_time
     from autosplit.cost_model.step_time import step_collectives

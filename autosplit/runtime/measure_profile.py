@@ -7,7 +7,8 @@ Terms:
                (comm_bench.py's *post*, the slowest rank's; with 3 or more ranks on the host,
                sharing_bench.py's *loaded post*: a pipeline rank there posts while the others
                compute), ``p2p_wake`` (sharing_bench.py's *wake*: rank 0's host's) and ``resume``
-               (resume_bench.py: rank 0's host's).  On a GPU the
+               (resume_bench.py: rank 0's host's), and ``pass_overhead`` (cost_model/pipeline_fit.py, fitted
+               last, to pipeline_bench.py's reference pipeline on rank 0's host).  On a GPU the
                compute numbers stay the datasheet's (the built-in profile) and only the communication
                is measured.
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
@@ -44,8 +45,10 @@ import torch
 from autosplit.cost_model import calibrate, profile_cache, profile_for_gpu
 from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
+from autosplit.cost_model.pipeline_fit import with_pass_overhead
 from autosplit.host_memory import keep_freed_host_memory
 from autosplit.runtime.comm_bench import POST_BYTES, measure_comm, world_barrier
+from autosplit.runtime.pipeline_bench import MICROBATCHES, measure_pipeline
 from autosplit.runtime.resume_bench import measure_resume
 from autosplit.runtime.sharing_bench import measure_sharing, measure_wake
 
@@ -84,6 +87,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     # burst's end is the scheduler's time slice (2-3 ms, which ``sharing`` prices in the compute), and
     # the in-step difference measured 0.0 to 2.1 ms in runs minutes apart on a 2-core host with 4 ranks
     comm = measure_comm(world, watchdog, in_step=not cuda and local_ranks(world) <= (os.cpu_count() or 1))
+    reference = None if cuda else measure_pipeline(world, watchdog, local_ranks(world))
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
     world.store.set(f"{key}{world.rank}", pickle.dumps(comm))
@@ -95,6 +99,7 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
             for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
                 slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
         profile = _build(world, base, compute, slowest, sharing, wake, loaded_post, resume)
+        profile = with_pass_overhead(profile, local_ranks(world), MICROBATCHES, reference)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
             profile_cache.save(profile_cache.machine_key(world.device, local_ranks(world)), profile)

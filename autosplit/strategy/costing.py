@@ -205,5 +205,5 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     profile = get_profile(group.profile)
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
                          profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp),
-                         profile.resume)
+                         profile.resume, profile.pass_overhead)
     return price, rank_memory, bounds
