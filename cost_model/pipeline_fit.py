@@ -11,7 +11,7 @@ Terms:
                 profile prices the reference at or above what it measured (then nothing is missing).
                 Capped at the alone forward + backward: a residual larger than a pass is not a per-pass
                 cost.  The profile's is the median over the rounds' fits (one round's is noise's too).
-Pure: no process group, no torch.
+Pure: no process group, no tensors (it prices; runtime/pipeline_bench.py measures).
 """
 from __future__ import annotations
 
