@@ -25,7 +25,7 @@ import torch
 from autosplit.cost_model.device import DeviceProfile
 from autosplit.cost_model.measured import compute_from_json, compute_to_json
 
-FORMAT = 8       # 8: plus ``pass_overhead``; 7: ``p2p_post`` timed after compute (its mean) where each rank has a core; 6: plus ``resume``; 5: collectives timed in step (after compute) on CPU; 4: plus ``p2p_wake``; 3: plus ``p2p_post``; 2: compute fits of one process alone plus ``sharing`` (1: fits taken
+FORMAT = 9       # 9: collectives on a host with more ranks than cores fitted to their in-step times; 8: plus ``pass_overhead``; 7: ``p2p_post`` timed after compute (its mean) where each rank has a core; 6: plus ``resume``; 5: collectives timed in step (after compute) on CPU; 4: plus ``p2p_wake``; 3: plus ``p2p_post``; 2: compute fits of one process alone plus ``sharing`` (1: fits taken
                  # under contention)
 
 

@@ -93,6 +93,28 @@ def test_in_step_cost_is_one_constant_per_group_size_added_to_collectives_only()
     assert not any(k.startswith("in_step") for k in profile.comm)
 
 
+def test_a_shared_host_prices_every_kind_by_one_fit_to_all_kinds_in_step_times():
+    """More ranks than cores (*shared host*): every collective kind on n ranks gets the one alpha-beta fit of
+    all kinds' in-step times on n ranks (not its own back-to-back fit, nor the in-step constant on it);
+    send_recv keeps its own."""
+    from types import SimpleNamespace
+    from autosplit.runtime.measure_profile import _build, shared_host_fits
+    times = {("all_reduce", 2, 4096): 1.0e-3, ("in_step/all_reduce", 2, 4096): 2.6e-3,
+             ("all_reduce", 2, 1 << 20): 2.0e-3, ("in_step/all_reduce", 2, 1 << 20): 3.8e-3,
+             ("reduce_scatter", 2, 4096): 2.5e-3, ("in_step/reduce_scatter", 2, 4096): 2.8e-3,
+             ("reduce_scatter", 2, 1 << 20): 3.5e-3, ("in_step/reduce_scatter", 2, 1 << 20): 3.6e-3,
+             ("send_recv", 2, 4096): 1.0e-4, ("send_recv", 2, 1 << 20): 6.0e-4}
+    pooled = fit_alpha_beta([(b, t) for (kind, n, b), t in times.items() if kind.startswith("in_step/")])
+    assert shared_host_fits(times) == {2: pytest.approx(pooled)}
+    assert pooled[0] == pytest.approx(2.7e-3, rel=0.01) and pooled[1] > 0   # midway between the kinds
+    world = SimpleNamespace(device=torch.device("cpu"), size=4)
+    profile = _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4, shared=True)
+    assert profile.comm["all_reduce/2"] == pytest.approx(pooled) == profile.comm["reduce_scatter/2"]
+    assert profile.comm["send_recv/2"] == pytest.approx(fit_alpha_beta([(4096, 1.0e-4), (1 << 20, 6.0e-4)]))
+    unshared = _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4)   # each kind its own fit + the constant
+    assert unshared.comm["all_reduce/2"][0] != pytest.approx(unshared.comm["reduce_scatter/2"][0])
+
+
 def test_posting_is_priced_under_load_where_the_host_has_more_ranks():
     """p2p_post: comm_bench *post* (after compute, where each rank has a core) on a host of 2 ranks; the relay's
     posting while the others compute (sharing_bench *loaded post*) where it was measured (3+ ranks)."""

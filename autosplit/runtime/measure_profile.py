@@ -23,6 +23,14 @@ Terms:
                host costs are ``p2p_post`` / ``p2p_wake``).  One constant per group size, not a fit per
                kind: it is lateness and host work, not bytes, and each difference alone is noisy
                (+-0.5 ms on a 2-core VM).
+  shared host -- (CPU, more local ranks than cores) every collective kind on n ranks gets one alpha-beta
+               fit to the in-step times of all kinds together (the slowest rank's), instead of its own
+               back-to-back fit: there a collective waits for its peers to get a core back, and that
+               wait, not the kind's algorithm, is its time.  Measured on a 2-core VM with 4 ranks:
+               tp2 dp2's collectives waited 2.1-2.8 ms a call in the step, whatever their kind and
+               however short the compute before them; the back-to-back fits said 1.3-2.8 ms by kind
+               (reduce_scatter, an all_reduce and a slice on gloo, 1.5 ms above all_reduce in one
+               measurement), and with them the tensor-parallel rows came out 3-28 % short.
   agreement  -- every rank measures the collectives at the same time, puts its numbers into the job's
                store, and rank 0 builds the profile: its own compute fits and sharing and, per measured
                collective, the SLOWEST rank's time (a collective ends when its last rank does); every
@@ -83,10 +91,9 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         sharing = measure_sharing(world, watchdog, local_ranks(world))
         wake, loaded_post = measure_wake(world, watchdog, local_ranks(world))
         resume = measure_resume(world, watchdog, local_ranks(world))
-    # in step only where every local rank has a core of its own: on a host with more ranks than cores a
-    # burst's end is the scheduler's time slice (2-3 ms, which ``sharing`` prices in the compute), and
-    # the in-step difference measured 0.0 to 2.1 ms in runs minutes apart on a 2-core host with 4 ranks
-    comm = measure_comm(world, watchdog, in_step=not cuda and local_ranks(world) <= (os.cpu_count() or 1))
+    # in step on every CPU host: the constant on the back-to-back fits where each rank has a core (*in
+    # step*), the fit itself on a host with more ranks than cores (*shared host*)
+    comm = measure_comm(world, watchdog, in_step=not cuda)
     reference = None if cuda else measure_pipeline(world, watchdog, local_ranks(world))
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
@@ -98,7 +105,8 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         for k in keys:
             for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
                 slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
-        profile = _build(world, base, compute, slowest, sharing, wake, loaded_post, resume)
+        profile = _build(world, base, compute, slowest, sharing, wake, loaded_post, resume,
+                         shared=not cuda and local_ranks(world) > (os.cpu_count() or 1))
         profile = with_pass_overhead(profile, local_ranks(world), MICROBATCHES, reference)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
@@ -118,21 +126,34 @@ def in_step_extra(slowest: dict) -> dict[int, float]:
     return {n: max(0.0, sum(d) / len(d)) for n, d in diffs.items()}
 
 
+def shared_host_fits(slowest: dict) -> dict[int, tuple[float, float]]:
+    """Group size -> the (alpha, beta) of every collective kind on a host with more ranks than cores (see
+    *shared host*): one fit to the ``in_step/<kind>`` times of all kinds, from ``{(kind, n, nbytes): seconds}``."""
+    samples: dict[int, list] = {}
+    for (kind, n, nbytes), seconds in slowest.items():
+        if kind.startswith("in_step/"):
+            samples.setdefault(n, []).append((nbytes, seconds))
+    return {n: fit_alpha_beta(v) for n, v in samples.items()}
+
+
 def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, loaded_post: float | None = None,
-           resume: tuple[float, float] = (1.0, 1.0)):
+           resume: tuple[float, float] = (1.0, 1.0), shared: bool = False):
     """The profile from rank 0's compute fits and the slowest rank's collective times; ``p2p_post`` is
     the *loaded post* where the host has 3 or more ranks, else comm_bench's *post* (after compute where each
-    rank has a core, with every rank idle where not)."""
+    rank has a core, with every rank idle where not).  ``shared``: the host has more ranks than cores
+    (*shared host*); else the *in step* constant goes on the back-to-back fits."""
     samples: dict = {}
     post = slowest.pop(("post", 2, POST_BYTES), 0.0)
     post = post if loaded_post is None else loaded_post
-    extra = in_step_extra(slowest)
+    extra, pooled = in_step_extra(slowest), shared_host_fits(slowest) if shared else {}
     for (kind, n, nbytes), seconds in slowest.items():
         if not kind.startswith("in_step/"):
             samples.setdefault(comm_key(kind, n), []).append((nbytes, seconds))
     comm = {k: fit_alpha_beta(v) for k, v in samples.items()}
-    comm = {k: (a + extra.get(int(k.split("/")[1]), 0.0) if not k.startswith("send_recv/") else a, b)
-            for k, (a, b) in comm.items()}
+    for k, (a, b) in comm.items():
+        n = int(k.split("/")[1])
+        if not k.startswith("send_recv/"):
+            comm[k] = pooled[n] if n in pooled else (a + extra.get(n, 0.0), b)
     p2p = comm.get(comm_key("send_recv", 2))
     if world.device.type == "cuda":
         base = profile_for_gpu(torch.cuda.get_device_name(world.device))
