@@ -24,7 +24,8 @@ Terms:
                read) minus the mean of the same burst and read without the collective, every rank of the
                world doing either at the same time (so both share the cores alike).  Reported as kind
                ``in_step/<kind>``; measure_profile.py turns the difference from back to back into one
-               per-call constant per group size.  The burst's GEMM count is rank 0's, broadcast, so
+               per-call constant per group size where each rank has a core, and fits every kind's price
+               to these times where the host has more ranks than cores (its *shared host*).  The burst's GEMM count is rank 0's, broadcast, so
                every rank computes the same.
   post      -- (CPU only) host seconds to post one pipeline transfer group through the runtime's own
                transport (p2p.make_transport): every rank posts a send to the next rank and a receive

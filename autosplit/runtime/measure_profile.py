@@ -30,7 +30,7 @@ Terms:
                tp2 dp2's collectives waited 2.1-2.8 ms a call in the step, whatever their kind and
                however short the compute before them; the back-to-back fits said 1.3-2.8 ms by kind
                (reduce_scatter, an all_reduce and a slice on gloo, 1.5 ms above all_reduce in one
-               measurement), and with them the tensor-parallel rows came out 3-28 % short.
+               measurement), and with them the tensor-parallel rows came out up to 28 % short.
   agreement  -- every rank measures the collectives at the same time, puts its numbers into the job's
                store, and rank 0 builds the profile: its own compute fits and sharing and, per measured
                collective, the SLOWEST rank's time (a collective ends when its last rank does); every
