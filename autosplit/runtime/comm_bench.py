@@ -25,8 +25,8 @@ Terms:
                world doing either at the same time (so both share the cores alike).  Reported as kind
                ``in_step/<kind>``; measure_profile.py turns the difference from back to back into one
                per-call constant per group size where each rank has a core, and fits every kind's price
-               to these times where the host has more ranks than cores (its *shared host*).  The burst's GEMM count is rank 0's, broadcast, so
-               every rank computes the same.
+               to these times where the host has more ranks than cores (its *shared host*).  The burst's
+               GEMM count is rank 0's, broadcast, so every rank computes the same.
   post      -- (CPU only) host seconds to post one pipeline transfer group through the runtime's own
                transport (p2p.make_transport): every rank posts a send to the next rank and a receive
                from the previous one, all at once as a pipeline's ranks do, and times only the posting
