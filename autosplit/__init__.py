@@ -4,6 +4,7 @@ Public API (see README.md and the API contract):
   autosplit.compile(model, mesh=(pp, tp, dp), example_input=x, ...) -> Plan      (offline, pure)
   autosplit.parallelize(model, mesh=(pp, tp, dp), loss_fn=..., ...)              (inside torchrun)
   autosplit.materialize(meta_model, seed=0, init_fn=None)   (a meta model's initial values, one device)
+  autosplit.latest_checkpoint(directory) -> the committed checkpoint's path, or None
 
 The public names load on first use (PEP 562): ``import autosplit.cost_model`` or
 ``import autosplit.passes`` must not pull in the compiler, let alone the runtime and its process
@@ -19,6 +20,7 @@ _PUBLIC = {
     "parallelize": "autosplit.runtime.parallelize",
     "materialize": "autosplit.meta_init",      # not autosplit/materialize.py: a submodule of that name
                                                # would replace the function once imported
+    "latest_checkpoint": "autosplit.runtime.checkpoint_files",
     "Plan": "autosplit.plan",
     "PlanOptions": "autosplit.options",
     "MeshShape": "autosplit.mesh",

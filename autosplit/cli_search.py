@@ -20,6 +20,7 @@ import torch
 from autosplit.cost_model.profiles import NAMES
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.passes.batch_norm import provisional_batch
 
 MEASURED = "measured"
 
@@ -64,7 +65,8 @@ def run_search(args, build_model) -> int:
     from autosplit.strategy import search
     try:
         model = build_model(args.model, args.image_size)
-        x = torch.empty(1, *default_input_shape(model, args.image_size), device="meta")
+        # 2 rows where a BatchNorm in training mode refuses one value per channel
+        x = torch.empty(provisional_batch(model), *default_input_shape(model, args.image_size), device="meta")
         profile, described = _profile(args, model, x)
         ranked = search(model, args.world, x, global_batch=args.batch, device=profile,
                         memory_budget=args.memory, top=args.top)

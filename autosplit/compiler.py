@@ -42,6 +42,7 @@ from autosplit.model_layers import layer_paths
 from autosplit.options import AUTOCAST, LINEAR_2D_FORMS, TP_MODES, PlanOptions   # noqa: F401 (re-exported)
 from autosplit.passes.assign_stages import AssignStages
 from autosplit.passes.autocast_prop import AutocastDtypeProp
+from autosplit.passes.batch_norm import find_batch_norms, warn_batch_norm
 from autosplit.passes.check_output import CheckSingleOutput
 from autosplit.passes.cost_segments import CostSegments
 from autosplit.passes.cut_points import FindCuts
@@ -62,10 +63,10 @@ _DEFAULTS = PlanOptions()
 def plan_passes(state: PlanState) -> list[MetaPass]:
     """The planning pipeline for ``state``'s options, in order (see the module docstring)."""
     opts = state.options
-    passes: list[MetaPass] = [TraceModel(state), ExampleShapeProp(state.inputs), CheckSingleOutput(),
-                              TensorParallel(state)]
+    passes: list[MetaPass] = [TraceModel(state), ExampleShapeProp(state.inputs, model=state.model),
+                              CheckSingleOutput(), TensorParallel(state)]
     if state.mesh.tp > 1:
-        passes.append(ExampleShapeProp(state.inputs))          # the local shapes of tp rank 0
+        passes.append(ExampleShapeProp(state.inputs))          # the local shapes of tp rank 0 (our graph)
     if opts.autocast is not None:
         passes.append(AutocastDtypeProp(state.inputs, opts.autocast, state.profile.device_type))
     passes += [SimulateSchedule(state), AnnotateCosts(state), FindCuts(state), CostSegments(state),
@@ -120,11 +121,12 @@ def plan_state(model: nn.Module, mesh, example_input, options: PlanOptions) -> P
                      leaves=validate.leaf_modules(model, options.leaf_modules), layers=layer_paths(model))
 
 
-def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions) -> Plan:
-    """``compile`` with its options as one ``PlanOptions`` (what ``parallelize`` and the CLI call)."""
+def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions, warn: bool = True) -> Plan:
+    """``compile`` with its options as one ``PlanOptions`` (what ``parallelize`` and the CLI call);
+    ``warn``: give the BatchNorm note as a warning too (``parallelize`` does once per call)."""
     state = plan_state(model, mesh, example_input, options)
     gm = run_passes(plan_passes(state), model)
-    return Plan(mesh=state.mesh, tp_mode=options.tp_mode, schedule=options.schedule,
+    plan = Plan(mesh=state.mesh, tp_mode=options.tp_mode, schedule=options.schedule,
                 chunks_per_rank=options.chunks_per_rank, num_microbatches=state.num_microbatches,
                 device=state.profile.name, example_shapes=[tuple(x.shape) for x in state.inputs],
                 example_dtypes=[str(x.dtype).removeprefix("torch.") for x in state.inputs],
@@ -134,4 +136,7 @@ def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions) ->
                 schedule_grid=state.schedule_result.format_grid(),
                 autocast=None if options.autocast is None else str(options.autocast).removeprefix("torch."),
                 checkpoint=options.checkpoint, layer_end_segments=state.layer_ends, dp_shard=state.dp_shard,
-                profile=state.profile)
+                profile=state.profile, batch_norms=find_batch_norms(gm))
+    if warn:
+        warn_batch_norm(plan.batch_norm_note(), stacklevel=4)   # at compile's caller
+    return plan

@@ -11,6 +11,8 @@ Terms:
             microbatch's recomputation holds (see segment_costs.py).
   baseline -- torchtitan's cut (passes/partition.py ``torchtitan_bounds``): equal units per stage where
             the embedding and the head each count as one layer; None ("n/a") where that rule has no cut.
+  batch norms -- the layers that normalize with batch statistics (passes/batch_norm.py); with more than
+            one microbatch or replica the summary ends with a note on what they compute.
 
 A Plan is pure: building one needs no process group and no GPU.  The runtime interprets it.
 """
@@ -24,6 +26,7 @@ import torch.fx as fx
 from autosplit.dump import dump_plan
 from autosplit.errors import RankError
 from autosplit.mesh import MeshShape
+from autosplit.passes.batch_norm import BatchNormLayer, batch_norm_note
 from autosplit.report import plan_dict, summary_table
 from autosplit.schedule.placement import Placement, placement_of
 from autosplit.stage_info import StageInfo, TensorInfo
@@ -55,6 +58,7 @@ class Plan:
     layer_end_segments: list[int] = field(default_factory=list)   # per layer, the segment it ends in
     dp_shard: str | None = None               # "stage" / "layer": FSDP2 units over dp; None: replicated
     profile: object = field(default=None, repr=False)   # the cost_model.DeviceProfile it was priced with
+    batch_norms: list[BatchNormLayer] = field(default_factory=list)   # batch-statistics layers, graph order
     _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -91,10 +95,20 @@ class Plan:
         return max(ours) / (sum(ours) / len(ours)), "n/a" if base is None else max(base) / (sum(base) / len(base))
 
     def summary(self) -> str:
-        return summary_table(self)
+        return "\n".join([summary_table(self), *self.batch_norm_note()])
+
+    def batch_norm_note(self) -> list[str]:
+        """What the BatchNorm layers compute under this plan's microbatches and replicas (lines; empty
+        when every forward sees the step's whole batch or there is no such layer)."""
+        first = self.example_shapes[0] if self.example_shapes else ()
+        return batch_norm_note(self.batch_norms, self.num_microbatches, self.mesh.dp, first[0] if first else None,
+                               self.checkpoint)
 
     def to_dict(self) -> dict:
-        return plan_dict(self)
+        d = plan_dict(self)
+        if self.batch_norms:        # plan.json: the layers, and the note where one is due
+            d["batch_norm"] = {"layers": [vars(layer) for layer in self.batch_norms], "note": self.batch_norm_note()}
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

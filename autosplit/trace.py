@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from autosplit.errors import TraceError
+from autosplit.passes.op_names import keeps_effect
 from autosplit.trace_modes import ModeBranch, branch_module, follow_mode, mode_constants
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -175,11 +175,12 @@ def _drop_concrete_placeholders(graph: fx.Graph, n_inputs: int) -> None:
         elif getattr(node.target, "__module__", None) == "_operator":  # e.g. `False == False`
             _substitute(node, node.target(*node.args, **node.kwargs))
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=keeps_effect)   # an unused h.add_(g) still writes h
 
 
 def _substitute(node: fx.Node, value) -> None:
     """Replace every use of ``node`` by the constant ``value``."""
     for user in list(node.users):
-        user.args = tree_map_only(fx.Node, lambda a: value if a is node else a, user.args)
-        user.kwargs = tree_map_only(fx.Node, lambda a: value if a is node else a, user.kwargs)
+        # map_aggregate, not pytree: it also looks inside slices (x[:, :n] holds n in a slice)
+        user.args = fx.node.map_aggregate(user.args, lambda a: value if a is node else a)
+        user.kwargs = fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)

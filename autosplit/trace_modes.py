@@ -61,18 +61,35 @@ def _same_constant(a, b) -> bool:
         return a is b
 
 
+_SLICE_FIELDS = ("start", "stop", "step")
+
+
+def _holds_node(value) -> bool:
+    """Does ``value`` (an fx argument: a node, a constant, or tuples / lists / dicts / slices of them)
+    contain a node anywhere?"""
+    found = []
+    fx.node.map_arg(value, lambda n: found.append(n) or n)
+    return bool(found)
+
+
 def _pairs(a, b, index: dict, out: list, path: tuple) -> bool:
     """Walk two argument structures together; False on a structural difference; collects
-    (path, train value, eval value) of differing constants in ``out``."""
+    (path, train value, eval value) of differing constants in ``out``.
+
+    Structures are every container fx keeps in a node's arguments: tuples (named ones too), lists,
+    dicts and slices.  A slice is compared field by field: ``x[:, :H]`` with a traced ``H`` holds a
+    node in ``slice(None, H)``, the same node in both modes, not a differing constant."""
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         return isinstance(a, fx.Node) and isinstance(b, fx.Node) and index.get(a) == index.get(b)
+    if isinstance(a, slice) and isinstance(b, slice):
+        return all(_pairs(getattr(a, f), getattr(b, f), index, out, path + (f,)) for f in _SLICE_FIELDS)
     if isinstance(a, (tuple, list)) and type(a) is type(b):
         return len(a) == len(b) and all(_pairs(x, y, index, out, path + (i,)) for i, (x, y) in enumerate(zip(a, b)))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_pairs(a[k], b[k], index, out, path + (k,)) for k in a)
     if not _same_constant(a, b):
-        if isinstance(a, (tuple, list, dict)) or isinstance(b, (tuple, list, dict)):
-            return False
+        if isinstance(a, (tuple, list, dict)) or isinstance(b, (tuple, list, dict)) or _holds_node(a) or _holds_node(b):
+            return False        # a different structure, or graph values a mode constant cannot hold
         out.append((path, a, b))
     return True
 
@@ -83,9 +100,13 @@ def _replace_at(value, path: tuple, new):
     head, rest = path[0], path[1:]
     if isinstance(value, dict):
         return {**value, head: _replace_at(value[head], rest, new)}
+    if isinstance(value, slice):
+        fields = {f: getattr(value, f) for f in _SLICE_FIELDS}
+        fields[head] = _replace_at(fields[head], rest, new)
+        return slice(*(fields[f] for f in _SLICE_FIELDS))
     items = list(value)
     items[head] = _replace_at(items[head], rest, new)
-    return type(value)(items)
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)   # a namedtuple's fields
 
 
 def mode_constants(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> list[tuple[fx.Node, tuple, object, object]]:

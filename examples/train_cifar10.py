@@ -63,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="save a sharded checkpoint (model and optimizer, every rank its own part) after each epoch")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from the latest complete checkpoint in DIR (any mesh may have written it)")
+                   help="continue from the latest complete checkpoint in DIR (any mesh may have written it); "
+                        "start afresh when DIR holds none yet (resume if present)")
     p.add_argument("--stop-after-epochs", type=int, default=None, metavar="K",
                    help="stop after K of --epochs epochs (the schedule still spans --epochs); resume later")
     p.add_argument("--export", default=None, metavar="FILE",
@@ -237,9 +238,12 @@ def main(argv=None) -> int:
 
     step, start = 0, time.perf_counter()
     if args.resume:     # the learning rate follows the step, so a resumed run continues the same schedule
-        record = pm.load_checkpoint(args.resume, optimizer=opt)
-        step = record["step"]
-        log(f"resumed from {args.resume} at step {step} (saved on mesh {tuple(record['mesh'])})")
+        record = pm.load_checkpoint(args.resume, optimizer=opt, missing_ok=True)
+        if record is None:
+            log(f"no committed checkpoint in {args.resume} yet: starting afresh")
+        else:
+            step = record["step"]
+            log(f"resumed from {args.resume} at step {step} (saved on mesh {tuple(record['mesh'])})")
     last_epoch = args.epochs if args.stop_after_epochs is None else min(args.epochs, args.stop_after_epochs)
     for epoch in range(step // steps_per_epoch, last_epoch):
         if step >= total_steps:

@@ -36,6 +36,8 @@ from torch import nn
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.passes.infra.pass_manager import PassManager, this_before_that_pass_constraint
 
+from autosplit.errors import REPORT, AutosplitError, PlanError
+
 
 @dataclass
 class PlanState:
@@ -164,6 +166,8 @@ def run_passes(passes: list[MetaPass], module: nn.Module) -> nn.Module:
     The order is checked against ``ordering_constraints`` before anything runs.  PassManager wraps
     any error in a bare ``Exception`` naming the pass; we re-raise the pass's own error instead (an
     AutosplitError must reach the user as itself, with its message), with the pass named in a note.
+    Any other exception is a bug of ours, not bad input: it leaves as a PlanError that names the pass
+    and says so (the rules that know the node name it themselves, autosplit/errors.py ``at_node``).
     """
     manager = PassManager(passes, constraints=ordering_constraints(passes))
     manager.validate_constraints()        # raises on a pass placed before what it requires; no reordering
@@ -173,6 +177,12 @@ def run_passes(passes: list[MetaPass], module: nn.Module) -> nn.Module:
         cause = wrapper.__cause__
         if cause is None:
             raise
+        if not isinstance(cause, AutosplitError):
+            # not bad input (that is an AutosplitError, raised where it is found): our own code failed
+            failed = str(wrapper).split("'")[1] if str(wrapper).count("'") >= 2 else "a planning pass"
+            bug = PlanError(f"planning pass {failed} failed: {type(cause).__name__}: {cause}; {REPORT}")
+            bug.add_note(str(wrapper))
+            raise bug from cause
         if hasattr(cause, "add_note"):
             cause.add_note(str(wrapper))
         cause.__suppress_context__ = True

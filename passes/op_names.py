@@ -25,3 +25,45 @@ def op_name(node: fx.Node, gm: fx.GraphModule, qualified: bool = False) -> str:
     if qualified:
         return f"{getattr(t, '__module__', None) or ''}.{name}".lstrip(".")
     return name.strip("_")
+
+
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                      "ilshift", "irshift", "imatmul"}
+
+
+def inplace_base(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """For an op that writes its first operand in place (``x.add_(y)``, ``x += y``, ``F.relu(x,
+    inplace=True)``), the short name of the op it computes (``add``, ``relu``); None for any other op.
+
+    Terms: ``writes`` -- the op's first operand is the tensor it writes and returns; every other
+    reader of that tensor afterwards sees the new values (the rules must keep that one tensor)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name[:-1] if name.endswith("_") and not name.endswith("__") else None
+    if node.op != "call_function":
+        return None
+    name = op_name(node, gm)
+    if getattr(node.target, "__module__", None) in ("_operator", "operator") and name in _INPLACE_OPERATORS:
+        return name[1:]
+    if node.kwargs.get("inplace") is True:
+        return name
+    return None
+
+
+def writes_input(node: fx.Node) -> bool:
+    """Does ``node`` write a tensor in place (or through ``out=``)?  Such a node has an effect even when
+    nothing reads its result: dead-code elimination must keep it."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    return (getattr(node.target, "__module__", None) in ("_operator", "operator") and name in _INPLACE_OPERATORS) \
+        or node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None or name == "setitem"
+
+
+def keeps_effect(node: fx.Node) -> bool:
+    """``is_impure_node`` for ``Graph.eliminate_dead_code``: torch.fx's own notion, plus in-place writes
+    (fx treats every method call as pure, so an unused ``h.add_(g)`` would be dropped)."""
+    return node.is_impure() or writes_input(node)

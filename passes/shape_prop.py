@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from autosplit.errors import AutosplitError
+from autosplit.errors import REPORT, AutosplitError, PlanError
 from autosplit.passes.infra import MetaPass
 
 
@@ -199,13 +199,44 @@ def tensor_bytes(value) -> int:
 
 
 class ExampleShapeProp(MetaShapeProp):
-    """MetaShapeProp of the user's example microbatch: a failure also shows the example's shapes and
-    what it must be (one microbatch, batch dim first), the usual cause of a shape error there."""
+    """MetaShapeProp of the user's example microbatch, with a failure put where it belongs.
+
+    Terms:
+      ours -- the graph we built fails where the model itself does not: its own forward runs on the
+              example (on meta tensors), or the graph is one our rewrite made after a propagation that
+              passed.  A PlanError naming the node and module path, saying it is an autosplit bug.
+      theirs -- the model's own forward fails on the example too: the example's shapes are shown with
+              what it must be (one microbatch, batch dim first), the usual cause, and the model's error.
+    """
+
+    def __init__(self, example_inputs: tuple, memo: bool = True, model=None):
+        """``model``: the user's model, whose forward decides whose failure it is; None for a graph that
+        our rewrite made (tensor parallelism), after the model's own graph propagated."""
+        super().__init__(example_inputs, memo)
+        self.model = model
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         try:
             return super().call(graph_module)
         except AutosplitError as exc:
+            own = _eager_failure(self.model, self.example_inputs) if self.model is not None else None
+            if self.model is None or own is None:
+                where = "the tensor-parallel rewrite's graph" if self.model is None else \
+                    "the traced graph (the model's own forward runs on this example_input)"
+                raise PlanError(f"{exc}\nThis fails in {where}: {REPORT}") from exc
             shapes = ", ".join(str(tuple(x.shape)) for x in self.example_inputs)
             raise AutosplitError(f"{exc}\nexample_input has shape {shapes}; it must be one microbatch of what the "
-                                 f"model's forward takes, batch dim first (e.g. (B, C, H, W))") from exc
+                                 f"model's forward takes, batch dim first (e.g. (B, C, H, W)); the model's own "
+                                 f"forward fails on it too: {type(own).__name__}: {_first_part(own)}") from exc
+
+
+def _eager_failure(model: torch.nn.Module, inputs: tuple) -> Exception | None:
+    """The error the model's own forward raises on ``inputs`` (meta tensors, meta stand-ins for its
+    parameters and buffers: nothing allocated), or None when it runs."""
+    state = {name: to_meta(t) for name, t in model.state_dict(keep_vars=True).items()}
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(model, state, tuple(inputs))
+    except Exception as exc:        # noqa: BLE001  (any failure of the user's forward is the answer)
+        return exc
+    return None

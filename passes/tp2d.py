@@ -15,11 +15,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from autosplit.errors import AutosplitError
+from autosplit.errors import AutosplitError, at_node
 from autosplit.passes import tp2d_ops as O
 from autosplit.passes import tp2d_rewrite as R
 from autosplit.passes.tp2d_params import ParamUses, apply_param_uses
-from autosplit.passes.op_names import op_name
+from autosplit.passes import op_dims as OD
+from autosplit.passes.op_names import inplace_base, keeps_effect, op_name
 from autosplit.passes.tp_regions import find_regions
 from autosplit.passes.tp_rewrite import TensorParallelPlan, _cols
 from autosplit.tp import ops as C
@@ -40,14 +41,16 @@ def shard_2d(gm: fx.GraphModule, q: int, form) -> TensorParallelPlan:
         plan.regions.append(f"{r.name} <- {', '.join(e.meta.get('module_path', e.name) for e in r.entries)}")
     _slice_inputs(st, [n for n in gm.graph.nodes if n.op == "placeholder"])
     for n in list(gm.graph.nodes):
-        if n in st.specs or (not n.users and n.op != "output" and not n.is_impure()):
+        if n in st.specs or (not n.users and n.op != "output" and not keeps_effect(n)):
             continue                                   # a model input's cut, or dead after a rewrite
         if n.op in ("placeholder", "get_attr"):      # whole until a rule cuts them
             st.specs[n] = Spec2D()
-        elif n.op == "output":
-            _output(st, n)
-        else:
-            _rule(st, n)
+            continue
+        with at_node("the 2D tensor-parallel rule", n):
+            if n.op == "output":
+                _output(st, n)
+            else:
+                _rule(st, n)
             if n in exit_inputs and isinstance(st.specs.get(n), Spec2D):
                 st.specs[n].idx = exit_inputs[n]          # the exit gathers the heads in this order
     apply_param_uses(st.uses, gm, plan)
@@ -55,7 +58,7 @@ def shard_2d(gm: fx.GraphModule, q: int, form) -> TensorParallelPlan:
         spec = st.specs.get(n)
         n.meta["spec"] = spec.placements() if isinstance(spec, Spec2D) else {ROW: Replicate(), COL: Replicate()}
     plan.forms = st.forms
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)
     gm.graph.lint()
     return plan
 
@@ -99,13 +102,26 @@ def _shape_read(st: R._State, n: fx.Node, x: fx.Node) -> None:
     """``x.shape`` / ``x.size()``: int reads of split dims become global (times q)."""
     s = st.specs.get(x, Spec2D())
     split = {d for d in (s.b, s.c) if d is not None}
+    ndim = R._val(x).dim()
     for u in list(n.users):
+        if _slice_misses(u, ndim, split):
+            continue            # e.g. ``x.shape[1:3]`` of a tensor split at dim 3: global sizes already
         if not (u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)):
             if split:
                 R._refuse(u, f"it uses the whole shape of '{x.name}', whose dims {sorted(split)} are split")
             continue
         if u.args[1] % R._val(x).dim() in split:
             _times_q(st, u)
+
+
+def _slice_misses(u: fx.Node, ndim: int, split: set) -> bool:
+    """Is ``u`` a constant slice of a shape (``shape[a:b]``) that reads no split dim?"""
+    if not (u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], slice)):
+        return False
+    fields = (u.args[1].start, u.args[1].stop, u.args[1].step)
+    if not all(f is None or isinstance(f, int) for f in fields):
+        return False
+    return not split.intersection(range(ndim)[u.args[1]])
 
 
 def _times_q(st: R._State, n: fx.Node) -> None:
@@ -139,12 +155,17 @@ def _rule(st: R._State, n: fx.Node) -> None:
     if n.op == "call_function" and n.target is getattr and n.args[1] == "shape":
         return _shape_read(st, n, n.args[0])
     if name == "size":
-        if len(n.args) > 1 or "dim" in n.kwargs:
-            s, d = st.specs.get(n.args[0], Spec2D()), (n.args[1] if len(n.args) > 1 else n.kwargs["dim"])
-            if d % R._val(n.args[0]).dim() in {s.b, s.c}:
+        if OD.arg(n, 1, "dim") is not None:
+            s, d = st.specs.get(n.args[0], Spec2D()), OD.dim(n, 1, "dim", R._val(n.args[0]).dim())
+            if d in {s.b, s.c}:
                 _times_q(st, n)
             return
         return _shape_read(st, n, n.args[0])
+    if name == "numel" and isinstance(n.args[0], fx.Node):
+        s = st.specs.get(n.args[0], Spec2D())     # q blocks per split dim: the global count is q^k times
+        for _ in [d for d in (s.b, s.c) if d is not None]:
+            _times_q(st, n)
+        return
     val = n.meta.get("val")
     if name == "getitem" and isinstance(st.specs.get(n.args[0]), tuple):
         one = st.specs[n.args[0]][n.args[1]]
@@ -164,6 +185,7 @@ def _rule(st: R._State, n: fx.Node) -> None:
                for a in _tensors(n.all_input_nodes)) and name not in ("dim", "_assert", "numel"):
             R._refuse(n, f"op '{name}' returns a non-tensor computed from split tensors")
         return
+    written = None                  # an in-place op's first operand (the tensor it writes)
     if name == "linear":
         w, b = n.args[1], (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias"))
         out = O._linear(st, n, n.args[0], w.target, b.target if b is not None else None)
@@ -181,16 +203,36 @@ def _rule(st: R._State, n: fx.Node) -> None:
         O.whole_norm_params(st, n, [a for a in list(n.args[2:4]) + [n.kwargs.get("weight"), n.kwargs.get("bias")]
                                     if isinstance(a, fx.Node)], st.specs[n.args[0]])
     else:
-        st.specs[n] = _spec(st, n, name)
+        base = inplace_base(n, st.gm)
+        written = n.args[0] if base is not None else None
+        st.specs[n] = _spec(st, n, base or name)
     region = st.region_of.get(n)
     if region is not None and isinstance(st.specs[n], Spec2D):
         st.specs[n].c, st.specs[n].idx = region.shard_dim(n), None
+    if written is not None:
+        _check_inplace(st, n, written)
     if name in R._VIEWS and isinstance(st.specs[n], Spec2D):
         _sizes(st, n, st.specs[n])
-    if name == "split" and region is not None and isinstance(n.args[1], int):
-        dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % R._val(n.args[0]).dim()
+    size = OD.arg(n, 1, "split_size")
+    if name == "split" and region is not None and isinstance(size, int):
+        dim = OD.dim(n, 2, "dim", R._val(n.args[0]).dim())
         if region.shard_dim(n.args[0]) == dim:          # split sizes along the heads are local
-            n.args = (n.args[0], n.args[1] // st.q, *n.args[2:])
+            n.args = (n.args[0], size // st.q, *n.args[2:])
+            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "split_size"}
+
+
+def _check_inplace(st: R._State, n: fx.Node, written: fx.Node) -> None:
+    """An in-place op writes its first operand where it lives: every later reader of ``written`` reads
+    that very tensor.  Its own rule: the output keeps the written operand's blocks, and only the other
+    operands may be re-distributed; where the rule would cut or copy ``written`` itself, the write would
+    land in the copy, so it is refused."""
+    if not R._is_tensor(written):
+        R._refuse(n, "an in-place op on a non-tensor")
+    mine, out = st.specs.get(written, Spec2D()), st.specs[n]
+    if n.args[0] is not written or written.op == "get_attr" or (mine.b, mine.c) != (out.b, out.c):
+        R._refuse(n, f"it writes '{written.name}' in place, but its operands need '{written.name}' split "
+                     f"differently (batch dim {mine.b} -> {out.b}, channel dim {mine.c} -> {out.c}); the write "
+                     f"would land in a copy that later readers of '{written.name}' do not see")
 
 
 def _spec(st: R._State, n: fx.Node, name: str):
@@ -206,19 +248,18 @@ def _spec(st: R._State, n: fx.Node, name: str):
     if name in ("cat", "concat"):
         parts = list(n.args[0])
         out = R._align(st, n, parts)
-        d = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % R._val(n).dim()
+        d = OD.dim(n, 1, "dim", R._val(n).dim())
         if d in (out.b, out.c) and not in_region:
             R._refuse(n, f"concatenating along the split dim {d}")
         return out
-    if name in ("reshape", "view", "flatten", "unflatten", "permute", "transpose", "swapaxes", "t",
+    if name in ("reshape", "view", "flatten", "unflatten", "permute", "transpose", "swapaxes", "swapdims", "t",
                 "unsqueeze", "squeeze", "expand", "getitem"):
         return R._view_rule(st, n, name, x)
-    if name in ("mean", "sum", "amax", "softmax", "log_softmax"):
+    if name in ("mean", "sum", "amax", "amin", "prod") + OD.SOFTMAX_LIKE:
         return R._reduce_rule(st, n, name, x)
     if name in ("chunk", "split", "unbind"):
         nd = R._val(n.args[0]).dim()
-        d = (n.args[2] if name != "unbind" and len(n.args) > 2 else
-             n.args[1] if name == "unbind" and len(n.args) > 1 else n.kwargs.get("dim", 0)) % nd
+        d = OD.dim(n, 1, "dim", nd) if name == "unbind" else OD.dim(n, 2, "dim", nd)
         if d == x.b or (d == x.c and not in_region):
             R._refuse(n, f"{name} along the split dim {d}")
         one = R._moved(st, n, x, (lambda e, k: e - (e > d)) if name == "unbind" else (lambda e, k: e))

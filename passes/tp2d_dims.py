@@ -19,10 +19,6 @@ class Refuse(Exception):
     """An op that cannot run on blocks of a split dim (the message says which and why)."""
 
 
-def dims_of(x, ndim: int) -> list[int]:
-    return [d % ndim for d in (x if isinstance(x, (list, tuple)) else [x])]
-
-
 def reshape_dim(in_shape, out_shape, d: int, q: int) -> int:
     """The output dim that dim ``d`` of ``in_shape`` lands in, with its blocks intact."""
     before = math.prod(in_shape[:d])

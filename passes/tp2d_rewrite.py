@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autosplit.errors import AutosplitError
+from autosplit.errors import PlanError
+from autosplit.passes import op_dims as OD
 from autosplit.passes import tp2d_dims as D
 from autosplit.passes.tp2d_params import ParamUses
 from autosplit.passes.tp_rewrite import TensorParallelPlan
@@ -75,8 +76,8 @@ def _is_tensor(n) -> bool:
 
 
 def _refuse(n: fx.Node, why: str):
-    where = n.meta.get("module_path") or n.name
-    raise AutosplitError(f"tp_mode='2d': node '{n.name}' (in '{where}'): {why}; 2D tensor parallelism "
+    where = n.meta.get("module_path") or "<root>"     # a node of the model's own forward
+    raise PlanError(f"tp_mode='2d': node '{n.name}' (in '{where}'): {why}; 2D tensor parallelism "
                          f"cannot split it. Use tp_mode='1d' for this model, or report the op") from None
 
 
@@ -213,17 +214,18 @@ def _view_rule(st: _State, n: fx.Node, name: str, x: Spec2D) -> Spec2D:
             _refuse(n, "reshaping channels whose blocks are not contiguous")
         return _moved(st, n, x, lambda d, k: D.reshape_dim(list(src.shape), list(out.shape), d, st.q))
     if name == "permute":
-        order = n.args[1:] if len(n.args) > 2 or isinstance(n.args[1], int) else n.args[1]
-        return _moved(st, n, x, lambda d, k: D.permute_dim([o % nd for o in order], d))
-    if name in ("transpose", "swapaxes"):
-        a, b = (d % nd for d in n.args[1:3])
+        order = OD.permute_order(n, nd)
+        return _moved(st, n, x, lambda d, k: D.permute_dim(order, d))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = OD.transpose_dims(n, nd)
         return _moved(st, n, x, lambda d, k: D.transpose_dim(a, b, d))
     if name == "t":
         return _moved(st, n, x, lambda d, k: 1 - d)
     if name == "unsqueeze":
-        return _moved(st, n, x, lambda d, k: D.unsqueeze_dim(n.args[1] % (nd + 1), d))
+        k_new = OD.unsqueeze_dim(n, nd)
+        return _moved(st, n, x, lambda d, k: D.unsqueeze_dim(k_new, d))
     if name == "squeeze":
-        dims = D.dims_of(n.args[1], nd) if len(n.args) > 1 else [i for i, s in enumerate(src.shape) if s == 1]
+        dims = OD.squeeze_dims(n, src.shape)
         return _moved(st, n, x, lambda d, k: D.squeeze_dim(dims, d))
     if name == "expand":
         return _moved(st, n, x, lambda d, k: d + out.dim() - nd)
@@ -237,11 +239,12 @@ def region_free(st: _State, n: fx.Node) -> bool:
 
 
 def _reduce_rule(st: _State, n: fx.Node, name: str, x: Spec2D) -> Spec2D:
+    """Reductions and softmax-like ops: refused over a split dim (implicit and negative dims as torch
+    reads them, passes/op_dims.py)."""
     nd = _val(n.args[0]).dim()
-    arg = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    if name in ("softmax", "log_softmax"):
-        dims, keep = D.dims_of(arg if arg is not None else -1, nd), True
+    if name in OD.SOFTMAX_LIKE:
+        module = st.gm.get_submodule(n.target) if n.op == "call_module" else None
+        dims, keep = [OD.softmax_dim(n, nd, module)], True
     else:
-        dims = D.dims_of(arg, nd) if arg is not None else list(range(nd))
-        keep = bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+        dims, keep = OD.reduced_dims(n, nd), OD.keepdim(n)
     return _moved(st, n, x, lambda d, k: D.reduce_dim(dims, keep, d, name))

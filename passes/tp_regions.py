@@ -19,15 +19,20 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autosplit.errors import AutosplitError
-from autosplit.passes.op_names import op_name
+from autosplit.errors import AutosplitError, rule_failure
+from autosplit.passes import op_dims as D
+from autosplit.passes.op_names import inplace_base, op_name, writes_input
 from autosplit.passes.tp_layout import Factors
 
 MAX_REGION = 200      # ops; a Megatron region is a handful, a walk that long has left the block
 _UNARY_MODULES = (nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid)
 _UNARY = {"gelu", "silu", "relu", "tanh", "sigmoid", "dropout", "neg", "contiguous", "to", "float", "half",
-          "bfloat16", "type_as", "clone", "detach", "identity"}
-_BINARY = {"add", "mul", "sub", "truediv", "div"}
+          "bfloat16", "type_as", "clone", "detach", "identity", "exp", "sqrt", "rsqrt", "erf", "abs"}
+_BINARY = {"add", "mul", "sub", "truediv", "div", "pow"}
+_REDUCTIONS = {"mean", "sum", "amax", "amin", "prod"}
+# Non-tensor reads of a region tensor that the rewrite keeps right: sizes of one dim and numel() are made
+# global (times tp) where they cover the split dim; the rank, dtype and device are the same on every shard.
+_SHAPE_READS = {"size", "numel", "dim", "ndimension"}
 
 
 @dataclass
@@ -78,7 +83,11 @@ def _is_tensorish(node) -> bool:
 
 
 def _collect(exit: fx.Node, gm: fx.GraphModule):
-    """Entries and region ops behind ``exit``'s input, or None if the walk leaves a block."""
+    """Entries and region ops behind ``exit``'s input, or None if the walk leaves a block.
+
+    The walk goes back from the exit's input through every op's inputs, and forward to the in-place ops
+    that write a region tensor (``h.add_(g)``, whose result nothing may read: it still changes ``h``
+    for every later reader), so that such a write runs on the same shard as its readers."""
     entries, nodes, seen, stack = [], [], set(), [exit.args[0]]
     while stack:
         n = stack.pop()
@@ -87,79 +96,103 @@ def _collect(exit: fx.Node, gm: fx.GraphModule):
         seen.add(n)
         if _is_linear(n, gm):
             entries.append(n)
-            continue
-        if n.op == "get_attr":
+        elif n.op == "get_attr":
             continue                       # a parameter used by a region op (e.g. qk-norm weight)
-        if n.op == "placeholder" or len(nodes) >= MAX_REGION:
+        elif n.op == "placeholder" or len(nodes) >= MAX_REGION:
             return None
-        nodes.append(n)
-        stack.extend(n.all_input_nodes)
+        else:
+            nodes.append(n)
+            stack.extend(n.all_input_nodes)
+        stack.extend(u for u in n.users if u is not exit and writes_input(u) and u.args[:1] == (n,))
     if not entries:
         return None
     members = set(nodes) | {exit}
     for n in nodes + entries:
         for u in n.users:
-            if u not in members and not (not _is_tensorish(u) and all(w in members for w in u.users)):
+            if u not in members and not _only_feeds(u, members, set()):
                 return None                # a region value escapes: not closed
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(entries, key=order.get), sorted(nodes, key=order.get)
+
+
+def _only_feeds(u: fx.Node, members: set, seen: set) -> bool:
+    """Is ``u`` a non-tensor value (a size, a number computed from sizes) whose every use ends in the
+    region?  ``h.numel() / h.size(0)`` feeding a region op stays inside it."""
+    if _is_tensorish(u) or u.op == "output" or u in seen:
+        return u in seen
+    seen.add(u)
+    return all(w in members or _only_feeds(w, members, seen) for w in u.users)
 
 
 class _Unsupported(Exception):
     pass
 
 
-def _arg(node, i, name, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-def _dims(x, ndim):
-    return [d % ndim for d in (x if isinstance(x, (list, tuple)) else [x])]
-
-
 class _Analysis:
-    """Propagates layouts through one region's ops (rules per op) and records constraints."""
+    """Propagates layouts through one region's ops (rules per op) and records constraints.  Every dim
+    an op reads goes through passes/op_dims.py (keyword, negative and implicit dims)."""
 
     def __init__(self, region: Region, gm: fx.GraphModule):
         self.r, self.gm, self.f = region, gm, region.factors
+        self.node: fx.Node | None = None      # the op being analysed (named if a rule fails)
 
     def fresh(self, shape) -> list[list[int]]:
         return [[self.f.new(s)] for s in shape]
 
     def run(self) -> None:
         for e in self.r.entries:
+            self.node = e
             shape = e.meta["val"].shape
             self.r.layouts[e] = self.fresh(shape[:-1]) + [[self.f.new(shape[-1])]]
+            self.check_reads(e)
         for n in self.r.nodes:
+            self.node = n
             if _is_tensorish(n):
                 self.r.layouts[n] = self.rule(n)
+                self.check_reads(n)
+        self.node = None
+
+    def check_reads(self, n: fx.Node) -> None:
+        """Non-tensor reads of a region tensor: one dim's size, numel() or the rank (the rewrite makes
+        sizes global); the whole shape (``x.shape``, ``x.size()``) would hand local sizes to code that
+        expects global ones."""
+        for u in n.users:
+            if _is_tensorish(u) or u.op == "output":
+                continue
+            name = op_name(u, self.gm)
+            whole = name == "size" and D.arg(u, 1, "dim") is None
+            same = name == "getattr" and u.args[1] in ("ndim", "dtype", "device")
+            if (name not in _SHAPE_READS or whole) and not same:
+                raise _Unsupported(f"'{u.name}' ({name}) reads the shape of the split tensor '{n.name}' as a "
+                                   f"whole")
 
     def lay(self, a):
         return self.r.layouts.get(a) if isinstance(a, fx.Node) else None
 
     def rule(self, n: fx.Node):
         name = op_name(n, self.gm)
+        base = inplace_base(n, self.gm)
+        if base is not None:
+            return self.inplace(n, base)
         x = self.lay(n.args[0]) if n.args else None
         if x is None and name not in _BINARY | {"matmul", "bmm", "scaled_dot_product_attention"}:
             raise _Unsupported(f"'{n.name}' ({name}) reads a tensor from outside the region")
+        nd = len(x) if isinstance(x, list) else 0
         out_shape = n.meta["val"].shape if isinstance(n.meta["val"], torch.Tensor) else None
         if name in ("reshape", "view", "flatten", "unflatten"):
             layout = self.f.reshape(x, list(out_shape))
             if layout is None:
                 raise _Unsupported(f"{name} at '{n.name}' regroups features in a way shards cannot follow")
             return layout
-        if name in ("permute",):
-            order = n.args[1:] if len(n.args) > 2 or isinstance(n.args[1], int) else n.args[1]
-            return [x[d % len(x)] for d in order]
-        if name in ("transpose", "swapaxes"):
-            a, b = (d % len(x) for d in n.args[1:3])
+        if name == "permute":
+            return [x[d] for d in D.permute_order(n, nd)]
+        if name in ("transpose", "swapaxes", "swapdims"):
+            a, b = D.transpose_dims(n, nd)
             x = list(x)
             x[a], x[b] = x[b], x[a]
             return x
         if name == "unbind":
-            d = _dims(_arg(n, 1, "dim", 0), len(x))[0]
+            d = D.dim(n, 1, "dim", nd)
             return tuple(x[:d] + x[d + 1:] for _ in range(len(n.meta["val"])))
         if name == "getitem":
             if isinstance(x, tuple):
@@ -167,29 +200,52 @@ class _Analysis:
             raise _Unsupported(f"indexing a sharded tensor at '{n.name}'")
         if name in ("chunk", "split"):
             return self.chunk(n, x, name)
-        if name in ("unsqueeze",):
-            d = n.args[1] % (len(x) + 1)
+        if name == "unsqueeze":
+            d = D.unsqueeze_dim(n, nd)
             return x[:d] + [[]] + x[d:]
         if name in _UNARY or (n.op == "call_module" and isinstance(self.gm.get_submodule(n.target), _UNARY_MODULES)):
             return x
         if name in _BINARY:
             return self.binary(n, out_shape)
         if name in ("layer_norm", "rms_norm", "LayerNorm", "RMSNorm"):
-            k = len(self.gm.get_submodule(n.target).normalized_shape) if n.op == "call_module" else len(n.args[1])
-            self.forbid(x[-k:])
+            shape = self.gm.get_submodule(n.target).normalized_shape if n.op == "call_module" else \
+                D.arg(n, 1, "normalized_shape")
+            k = 1 if isinstance(shape, int) else len(shape)
+            self.forbid(x[nd - k:])
             return x
-        if name == "softmax":
-            self.forbid([x[_dims(_arg(n, 1, "dim", -1), len(x))[0]]])
+        if name in D.SOFTMAX_LIKE:
+            module = self.gm.get_submodule(n.target) if n.op == "call_module" else None
+            self.forbid([x[D.softmax_dim(n, nd, module)]])
             return x
-        if name in ("mean", "sum"):
-            dims = _dims(_arg(n, 1, "dim", list(range(len(x)))), len(x))
+        if name in _REDUCTIONS:
+            dims = D.reduced_dims(n, nd)
             self.forbid([x[d] for d in dims])
-            return self.fresh(out_shape) if not dims else self.f.reshape(x, list(out_shape))
+            if D.keepdim(n):
+                return [[] if d in dims else x[d] for d in range(nd)]
+            return [x[d] for d in range(nd) if d not in dims]
         if name in ("matmul", "bmm"):
             return self.matmul(n)
         if name == "scaled_dot_product_attention":
             return self.sdpa(n)
         raise _Unsupported(f"op '{name}' at '{n.name}' has no tensor-parallel rule")
+
+    def inplace(self, n: fx.Node, base: str):
+        """``x.add_(y)``, ``x += y``, ``F.relu(x, inplace=True)``: the op writes its first operand, so the
+        result has that operand's layout and shape; the first operand must be a region tensor (a
+        replicated one would be written on one shard's worth of values)."""
+        x = self.lay(n.args[0]) if n.args else None
+        if not isinstance(x, list):
+            raise _Unsupported(f"'{n.name}' ({op_name(n, self.gm)}) writes in place a tensor from outside the "
+                               f"region")
+        if base in _UNARY:
+            return x
+        if base in _BINARY:
+            out = self.binary(n, n.args[0].meta["val"].shape)
+            for a, b in zip(out, x):
+                if not self.f.align(a, b):
+                    raise _Unsupported(f"'{n.name}' writes in place with an operand whose dims do not line up")
+            return x
+        raise _Unsupported(f"in-place op '{op_name(n, self.gm)}' at '{n.name}' has no tensor-parallel rule")
 
     def forbid(self, dims) -> None:
         for dim in dims:
@@ -197,7 +253,7 @@ class _Analysis:
 
     def chunk(self, n, x, name):
         parts = len(n.meta["val"])
-        d = _dims(_arg(n, 2, "dim", 0), len(x))[0]
+        d = D.dim(n, 2, "dim", len(x))
         sizes = {t.shape[d] for t in n.meta["val"]}
         if len(sizes) != 1:
             raise _Unsupported(f"uneven {name} at '{n.name}'")
@@ -209,7 +265,7 @@ class _Analysis:
     def binary(self, n, out_shape):
         ndim = len(out_shape)
         out: list = [None] * ndim
-        for a in n.args[:2]:
+        for a in (D.arg(n, 0, "input"), D.arg(n, 1, "other")):
             if not isinstance(a, fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
                 continue                      # a Python scalar
             shape, layout = a.meta["val"].shape, self.lay(a)
@@ -236,7 +292,7 @@ class _Analysis:
 
     def sdpa(self, n):
         q, k, v = (self.lay(t) for t in n.args[:3])
-        if q is None or k is None or v is None or _arg(n, 3, "attn_mask") is not None:
+        if q is None or k is None or v is None or D.arg(n, 3, "attn_mask") is not None:
             raise _Unsupported(f"attention at '{n.name}' with a mask or an operand from outside the region")
         for other in (k, v):
             for da, db in zip(q[:-2], other[:-2]):
@@ -287,11 +343,16 @@ def find_regions(gm: fx.GraphModule, tp: int, ranks: str | None = None) -> tuple
         if set(entries) & claimed:
             continue
         region = Region(exit=node, entries=entries, nodes=nodes)
+        analysis = _Analysis(region, gm)
         try:
-            _Analysis(region, gm).run()
+            analysis.run()
             why = _choose(region, tp)
         except _Unsupported as exc:
             why = str(exc)
+        except AutosplitError:
+            raise
+        except Exception as exc:        # noqa: BLE001  (a rule of ours failed: name the op it was reading)
+            raise rule_failure("the tensor-parallel region analysis", analysis.node or node, exc) from exc
         if why:
             notes.append(f"'{region.name}' and its inputs {[e.meta.get('module_path') for e in entries]} stay "
                          f"replicated: {why}")

@@ -15,8 +15,10 @@ Terms:
   local root  -- for tp rank t, the modules and parameters the rewritten graph calls, with rank t's
                  shards; ``TensorParallelPlan.local_root(t)`` builds it.
 
-Shape constants are rewritten: a reshape size for the split dim becomes size // tp (an int is divided
-in place, a size computed from a replicated tensor's shape gets a floordiv node).
+Shape constants are rewritten so that the graph computes with global sizes, as the model's code
+expects: ``x.size(d)`` of the split dim and ``x.numel()`` of a split tensor are multiplied by tp where
+they are read, and a reshape size for the split dim becomes size // tp (an int is divided in place, a
+size node gets a floordiv node).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autosplit.errors import at_node
+from autosplit.passes import op_dims as D
 from autosplit.passes.tp_layout import index_set
 from autosplit.passes.tp_regions import Region, find_regions, params_used
 from autosplit.tp import ops as C
@@ -117,42 +121,53 @@ def _reduce_after(graph: fx.Graph, node: fx.Node, bias_target: str | None) -> No
     reduced.meta["module_path"] = result.meta["module_path"] = node.meta.get("module_path", "")
 
 
-def _is_local_shape_read(a: fx.Node, region_nodes: set) -> bool:
-    """A size read off a sharded region tensor is already local at run time."""
-    if a.op == "call_method" and a.target == "size":
-        return a.args[0] in region_nodes
-    if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node):
-        src = a.args[0]
-        return src.op == "call_function" and src.target is getattr and src.args[0] in region_nodes
-    return False
+def _globalize_reads(graph: fx.Graph, region: Region, tp: int) -> None:
+    """``x.size(d)`` of the split dim and ``x.numel()`` of a split tensor are local at run time: multiply
+    them by tp, so the model's arithmetic sees the sizes it was written for (``h / h.size(-1)``); view
+    sizes at the split dim are then divided back (``_rewrite_view``).  The region analysis admits no
+    other non-tensor read of a split tensor (tp_regions.py ``check_reads``)."""
+    for n in region.entries + region.nodes:
+        d = region.shard_dim(n)
+        if d is None:
+            continue
+        for u in list(n.users):
+            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            size_at = D.arg(u, 1, "dim") if name == "size" else None
+            if name == "numel" or (size_at is not None and D.norm(size_at, n.meta["val"].dim()) == d):
+                _times(graph, u, tp)
+
+
+def _times(graph: fx.Graph, n: fx.Node, k: int) -> None:
+    """Every reader of the int ``n`` reads ``n * k`` instead."""
+    with graph.inserting_after(n):
+        g = graph.call_function(operator.mul, (n, k))
+    g.meta.update(module_path=n.meta.get("module_path", ""), spec={AXIS: Replicate()})
+    n.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
 
 
 def _rewrite_sizes(graph: fx.Graph, region: Region, tp: int) -> None:
-    """Divide by tp every size argument that addresses the split dim (reshape/view/expand/split)."""
-    members = set(region.nodes) | set(region.entries)
+    """Divide by tp every size argument that addresses the split dim (reshape/view/expand/split).
+    Sizes in the graph are global (``_globalize_reads``), so a size node is divided like an int."""
     for n in region.nodes:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if name == "split" and isinstance(n.args[1], int) and region.shard_dim(n.args[0]) == _split_dim(n):
-            n.args = (n.args[0], n.args[1] // tp, *n.args[2:])
+        if name == "split" and isinstance(D.arg(n, 1, "split_size"), int) and \
+                region.shard_dim(n.args[0]) == D.dim(n, 2, "dim", n.args[0].meta["val"].dim()):
+            n.args = (n.args[0], D.arg(n, 1, "split_size") // tp, *n.args[2:])
+            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "split_size"}
         elif name in _VIEW_SIZE_ARGS and region.shard_dim(n) is not None:
-            _rewrite_view(graph, n, region.shard_dim(n), members, tp)
+            _rewrite_view(graph, n, region.shard_dim(n), tp)
 
 
-def _rewrite_view(graph: fx.Graph, n: fx.Node, d: int, members: set, tp: int) -> None:
+def _rewrite_view(graph: fx.Graph, n: fx.Node, d: int, tp: int) -> None:
     packed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))
     sizes = list(n.args[1] if packed else n.args[1:])
     s = sizes[d]
     if isinstance(s, int) and s != -1:
         sizes[d] = s // tp
-    elif isinstance(s, fx.Node) and not _is_local_shape_read(s, members):
+    elif isinstance(s, fx.Node):
         with graph.inserting_before(n):
             sizes[d] = graph.call_function(operator.floordiv, (s, tp))
     n.args = (n.args[0], tuple(sizes)) if packed else (n.args[0], *sizes)
-
-
-def _split_dim(n: fx.Node) -> int:
-    d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-    return d % n.args[0].meta["val"].dim()
 
 
 def _shard_region(gm: fx.GraphModule, region: Region, plan: TensorParallelPlan) -> None:
@@ -176,6 +191,7 @@ def _shard_region(gm: fx.GraphModule, region: Region, plan: TensorParallelPlan) 
         d = region.shard_dim(n)
         n.meta["spec"] = {AXIS: Shard(d) if d is not None else Replicate()}
         plan.partial_grads.update(params_used(gm, n))   # whole params seen through a shard: partial
+    _globalize_reads(graph, region, tp)
     _rewrite_sizes(graph, region, tp)
     _reduce_after(graph, region.exit, f"{region.exit.target}.bias" if linear.bias is not None else None)
     plan.regions.append(f"{region.name} <- {', '.join(e.meta.get('module_path', e.name) for e in region.entries)}")
@@ -228,9 +244,11 @@ def shard_tensor_parallel(gm: fx.GraphModule, tp: int) -> TensorParallelPlan:
     for n in gm.graph.nodes:
         n.meta.setdefault("spec", {AXIS: Replicate()})
     for region in regions:
-        _shard_region(gm, region, plan)
+        with at_node("the tensor-parallel rewrite of a region", region.exit):
+            _shard_region(gm, region, plan)
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.MultiheadAttention):
-            _shard_mha(gm, n, plan)
+            with at_node("the tensor-parallel rewrite of nn.MultiheadAttention", n):
+                _shard_mha(gm, n, plan)
     gm.graph.lint()
     return plan

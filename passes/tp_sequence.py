@@ -21,8 +21,9 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autosplit.errors import AutosplitError
-from autosplit.passes.op_names import op_name
+from autosplit.errors import AutosplitError, PlanError, at_node
+from autosplit.passes import op_dims as D
+from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.tp_regions import params_used
 from autosplit.tp import ops as C
 
@@ -43,9 +44,10 @@ def _token_local(n: fx.Node, gm: fx.GraphModule, sharded: set) -> bool:
     if n.op == "call_module":
         m = gm.get_submodule(n.target)
         return isinstance(m, _LOCAL_MODULES) and (not isinstance(m, nn.LayerNorm) or len(m.normalized_shape) == 1)
-    name = op_name(n, gm)
+    name = inplace_base(n, gm) or op_name(n, gm)       # x.add_(y) treats tokens as x + y does
     if name == "layer_norm":
-        return len(n.args[1]) == 1
+        shape = D.arg(n, 1, "normalized_shape")
+        return isinstance(shape, int) or len(shape) == 1
     if name in _LOCAL_FUNCS:
         return True
     if name in _BINARY:
@@ -77,7 +79,8 @@ def apply_sequence_parallel(gm: fx.GraphModule, plan) -> None:
     if not copies:
         plan.notes.append("sequence_parallel: no tensor-parallel region, nothing to shard")
         return
-    first = _slice_point(gm, copies[0].args[0])
+    with at_node("the sequence-parallel rule", copies[0].args[0]):
+        first = _slice_point(gm, copies[0].args[0])
     if not _is_3d(first):
         raise AutosplitError(f"sequence_parallel needs (B, N, C) activations before the first region; "
                              f"'{first.name}' has shape {tuple(first.meta['val'].shape)}")
@@ -89,22 +92,35 @@ def apply_sequence_parallel(gm: fx.GraphModule, plan) -> None:
     _meta(sliced, first, Shard(TOKENS))
     sharded, done = {sliced}, set()
     for n in list(graph.nodes):
-        if n.target is C.all_reduce:
-            n.target, n.args = C.reduce_scatter, (n.args[0], TOKENS, AXIS, tp)
-            n.meta["spec"] = {AXIS: Shard(TOKENS)}
-            sharded.add(n)
-        elif n in sharded or n in done or _reads_rank(n) or not any(a in sharded for a in n.all_input_nodes):
-            continue
-        elif n.target is C.copy_to_axis:
-            _to_all_gather(n, tp, full)
-        elif _is_shape_read(n) and _gathered_copy(n.args[0], tp, full, done) is not None:
-            n.replace_input_with(n.args[0], _gathered_copy(n.args[0], tp, full, done))
-        elif _token_local(n, gm, sharded):
-            sharded.add(n)
-            n.meta["spec"] = {AXIS: Shard(TOKENS)}
-            plan.partial_grads.update(params_used(gm, n))
-        else:
-            _gather_inputs(graph, n, sharded, tp, full)
+        with at_node("the sequence-parallel rule", n):
+            _sequence_rule(gm, n, plan, sharded, done, full)
+
+
+def _sequence_rule(gm: fx.GraphModule, n: fx.Node, plan, sharded: set, done: set, full: int) -> None:
+    """Where ``n`` runs: on token shards (``sharded``), or whole after gathering its sharded inputs."""
+    graph, tp = gm.graph, plan.tp
+    if n.target is C.all_reduce:
+        n.target, n.args = C.reduce_scatter, (n.args[0], TOKENS, AXIS, tp)
+        n.meta["spec"] = {AXIS: Shard(TOKENS)}
+        sharded.add(n)
+    elif n in sharded or n in done or _reads_rank(n) or not any(a in sharded for a in n.all_input_nodes):
+        return
+    elif n.target is C.copy_to_axis:
+        _to_all_gather(n, tp, full)
+    elif _is_shape_read(n) and _gathered_copy(n.args[0], tp, full, done) is not None:
+        n.replace_input_with(n.args[0], _gathered_copy(n.args[0], tp, full, done))
+    elif _token_local(n, gm, sharded):
+        sharded.add(n)
+        n.meta["spec"] = {AXIS: Shard(TOKENS)}
+        plan.partial_grads.update(params_used(gm, n))
+    else:
+        if inplace_base(n, gm) is not None and n.args[0] in sharded:
+            # the gathered copy would take the write; later readers of the shard would not see it
+            raise PlanError(f"sequence_parallel: node '{n.name}' ({op_name(n, gm)}, in "
+                            f"'{n.meta.get('module_path') or '<root>'}') writes the token-sharded tensor "
+                            f"'{n.args[0].name}' in place but needs every token; write it out of place "
+                            f"(x = x.{op_name(n, gm).rstrip('_')}(...)) or turn sequence_parallel off")
+        _gather_inputs(graph, n, sharded, tp, full)
 
 
 def _reads_rank(n: fx.Node) -> bool:

@@ -20,13 +20,15 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-4)
 
 
-def _parallel(name, mesh, microbatches, batch, **kw):
+def _parallel(name, mesh, microbatches, batch, example: bool = True, **kw):
+    """``example`` False: no example_input, so the first step re-plans the provisional plan (the
+    README's recipe: the optimizer is built over ``pm.parameters()`` before that step)."""
     torch.manual_seed(0)
     model = VARIANTS[name]()
     ref = copy.deepcopy(model)
     dp = mesh[2]
-    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches,
-                               example_input=torch.randn(batch // dp // microbatches, 3, 32, 32), **kw)
+    example_input = torch.randn(batch // dp // microbatches, 3, 32, 32) if example else None
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches, example_input=example_input, **kw)
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
     return pm, ref, rows
 

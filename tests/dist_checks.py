@@ -293,12 +293,18 @@ def replay_early_post_order(timeout_s: float = 3.0):
     """The executor's old posting order (receives posted early as groups of their own), run once on
     plain gloo, which forgives it, then on the strict transport, which must hang like NCCL and end
     every rank with the timeout message."""
+    from tests.schedule_orders import early_post_order
+    return replay_order(early_post_order, timeout_s)
+
+
+def replay_order(reorder, timeout_s: float):
+    """1F1B on two ranks in the order ``reorder(schedule)`` gives, run once on plain gloo, then on the
+    strict transport: {"gloo": error or None, "strict": error or None, "seconds": the strict run's}."""
     import time
     from autosplit.runtime.p2p import GlooTransport, StrictTransport
     from autosplit.schedule import build_schedule
-    from tests.schedule_orders import early_post_order
     pm = _small(mesh=(2, 1, 1), microbatches=2, example_input=torch.randn(1, 3, 32, 32), timeout_s=timeout_s)
-    pm.executor.train_items = early_post_order(build_schedule("1f1b", 2, 2))[pm.pp_rank]
+    pm.executor.train_items = reorder(build_schedule("1f1b", 2, 2))[pm.pp_rank]
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     pm.executor.transport = GlooTransport(pm.world.group("pp"))
     out = {"gloo": error_of(pm.step, x, y)}

@@ -106,3 +106,60 @@ def test_stage_modules_out_of_range(pp_rank, tp_rank, match):
     with pytest.raises(RankError, match=match) as info:
         plan.stage_modules(pp_rank, tp_rank)
     assert isinstance(info.value, AutosplitError) and isinstance(info.value, IndexError)
+
+
+# ---- failures of our own code: a PlanError naming the node, never bad input, never a raw exception ----
+def _corrupt_first_reshape(monkeypatch):
+    """Make tracing return a graph whose first reshape asks for an impossible shape: a stand-in for a
+    bug of ours that the model's own forward does not have."""
+    import autosplit.passes.trace_model as tm
+    real = tm.trace
+
+    def broken(*args, **kwargs):
+        gm = real(*args, **kwargs)
+        node = next(n for n in gm.graph.nodes if n.target == "reshape")
+        node.args = (node.args[0], 7, -1, 5)
+        gm.recompile()
+        return gm
+    monkeypatch.setattr(tm, "trace", broken)
+
+
+def test_shape_failure_of_our_graph_is_a_plan_error_not_bad_input(monkeypatch):
+    _corrupt_first_reshape(monkeypatch)
+    with pytest.raises(PlanError, match=r"(?s)shape propagation failed at node 'reshape'.*in module 'blocks\.0\.attn'"
+                                        r".*the model's own forward runs on this example_input.*autosplit bug") as info:
+        _call()
+    assert "example_input has shape" not in str(info.value)
+
+
+def test_shape_failure_the_model_shares_still_shows_the_example():
+    with pytest.raises(AutosplitError, match=r"(?s)example_input has shape \(2, 3, 16\).*the model's own forward "
+                                             r"fails on it too") as info:
+        _call(example_input=torch.randn(2, 3, 16))
+    assert not isinstance(info.value, PlanError)
+
+
+def _raise(exc):
+    def fail(*args, **kwargs):
+        raise exc
+    return fail
+
+
+@pytest.mark.parametrize("target,tp_kw,match", [
+    ("autosplit.passes.tp_layout.Factors.reshape", dict(mesh=(1, 2, 1)),
+     r"the tensor-parallel region analysis failed at node 'reshape' \(call_method reshape\) in module 'blocks\.0\.attn': "
+     r"ZeroDivisionError: injected"),
+    ("autosplit.passes.tp2d_dims.reshape_dim", dict(mesh=(1, 4, 1), tp_mode="2d"),
+     r"the 2D tensor-parallel rule failed at node '\w+' \(call_\w+ \w+\) in module '[\w.]+': ZeroDivisionError: injected"),
+    ("autosplit.passes.tp_sequence._token_local", dict(mesh=(1, 2, 1), sequence_parallel=True),
+     r"the sequence-parallel rule failed at node '\w+' .* in module '[\w.<>]+': ZeroDivisionError: injected"),
+    ("autosplit.passes.cut_points.FindCuts.call", dict(mesh=(2, 1, 1)),
+     r"planning pass FindCuts failed: ZeroDivisionError: injected; this is an autosplit bug"),
+])
+def test_an_exception_in_our_rules_is_a_plan_error_naming_the_node(monkeypatch, target, tp_kw, match):
+    """Every exception that escapes compile from our own code is a bug: it leaves as a PlanError that
+    names the node and module path (or the pass) and says so, with the original as its cause."""
+    monkeypatch.setattr(target, _raise(ZeroDivisionError("injected")))
+    with pytest.raises(PlanError, match=match) as info:
+        autosplit.compile(timm_cls(depth=2), example_input=torch.randn(4, 3, 32, 32), device="cpu", **tp_kw)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)

@@ -187,3 +187,38 @@ def test_interrupted_save_is_ignored(pool2, tmp_path):
     os.rename(os.path.join(directory, versions[1]), only_partial / versions[1])
     errors = pool2.run(load_error, str(only_partial))
     assert all("holds no complete checkpoint" in e and "never committed" in e for e in errors), errors
+
+
+def test_dcp_tools_read_model_and_optimizer_by_name(saved, uninterrupted, tmp_path):
+    """DCP's own ``dcp_to_torch_save`` reads the (2, 2, 1) checkpoint as one dict: the model under its
+    names and the optimizer in torch's layout (``get_optimizer_state_dict``'s, by parameter name), which
+    ``set_optimizer_state_dict`` puts into a fresh AdamW of the unchanged model; 2 more single-device
+    steps then equal 4 uninterrupted ones."""
+    import autosplit
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    directory, first = saved
+    ref_losses, ref_state = uninterrupted
+    out = tmp_path / "all.pt"
+    dcp_to_torch_save(first[0]["path"], out)
+    sd = torch.load(out)                         # weights_only: tensors and plain Python values, nothing pickled
+    model = autosplit.materialize(_meta("tp_timm"), seed=SEED, init_fn=timm_init)
+    assert set(sd) == set(model.state_dict()) | {"optimizer", "rng"}, set(sd) - set(model.state_dict())
+    model.load_state_dict({k: sd[k] for k in model.state_dict()})
+    opt = adamw(model.parameters())
+    layout = get_optimizer_state_dict(model, adamw(model.parameters()))     # torch's, for its structure
+    assert set(sd["optimizer"]["state"]) == set(layout["state"]) == {n for n, _ in model.named_parameters()}
+    assert [g["params"] for g in sd["optimizer"]["param_groups"]] == [g["params"] for g in layout["param_groups"]]
+    qkv = sd["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
+    assert qkv["exp_avg"].shape == model.blocks[0].attn.qkv.weight.shape and qkv["step"].item() == 2
+    set_optimizer_state_dict(model, opt, sd["optimizer"])
+    xs, ys = batches(STEPS, BATCH)
+    losses = []
+    for i in range(2, STEPS):
+        loss = torch.nn.functional.cross_entropy(model(xs[i]), ys[i])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses[2:])) <= TOL, (losses, ref_losses[2:])
+    assert _max_diff(model.state_dict(), ref_state) <= TOL

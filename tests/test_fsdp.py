@@ -62,10 +62,24 @@ def test_accumulate_predict_load_bf16(pool4):
         assert r["loss_diff"] <= BF16_TOL and r["param_diff"] <= BF16_TOL, r
 
 
+def test_readme_recipe_without_example_input(pool4):
+    """The README's recipe: no example_input, the optimizer built over ``parameters()`` before the first
+    step, which re-plans the provisional plan and puts the new graphs into the FSDP-wrapped modules.
+    Setting a GraphModule's graph recompiles it on its class, FSDP2's subclass there, whose ``__call__``
+    then called itself (RecursionError) on timm and torchvision models alike."""
+    runs = [("timm_cls", (2, 1, 2), "layer"), ("torchvision", (2, 1, 2), "stage"),
+            ("tp_timm", (1, 2, 2), "stage"), ("tp_torchvision", (1, 2, 2), "layer")]
+    for name, mesh, shard in runs:
+        # microbatches of 2 rows: not the provisional plan's 1, so the first step re-plans
+        _check(pool4.run(C.adamw_matches, name, mesh, dp_shard=shard, example=False, microbatches=2))
+
+
 def test_pp_tp_dp_eight_ranks(pool8):
-    """(2,2,2): 1F1B per layer, and interleaved per stage."""
+    """(2,2,2): 1F1B per layer; interleaved per stage by the README's recipe (no example_input: the
+    first step re-plans the sharded modules, see test_readme_recipe_without_example_input)."""
     _check(pool8.run(C.adamw_matches, "tp_hand", (2, 2, 2), dp_shard="layer"))
-    _check(pool8.run(C.adamw_matches, "tp_timm", (2, 2, 2), schedule="interleaved", chunks=2, dp_shard="stage"))
+    _check(pool8.run(C.adamw_matches, "tp_timm", (2, 2, 2), schedule="interleaved", chunks=2, dp_shard="stage",
+                     example=False, microbatches=2))
 
 
 def test_budget_that_fails_replicated_passes_sharded():

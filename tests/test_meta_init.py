@@ -3,11 +3,13 @@ rank the slices that ``autosplit.materialize`` gives one device, allocates nothi
 and trains exactly like single-device training of the materialized model (real gloo processes)."""
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import autosplit
 from autosplit.errors import AutosplitError
@@ -48,7 +50,9 @@ class ResetViT(HandViT):
         nn.init.normal_(self.pos, std=0.02)
 
 
-MODELS = {"tp_timm": (VARIANTS["tp_timm"], timm_init), "reset_hand": (lambda: ResetViT(depth=2, heads=4), None)}
+MODELS = {"tp_timm": (VARIANTS["tp_timm"], timm_init), "reset_hand": (lambda: ResetViT(depth=2, heads=4), None),
+          # wide enough that its parameters (1.6 MB) dwarf the other tensors a rank keeps
+          "wide_hand": (lambda: ResetViT(dim=128, depth=2, heads=4), None)}
 
 
 def _meta(variant: str) -> nn.Module:
@@ -125,6 +129,77 @@ def test_meta_model_trains_like_materialized(pool4, variant, mesh, kw):
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL, (r["losses"], ref_losses)
         assert r["held"] == r["expected"], r
         assert r["held"] < r["full"], r
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live, non-meta plain tensor in the process.
+
+    Every tensor Python code can reach is an object the garbage collector tracks (parameters and
+    their shards, buffers, gradients, optimizer state, and whatever a plan, a closure or a list keeps),
+    so this counts them all, wherever they are held, each storage once (views share it).  A DTensor is a
+    wrapper without storage of its own: its local shard is a plain tensor, counted as such.  Tensors
+    only C++ holds (autograd's saved tensors) are not seen; after a step none are left."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def meta_sharded(variant: str, mesh, dp_shard: str, steps: int = 2, batch: int = 8, microbatches: int = 2):
+    """On every rank: a meta model under ``dp_shard``: the live tensor bytes right after parallelize
+    and after AdamW steps (``live_tensor_bytes``, less what was live before and the optimizer's
+    moments), against this rank's shard bytes (the local parts of its parameters and buffers) and its
+    stages' full bytes; how far the full state dict before any step is from ``materialize``'s; the losses."""
+    xs, ys = batches(steps, batch)
+    example = xs[0, :batch // mesh[2] // microbatches].clone()
+    before = live_tensor_bytes()
+    model = _meta(variant)
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches, seed=SEED, device="h100",
+                               init_fn=MODELS[variant][1], example_input=example, dp_shard=dp_shard)
+    held = live_tensor_bytes() - before
+    local = [t for m in pm.raw_modules for t in list(m.parameters()) + list(m.buffers())]
+    shards = sum(_local_bytes(t) for t in local)
+    stage = sum(math.prod(t.shape) * t.element_size() for t in local)     # full (tp-local) shapes
+    state = pm.full_state_dict()                          # a collective: every rank calls it
+    init_diff = _max_diff(state, autosplit.materialize(_meta(variant), seed=SEED, init_fn=MODELS[variant][1])
+                          .state_dict())
+    del state                                             # whole tensors: not to be counted below
+    opt = adamw(pm.parameters())
+    rows = slice(pm.dp_rank * batch // mesh[2], (pm.dp_rank + 1) * batch // mesh[2])
+    losses = []
+    for x, y in zip(xs, ys):
+        losses.append(pm.step(x[rows], y[rows]))
+        opt.step()
+        opt.zero_grad()
+    moments = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    trained = live_tensor_bytes() - before - moments
+    return {"held": held, "trained": trained, "shards": shards, "stage": stage, "losses": losses,
+            "init_diff": init_diff, "sharded": sum(isinstance(p, DTensor) for p in pm.parameters())}
+
+
+@pytest.mark.parametrize("mesh,dp_shard", [((1, 1, 4), "stage"), ((1, 2, 2), "layer")])
+def test_meta_model_sharded_over_dp_holds_only_its_shards(pool4, mesh, dp_shard):
+    """A meta model under ``dp_shard`` is materialized into the FSDP shards: each rank holds its
+    shards' bytes (not its whole stage, which the user's model, the plan's modules or a copy kept
+    alive before: 4x the shards at dp=4), right after parallelize and after AdamW steps (less the
+    optimizer's moments), with the values ``materialize`` gives on one device, and trains like it."""
+    results = pool4.run(meta_sharded, "wide_hand", mesh, dp_shard)
+    ref_losses, _ = reference("wide_hand", 2)
+    slack = 64 * 2**10        # the executor's and collectives' small tensors
+    for r in results:
+        assert r["sharded"] > 0 and r["init_diff"] == 0, r
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL, (r["losses"], ref_losses)
+        assert r["stage"] >= 1.9 * r["shards"], r       # dp=2 or 4: the whole stage is 2-4x the shards
+        assert r["held"] <= 1.02 * r["shards"] + slack, r
+        assert r["trained"] <= 1.02 * r["shards"] + slack, r
 
 
 def test_materialize_is_deterministic_and_leaves_rng_alone():

@@ -158,3 +158,12 @@ def test_cli_plans_with_the_measured_profile_fitted_to_the_model(capsys, tmp_pat
         assert "--fit rescales a measured profile" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+
+
+def test_batch_norm_over_features_is_searched_without_one_row_microbatches():
+    """A BatchNorm1d over (B, C) features refuses one row in training mode: the search traces at 2 rows
+    and rejects candidates whose microbatch would have one, instead of failing the whole search."""
+    from tests.models_bn import LeViTLike
+    ranked = autosplit.search(LeViTLike(), 4, X, global_batch=8, device="h100", top=50)
+    assert ranked and all(8 // c.mesh[2] // c.options["num_microbatches"] >= 2 for c in ranked)
+    assert any("microbatch rows 1 < 2: BatchNorm" in r.why for r in ranked.rejected)

@@ -11,9 +11,14 @@ Terms:
                ``autosplit.json`` and replaces LATEST atomically (write a temporary file, fsync,
                ``os.replace``, fsync the directory).  A crash before that leaves LATEST naming the
                previous version; the interrupted version is *incomplete* and is ignored (with a
-               warning that names it) until the next successful save removes it.
-  model keys -- the checkpoint's entries under the original model's names (full shapes); optimizer
-               state is under ``optimizer/...`` (see checkpoint.py).
+               warning that names it) until the next successful save removes it.  A crash after the
+               commit but before the removal leaves the previous version *superseded*: complete, older,
+               ignored without a warning.
+  committed -- the version LATEST names (``latest_checkpoint``); None before the first commit, which is
+               how a job resumes only if there is something to resume from.
+  model keys -- the checkpoint's top-level tensor entries, under the original model's names (full
+               shapes); the rest is nested under a name (``optimizer``, ``rng``, ...: see checkpoint.py).
+               A first-format checkpoint kept its optimizer under ``optimizer/...`` keys.
 A plain DCP directory (``.metadata`` directly inside) is accepted too.  No process group here.
 """
 from __future__ import annotations
@@ -74,34 +79,74 @@ def commit(directory: str, version: str, record: dict) -> None:
             shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
 
 
-def resolve(directory) -> str:
-    """The DCP directory to load from ``directory`` (a checkpoint directory or a plain DCP one).
-    Raises AutosplitError with what is wrong; warns about incomplete versions it skips."""
+def _step(version: str) -> int:
+    return int(version.split("-")[1])
+
+
+def _complete(path: str) -> bool:
+    """DCP wrote ``.metadata`` (after every rank's data) and rank 0 its record: nothing is missing."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, RECORD))
+
+
+def latest_checkpoint(directory) -> str | None:
+    """The committed checkpoint in ``directory`` (the version ``LATEST`` names; ``directory`` itself for
+    a plain DCP directory), or None when there is none yet: no directory, or only versions whose save
+    never committed.  No process group; every rank may call it, e.g. to resume only if a checkpoint exists.
+
+    Args:
+        directory: the directory given to ``save_checkpoint``.
+    Raises AutosplitError when ``LATEST`` names a version that is missing or incomplete (a directory
+    changed by hand): starting afresh would silently throw the run away.
+    """
     directory = os.fspath(directory)
     if os.path.isfile(os.path.join(directory, ".metadata")):
         return directory
+    latest_file = os.path.join(directory, LATEST)
+    if not os.path.isfile(latest_file):
+        return None
+    with open(latest_file) as f:
+        latest = f.read().strip()
+    path = os.path.join(directory, latest)
+    if not _complete(path):
+        raise AutosplitError(f"'{directory}/{LATEST}' names '{latest}', which is missing or incomplete (was the "
+                             f"directory changed by hand?)")
+    return path
+
+
+def resolve(directory) -> str:
+    """The DCP directory to load from ``directory`` (a checkpoint directory or a plain DCP one).
+    Raises AutosplitError with what is wrong; warns about incomplete versions it skips.  A complete
+    version older than the committed one is not warned about: it is the previous checkpoint, superseded,
+    whose removal after the commit did not finish (the next save removes it)."""
+    directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise AutosplitError(f"load_checkpoint: no checkpoint at '{directory}' (not a directory)")
-    latest_file = os.path.join(directory, LATEST)
+    try:
+        path = latest_checkpoint(directory)
+    except AutosplitError as exc:
+        raise AutosplitError(f"load_checkpoint: {exc}") from None
     versions = _versions(directory)
-    if not os.path.isfile(latest_file):
+    if path is None:
         if versions:
             raise AutosplitError(
                 f"load_checkpoint: '{directory}' holds no complete checkpoint: {', '.join(versions)} "
                 f"{'was' if len(versions) == 1 else 'were'} never committed (the save was interrupted before "
-                f"every rank had written its shards); load an earlier checkpoint")
+                f"every rank had written its shards); load an earlier checkpoint, or pass missing_ok=True to "
+                f"start afresh")
         raise AutosplitError(f"load_checkpoint: '{directory}' is not a checkpoint (no {LATEST} file, no versions)")
-    with open(latest_file) as f:
-        latest = f.read().strip()
-    path = os.path.join(directory, latest)
-    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(os.path.join(path, RECORD)):
-        raise AutosplitError(f"load_checkpoint: '{directory}/{LATEST}' names '{latest}', which is missing or "
-                             f"incomplete (was the directory changed by hand?)")
-    skipped = [v for v in versions if v != latest]
-    if skipped:
-        warnings.warn(f"load_checkpoint: ignoring incomplete checkpoint{'s' if len(skipped) > 1 else ''} "
-                      f"{', '.join(skipped)} in '{directory}' (a save interrupted before its commit); loading "
+    latest = os.path.basename(path)
+    if path == directory:
+        return path
+    incomplete = [v for v in versions if v != latest and not _complete(os.path.join(directory, v))]
+    uncommitted = [v for v in versions if v != latest and v not in incomplete and _step(v) > _step(latest)]
+    if incomplete:
+        warnings.warn(f"load_checkpoint: ignoring incomplete checkpoint{'s' if len(incomplete) > 1 else ''} "
+                      f"{', '.join(incomplete)} in '{directory}' (a save interrupted before its commit); loading "
                       f"the committed '{latest}'", stacklevel=3)
+    if uncommitted:
+        warnings.warn(f"load_checkpoint: ignoring {', '.join(uncommitted)} in '{directory}': written completely "
+                      f"but never committed (interrupted between its record and {LATEST}); loading the committed "
+                      f"'{latest}'", stacklevel=3)
     return path
 
 
@@ -114,6 +159,13 @@ def read_record(path: str) -> dict:
         return json.load(f)
 
 
+def is_model_key(metadata, key: str) -> bool:
+    """A model tensor's entry: a top-level key (everything else is nested under its part's name,
+    ``optimizer``, ``rng``, ``loss_scaler`` or an extra's), not the optimizer of a first-format checkpoint."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return len(paths.get(key, (key,))) == 1 and not key.startswith(OPTIMIZER_PREFIX)
+
+
 def export_state_dict(directory, out) -> dict[str, torch.Tensor]:
     """Write the model's full state dict (original names and shapes, CPU tensors) from a checkpoint
     to ``out`` with ``torch.save``; ``model.load_state_dict`` of the unchanged model accepts it.
@@ -123,7 +175,7 @@ def export_state_dict(directory, out) -> dict[str, torch.Tensor]:
     metadata = reader.read_metadata()
     state = {k: torch.empty(md.size, dtype=md.properties.dtype)
              for k, md in metadata.state_dict_metadata.items()
-             if isinstance(md, TensorStorageMetadata) and not k.startswith(OPTIMIZER_PREFIX)}
+             if isinstance(md, TensorStorageMetadata) and is_model_key(metadata, k)}
     dcp.load(state, storage_reader=reader, no_dist=True)
     torch.save(state, out)
     return state

@@ -8,8 +8,13 @@ Terms:
 The stage GraphModule is split with torch.fx's ``split_module`` into contiguous runs of nodes, one
 run per layer, and the layer runs are wrapped in ``torch.utils.checkpoint``.  Parameters are the
 same objects as in the stage module, so optimizers and gradient buckets see no difference.
+  buffers under recomputation -- the recomputed forward runs in training mode, so a BatchNorm in it would
+                       update its running statistics a second time per microbatch (``num_batches_tracked``
+                       +2, momentum applied twice); the recomputation restores every buffer it wrote.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -28,7 +33,28 @@ class Checkpointed(torch.nn.Module):
     def forward(self, *inputs):
         if not torch.is_grad_enabled():
             return self.module(*inputs)
-        return torch.utils.checkpoint.checkpoint(self.module, *inputs, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(self.module, *inputs, use_reentrant=False,
+                                                 context_fn=self._contexts)
+
+    def _contexts(self):
+        return contextlib.nullcontext(), _buffers_restored(self.module)
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: torch.nn.Module):
+    """Run a recomputation and put ``module``'s buffers back as they were.  Why a copy around the
+    recomputation and not a frozen momentum: the buffers may have moved on since this microbatch's
+    forward (1F1B runs later forwards before this backward), and training-mode outputs never read them,
+    so the values at the recomputation's start are the ones to keep.  Buffers are few and small (the
+    running statistics, index tables); torch's early stop ends a recomputation by raising inside it,
+    so the restore is in ``finally``."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.GraphModule, list[str]]:

@@ -96,6 +96,10 @@ class PipelineExecutor:
             if isinstance(item, Group):
                 self._guarded(item, self._post)
             else:
+                # NCCL: check the transfers and collectives deferred RUN_AHEAD_ACTIONS computes ago, so
+                # that a stuck one ends the step at our deadline, before the host blocks in a launch
+                # behind it (faults.py, *run-ahead*); nothing is pending on gloo
+                self.watchdog.advance()
                 self._guarded(item, run_compute[item.kind])
         for posted in self.posted:     # sends not yet known done; their buffers live until then
             self._guarded(posted.what, lambda _: posted.wait(self.watchdog))

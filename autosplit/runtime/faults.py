@@ -16,6 +16,20 @@ Terms:
                    which first polls each pending work's ``is_completed()`` (a CUDA event query) in
                    order against the deadline, on this thread: no thread hop, and a hang anywhere in
                    the step is reported, naming the first unfinished work, before the host blocks.
+                   A deferred work's deadline counts from when it was posted (``since``), as NCCL's
+                   own timeout does, so ours always fires first (world.py sets NCCL's longer).
+    failed work -- NCCL's ``is_completed()`` is true for a work that *failed* too (its exception is set),
+                   so completion is followed by a look at the work's error (``work_error``).
+    run-ahead   -- how far the host may get past a deferred work it has not checked: the executor calls
+                   ``advance()`` before every compute action, which checks every work deferred
+                   ``RUN_AHEAD_ACTIONS`` or more actions ago.  Why: a receive that never arrives stalls
+                   the GPU's stream; a host that only checks at the loss keeps launching kernels until
+                   CUDA's launch queue is full, then blocks inside a launch, where no deadline of ours
+                   runs, and NCCL's watchdog ends the job with its own message instead.
+    abort       -- on NCCL, with torch's async error handling off (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
+                   which torch's abort API asks for), a failure aborts this module's own groups, never the
+                   default one; otherwise NCCL's watchdog (torch's default 3, torchrun's 1) tears a stuck
+                   rank down once its timeout, longer than ours, passes.
     gloo Work   -- gloo's send/recv Work only completes inside ``wait()``, and a timed-out gloo
                    ``wait(timeout)`` marks the Work failed for good, so ``wait()`` runs on a helper
                    thread and this thread waits for the helper's Future.
@@ -28,14 +42,18 @@ Terms:
   blame       -- a wait that times out or breaks (a peer's connection reset) asks the heartbeats
                  (heartbeat.py) which rank died, stalled or is part of a deadlock, and the published
                  message names that rank first, so the survivors do not report themselves.
+  explain     -- what a timed-out wait adds about its handle: for a transfer of an ordered transport
+                 (p2p.py), the earlier group it is queued behind.
 A wait abandoned on failure leaves its helper thread blocked; the threads are daemons, and the
 ParallelModule is unusable after a RankFailure anyway.
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -45,19 +63,68 @@ from autosplit.runtime.serial_thread import SerialThread
 FAILURE_KEY = "autosplit/failure"
 _CHECK_EVERY_S = 0.02         # how often a waiting rank looks at the store
 _POLL_S = (1e-5, 1e-3)        # first and longest sleep between completion polls
+# Why 2: the host queues action n while the GPU runs n-1, so a work of n-2 has normally finished when
+# it is checked (no wait for the GPU in a healthy step); and behind a transfer that never finishes at
+# most two actions' kernels are queued (some hundreds of launches for a stage), below CUDA's launch
+# queue (on the order of a thousand; not documented), so the host reaches this check, not a blocked launch.
+RUN_AHEAD_ACTIONS = 2
 
 
 class RankFailure(RuntimeError):
     """A rank of the job failed or timed out; raised on every rank with the original cause."""
 
 
+def work_error(handle) -> BaseException | None:
+    """What a finished work failed with, or None.  ``Work.exception()`` where the work implements it
+    (NCCL's and gloo's do; torch marks it deprecated and prints so once per process); else its
+    ``wait()`` reports a failure by raising."""
+    try:
+        return handle.exception()
+    except Exception:                # not implemented for this work type
+        pass
+    try:
+        handle.wait()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def aborts_on_failure(backend: str) -> bool:
+    """Whether a failure aborts this rank's groups: on NCCL with torch's async error handling off only
+    (torch: its abort API "should be used with TORCH_NCCL_ASYNC_ERROR_HANDLING turned off"; with it on,
+    NCCL's watchdog aborts and tears the rank down itself)."""
+    return backend == "nccl" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0"
+
+
+@dataclass
+class _Deferred:
+    """An NCCL work whose completion is not checked yet."""
+    handle: object
+    doing: str
+    action: int                  # the Watchdog's action count when it was deferred
+    since: float                 # when it was posted (time.monotonic()): its deadline counts from here
+    explain: object = None       # () -> str | None, added to a timeout's message
+
+
 class Watchdog:
-    def __init__(self, store, rank: int, mesh, timeout_s: float, backend: str = "gloo"):
+    """Bounded waits for one rank (see the module docstring).
+
+    Args:
+        store: the job's store (the default group's).
+        rank, mesh: this rank and the mesh, to name ranks as "rank R (pp=.., tp=.., dp=..)".
+        timeout_s: the deadline of every wait.
+        backend: "nccl" (works polled, waits deferred) or "gloo".
+        groups: () -> the process groups this rank's module owns, the ones a failure may abort.
+    """
+
+    def __init__(self, store, rank: int, mesh, timeout_s: float, backend: str = "gloo", groups=None):
         self.store, self.rank, self.mesh, self.timeout_s = store, rank, mesh, timeout_s
+        self.groups = groups or (lambda: [])
         self.where = self.describe(rank)
         self.polled = backend == "nccl"      # NCCL works complete on their own: poll them
         self._waiter = None if self.polled else SerialThread("autosplit-wait")
-        self._pending: list[tuple[object, str]] = []    # NCCL works whose completion is not checked yet
+        self._pending: list[_Deferred] = []    # NCCL works whose completion is not checked yet
+        self._actions = 0                      # compute actions begun (advance)
         self.beat = heartbeat(store, rank, mesh.size)
 
     def describe(self, rank: int) -> str:
@@ -80,7 +147,8 @@ class Watchdog:
         message = f"{self.where} failed at {doing}: {type(exc).__name__}: {exc}"
         try:
             if blame_others and not self.store.check([FAILURE_KEY]):
-                culprit = diagnose(self.store, self.mesh.size, self.rank, self.describe, self.timeout_s / 2)
+                culprit = diagnose(self.store, self.mesh.size, self.rank, self.describe, self.timeout_s / 2,
+                                   device_queues=self.polled)
                 if culprit:
                     message = f"{culprit}; {self.where} gave up at {doing}: {type(exc).__name__}: {exc}"
             if not self.store.check([FAILURE_KEY]):
@@ -93,14 +161,17 @@ class Watchdog:
         return RankFailure(message)
 
     def _abort(self) -> None:
-        """On NCCL, abort this rank's communicators: kernels waiting on a failed peer would otherwise
-        stay queued on the GPU, and the process could not exit.  Gloo's waits end with the process."""
-        if not self.polled:
+        """On NCCL with async error handling off, abort this module's own groups: kernels waiting on a
+        failed peer would otherwise stay queued on the GPU, and the process could not exit.  Never the
+        default group, which the job may still use (as ``World.close``).  Gloo's waits end with the
+        process; with NCCL's error handling on, its watchdog ends them (see ``aborts_on_failure``)."""
+        if not (self.polled and aborts_on_failure("nccl")):
             return
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:    # an experimental torch API: the NCCL watchdog still tears the rank down
-            pass
+        for group in self.groups():
+            try:
+                dist.distributed_c10d._abort_process_group(group)
+            except Exception:    # an experimental torch API: the failure is reported all the same
+                pass
 
     def _store_lost(self, doing: str, store_exc: BaseException, message: str) -> str:
         return (f"the job's store at {store_address()} is unreachable ({type(store_exc).__name__}: "
@@ -118,21 +189,25 @@ class Watchdog:
             self._abort()
             raise RankFailure(f"{self.where} stopped: {cause}")
 
-    def wait(self, handle, doing: str, host: bool = False, on_host: bool = False) -> None:
+    def wait(self, handle, doing: str, host: bool = False, on_host: bool = False, since: float | None = None,
+             explain=None) -> None:
         """Wait for ``handle`` (a torch.distributed Work or a Future), at most timeout_s, watching
         for failures of other ranks.  ``host``: the caller reads the result on the host next (on
         NCCL the wait is otherwise deferred; see the module docstring).  ``on_host``: the work is a
-        gloo one even though the job runs NCCL (the world's control group)."""
+        gloo one even though the job runs NCCL (the world's control group).  ``since``: when the
+        work was posted (a deferred work's deadline counts from then).  ``explain``: () -> text a
+        timeout adds (what the handle is queued behind)."""
         if handle is None:
             return
         if isinstance(handle, Future):
-            return self._until(handle.done, doing, lambda: handle.result(), handle)
+            return self._until(handle.done, doing, lambda: handle.result(), handle, explain=explain)
         if self.polled and not on_host:
             try:
                 handle.wait()                       # stream ordering only; returns at once
             except Exception as exc:
                 raise self.fail(doing, exc, blame_others=True) from exc
-            self._pending.append((handle, doing))
+            now = time.monotonic()
+            self._pending.append(_Deferred(handle, doing, self._actions, now if since is None else since, explain))
             if host:
                 self.settle()
             return
@@ -141,7 +216,7 @@ class Watchdog:
         if self._waiter is None:
             self._waiter = SerialThread("autosplit-wait")
         future = self._waiter.submit(handle.wait)
-        return self._until(future.done, doing, future.result, future)
+        return self._until(future.done, doing, future.result, future, explain=explain)
 
     def close(self) -> None:
         """End the waiting thread (a later wait starts a new one)."""
@@ -149,32 +224,49 @@ class Watchdog:
             self._waiter.close()
             self._waiter = None
 
-    def settle(self) -> None:
-        """Check, bounded by the deadline, that every deferred NCCL work has finished (no-op on gloo)."""
-        pending, self._pending = self._pending, []
-        for handle, doing in pending:
-            self._until(handle.is_completed, doing, lambda: None)
+    def settle(self, before_action: int | None = None) -> None:
+        """Check, bounded by the deadline, that every deferred NCCL work (with ``before_action``: every
+        one deferred before that action count) has finished, and finished without error (no-op on gloo)."""
+        while self._pending and (before_action is None or self._pending[0].action < before_action):
+            work = self._pending.pop(0)
+
+            def finish(handle=work.handle):
+                error = work_error(handle)
+                if error is not None:
+                    raise error
+            self._until(work.handle.is_completed, work.doing, finish, start=work.since, explain=work.explain)
+
+    def advance(self) -> None:
+        """Called before every compute action: bounds the host's *run-ahead* (module docstring) by
+        checking the works deferred RUN_AHEAD_ACTIONS actions ago or earlier."""
+        self._actions += 1
+        if self._pending:
+            self.settle(before_action=self._actions - RUN_AHEAD_ACTIONS + 1)
 
     def until(self, done, doing: str) -> None:
         """Poll ``done()`` (a store key, say) with the same deadline and failure checks as a wait."""
         self._until(done, doing, lambda: None)
 
-    def _until(self, done, doing: str, finish, future: Future | None = None) -> None:
+    def _until(self, done, doing: str, finish, future: Future | None = None, start: float | None = None,
+               explain=None) -> None:
         """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure.
-        With ``future`` (what ``done`` reports on), block on it between checks instead of sleeping."""
+        With ``future`` (what ``done`` reports on), block on it between checks instead of sleeping.
+        ``start``: when the deadline starts counting (default now)."""
         before = self.beat.doing, self.beat.waiting
         self.beat.at(doing, waiting=True)
-        start = time.monotonic()
-        deadline, next_check, sleep = start + self.timeout_s, start + _CHECK_EVERY_S, _POLL_S[0]
+        now = time.monotonic()
+        deadline = (now if start is None else start) + self.timeout_s
+        next_check, sleep = now + _CHECK_EVERY_S, _POLL_S[0]
         while not done():
             now = time.monotonic()
             if now >= next_check:
                 self.check(doing)
                 next_check = now + _CHECK_EVERY_S
                 if now > deadline:
+                    why = explain() if explain is not None else None
                     raise self.fail(doing, TimeoutError(
-                        f"no progress for {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"),
-                        blame_others=True)
+                        f"no progress for {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"
+                        + (f"; {why}" if why else "")), blame_others=True)
             if future is not None:
                 wait_futures([future], timeout=max(0.0, next_check - time.monotonic()))
                 continue

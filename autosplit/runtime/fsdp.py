@@ -18,6 +18,10 @@ Terms:
   replicated  -- parameters whose gradient is a tensor-parallel partial sum (``tp_plan.partial_grads``:
                  norms under sequence parallelism, qk-norms) stay out of FSDP (``ignored_params``); the
                  ParallelModule sums them over tp and averages them over dp as without sharding.
+  meta        -- a model built on the meta device: its stage copies are sharded while still meta, then
+                 each rank allocates only its shards (FSDP2's ``to_empty`` recipe) and writes the values
+                 ``autosplit.materialize`` gives on one device into them; the whole stage is never
+                 allocated, and the plan's modules and the user's model stay on the meta device.
   own copy    -- the stage modules are deep copies: FSDP replaces parameters on the modules that hold
                  them, and with tp=1 those are the user's model's own modules, which the ranks compare
                  (agreement.py) and ``full_state_dict`` reads for other stages.
@@ -31,8 +35,10 @@ the compute a rank is stuck in.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -88,15 +94,60 @@ def _layer_units(split: torch.nn.Module, layers: list[str]) -> list[list[torch.n
     return [[split.get_submodule(n) for n in ms] for ms in members.values() if set(ms) & set(layers)]
 
 
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
 def _repoint(raw: torch.nn.Module, root: torch.nn.Module, before: dict[str, int]) -> None:
-    """Give ``raw`` the sharded parameters FSDP put into ``root``'s tree in place of its own
-    (``before``: name in root -> id of the parameter it held), so ``raw.named_parameters()`` yields
-    what the optimizer must step; leaf modules shared by both trees already hold them."""
-    new_by_old = {before[n]: p for n, p in root.named_parameters(remove_duplicate=False)}
-    for name, p in list(raw.named_parameters(remove_duplicate=False)):
-        if id(p) in new_by_old and new_by_old[id(p)] is not p:
+    """Give ``raw`` the tensors that replaced its own in ``root``'s tree (``before``: name in root -> id
+    of the tensor it held before): FSDP's sharded parameters, and the tensors a meta stage was
+    allocated (``_allocate``), so ``raw.named_parameters()`` yields what the optimizer must step and
+    ``raw`` holds no meta tensor; leaf modules shared by both trees already hold them."""
+    new_by_old = {before[n]: t for n, t in _named_tensors(root)}
+    for name, t in _named_tensors(raw):
+        if id(t) in new_by_old and new_by_old[id(t)] is not t:
             owner, _, leaf = name.rpartition(".")
-            setattr(raw.get_submodule(owner) if owner else raw, leaf, new_by_old[id(p)])
+            setattr(raw.get_submodule(owner) if owner else raw, leaf, new_by_old[id(t)])
+
+
+def _allocate(root: torch.nn.Module, device: torch.device) -> None:
+    """Storage for the meta tensors of a sharded ``root``: FSDP's ``to_empty`` recipe (its ``_apply``
+    re-registers each sharded parameter's local shard), so a sharded parameter gets only this rank's
+    dim-0 chunk; unsharded ones (buffers, ``ignored_params``) get their whole local shape.  Tensors with
+    values (a model only partly on the meta device) are left as they are."""
+    root._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+@torch.no_grad()
+def _initialize(raw: torch.nn.Module, names: list[str], values: Callable) -> None:
+    """Write the initial values of ``raw``'s tensors ``names`` (allocated, not yet set): each comes at its
+    full (tp-local) shape from ``values`` (runtime/params.py ``local_values``), one owner module at a
+    time, and a sharded parameter keeps only its dp chunk (``copy_full_into``)."""
+    tensors = dict(_named_tensors(raw))
+    for name, value in values(names):
+        copy_full_into(tensors[name], value)
+
+
+@contextlib.contextmanager
+def _fx_classes(modules: list[torch.nn.Module]):
+    """Inside, the FSDP-wrapped GraphModules among ``modules`` (and below) are of their own classes.
+
+    Setting a GraphModule's graph recompiles it and every GraphModule child (``_recompile_submodules``):
+    fx writes ``forward``, ``__call__`` and ``_wrapped_call`` onto ``type(m)``.  ``fully_shard`` made that
+    type a subclass ``FSDP<cls>(FSDPModule, cls)``, and the ``__call__`` fx installs there calls
+    ``super().__call__`` -- ``cls``'s own fx ``__call__``, which looks up ``self._wrapped_call`` and finds
+    the subclass's again: endless recursion (the RecursionError of a re-plan).  Recompiled on ``cls``,
+    the FSDP subclass inherits the new ``forward`` and ``__call__``; FSDP's state and hooks live on the
+    instance, not the class, so the swap does not touch them."""
+    swapped = [(m, type(m)) for root in modules for m in root.modules()
+               if isinstance(m, FSDPModule) and isinstance(m, fx.GraphModule)]
+    for m, wrapped in swapped:
+        m.__class__ = next(c for c in wrapped.__bases__ if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        for m, wrapped in swapped:
+            m.__class__ = wrapped
 
 
 class StageSharding:
@@ -114,17 +165,27 @@ class StageSharding:
         self.called: list[torch.nn.Module] = []
         self.grads: ShardedGrads | None = None
 
-    def stages(self, modules: list[fx.GraphModule], stages: list[int], ignored_names: set[str]):
+    def stages(self, modules: list[fx.GraphModule], stages: list[int], ignored_names: set[str],
+               values: Callable | None = None):
         """(raw, called) modules for this rank's stages.  A re-plan (same cut, new microbatch shape)
-        keeps the sharded modules, whose parameters the optimizer holds, and takes the new graphs."""
+        keeps the sharded modules, whose parameters the optimizer holds, and takes the new graphs.
+
+        Args:
+            modules: this rank's stage modules (tp shards); a meta model's still on the meta device.
+            stages: their stage indices.
+            ignored_names: parameters FSDP leaves out (see *replicated*).
+            values: a meta model's ``local_values`` (runtime/params.py): its tensors are sharded on the
+                meta device, then only this rank's shards are allocated and set (*meta* above).
+        """
         if self.raw:
             for old, new in zip(self.raw, modules):
                 self._transplant(old, new)
             return self.raw, self.called
         for raw in modules:
-            raw = copy.deepcopy(raw)                     # "own copy" (module docstring)
+            raw = copy.deepcopy(raw)                     # "own copy" (module docstring); of a meta stage: free
+            meta = [n for n, t in [*raw.named_parameters(), *raw.named_buffers()] if t.is_meta]
             root, units = _structure(raw, self.model, self.checkpoint, self.granularity)
-            before = {n: id(p) for n, p in root.named_parameters(remove_duplicate=False)}
+            before = {n: id(t) for n, t in _named_tensors(root)}
             ignored = {p for n, p in raw.named_parameters() if n in ignored_names}
             # "layer": the layer units reshard after forward (ZeRO-3); the stage root and "stage" units
             # keep their parameters through the step (see "kept").  Inner units first, as FSDP requires.
@@ -133,7 +194,11 @@ class StageSharding:
                             reshard_after_forward=True, mp_policy=self.mp, ignored_params=ignored)
             fully_shard(root, mesh=self.world.device_mesh["dp"], reshard_after_forward=False, mp_policy=self.mp,
                         ignored_params=ignored)
+            if meta:                  # after sharding: only this rank's chunks are ever allocated
+                _allocate(root, self.world.device)
             _repoint(raw, root, before)
+            if meta:                  # by the model's names, which ``raw`` holds the allocated tensors under now
+                _initialize(raw, meta, values)
             self.raw.append(raw)
             self.called.append(root)
         self.grads = ShardedGrads(dict(zip(stages, self.called)), keep=self.granularity == "stage")
@@ -143,10 +208,11 @@ class StageSharding:
         """Put ``new``'s graphs (same nodes and parameters, other shapes) into the sharded ``old``."""
         root = self.called[self.raw.index(old)]
         fresh, _ = _structure(new, self.model, self.checkpoint, self.granularity)
-        old.graph = copy.deepcopy(new.graph)
-        for name, mod in root.named_modules():
-            if isinstance(mod, fx.GraphModule) and mod is not old:
-                mod.graph = copy.deepcopy(fresh.get_submodule(name).graph)
+        with _fx_classes([old, root]):
+            old.graph = copy.deepcopy(new.graph)
+            for name, mod in root.named_modules():
+                if isinstance(mod, fx.GraphModule) and mod is not old:
+                    mod.graph = copy.deepcopy(fresh.get_submodule(name).graph)
 
     def reshard(self) -> None:
         """Free the unsharded parameters a forward-only pass left gathered (kept units)."""

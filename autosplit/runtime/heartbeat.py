@@ -12,11 +12,18 @@ Terms:
   stalled  -- a rank that beats but has been busy, not waiting, at one action for half the observer's
               timeout or more: the rank the others are waiting for.
 
+  own client -- the beat thread writes through its own store client (``store.clone()``): a TCPStore client
+              serves one request at a time, so a ``set`` stuck on a shared client would stall the
+              deadline loop's store checks behind it.
+
 What can be told apart: a dead process (from a stale beat, after a peer's connection reset or a
 timeout), a rank stuck in computation or user code (busy, beating), and an ordering deadlock (every
-rank waiting).  What cannot: a process alive but starved of the GIL for three intervals looks dead;
-a rank stuck inside a GPU kernel looks busy.  When the store's host process dies (rank 0's process,
-unless torchrun's agent hosts the store) nothing can be read, and the message says so.
+rank waiting).  What cannot: a process alive but starved of the GIL for three intervals looks dead.
+On GPUs (NCCL) the host waits on its device's queue: a rank whose device is stuck in a kernel (or
+whose transfer hangs) reads as *waiting*, exactly like a rank in an ordering deadlock, so the
+diagnosis says it cannot tell the two apart (``device_queues``).  When the store's host process dies
+(rank 0's process, unless torchrun's agent hosts the store) nothing can be read, and the message
+says so.
 """
 from __future__ import annotations
 
@@ -36,11 +43,26 @@ def interval_for(world_size: int) -> float:
     return max(INTERVAL_S, world_size / BEATS_PER_S)
 
 
+def watch_s(world_size: int) -> float:
+    """How long ``diagnose`` watches the beats: three intervals."""
+    return 3 * interval_for(world_size)
+
+
+def _own_client(store):
+    """A client of ``store`` for the beat thread alone (the same store if it cannot be cloned)."""
+    try:
+        return store.clone()
+    except Exception:        # a store type without clone(): share it (a stuck set can then delay a check)
+        return store
+
+
 class Heartbeat:
     """This process's beat: one daemon thread, and the state the main thread updates."""
 
     def __init__(self, store, rank: int, world_size: int):
-        self.store, self.rank, self.interval = store, rank, interval_for(world_size)
+        # the job's store, kept so that its id (the key of _BEATS) is never reused while this beats
+        self.origin, self.store = store, _own_client(store)
+        self.rank, self.interval = rank, interval_for(world_size)
         self.doing, self.waiting, self.since = "start", False, time.monotonic()
         self._count = 0
         self._stop = threading.Event()
@@ -92,14 +114,16 @@ def read_beats(store, world_size: int) -> dict[int, tuple[int, str, str, float]]
     return out
 
 
-def diagnose(store, world_size: int, me: int, describe, min_busy_s: float = 0.0) -> str | None:
+def diagnose(store, world_size: int, me: int, describe, min_busy_s: float = 0.0,
+             device_queues: bool = False) -> str | None:
     """Why the job is stuck, naming other ranks, or None when nothing points at one.
 
     Watches every rank's beat for three intervals; ``describe(rank)`` gives "rank R (pp=.., tp=.., dp=..)";
     a rank counts as stalled when it has been busy at one action for ``min_busy_s`` at least (a rank
-    merely computing its microbatch is not to blame).
+    merely computing its microbatch is not to blame).  ``device_queues``: the ranks' hosts wait on
+    their GPUs' queues (NCCL), so "every rank waiting" may also be a device stuck in a kernel.
     """
-    watch = 3 * interval_for(world_size)
+    watch = watch_s(world_size)
     first = read_beats(store, world_size)
     time.sleep(watch)
     second = read_beats(store, world_size)
@@ -113,7 +137,13 @@ def diagnose(store, world_size: int, me: int, describe, min_busy_s: float = 0.0)
         return "; ".join(f"{describe(r)} is stalled at {second[r][2]} (busy for {second[r][3]:.0f} s, "
                          f"not waiting on another rank)" for r in stalled)
     waits = ", ".join(f"rank {r} at {doing}" for r, (_, _, doing, _) in sorted(second.items()) if r != me)
-    return f"every rank is waiting on another ({waits}): an ordering deadlock" if waits else None
+    if not waits:
+        return None
+    if device_queues:
+        return (f"every rank is waiting on another ({waits}): an ordering deadlock, or a GPU stuck in a kernel "
+                f"or a transfer that never completes (a host waits on its device's queue, so a stuck device "
+                f"reads as waiting too: the heartbeats cannot tell these apart)")
+    return f"every rank is waiting on another ({waits}): an ordering deadlock"
 
 
 def store_address() -> str:

@@ -8,6 +8,9 @@ Terms:
                step or none does.
   skip      -- on overflow every gradient is set to None, which torch optimizers treat as "no update",
                and the scale is halved; after ``growth_interval`` clean steps it doubles.
+  growth counter -- ``clean_steps``, the clean steps since the last overflow or growth.  The scale and
+               the counter are this class's state (``state_dict``, saved in checkpoints): a resumed run
+               without them would skip steps the uninterrupted run applied, or grow at other steps.
 
 torch.amp.GradScaler decides overflow per process and wraps the optimizer; a pipeline needs one
 decision across ranks that each hold a different part of the model, hence this small class.
@@ -25,6 +28,15 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.clean_steps = 0
         self.skipped = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The scale and the growth counter as 0-d tensors (float64 holds every power of two exactly)."""
+        return {"scale": torch.tensor(self.scale, dtype=torch.float64),
+                "growth_tracker": torch.tensor(self.clean_steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["growth_tracker"])
 
     def unscale(self, params: list[torch.nn.Parameter], device) -> torch.Tensor:
         """Unscale every gradient and check it for inf/nan in one fused device-side pass per

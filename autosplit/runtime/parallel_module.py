@@ -123,7 +123,8 @@ class ParallelModule:
         if problem:
             raise AutosplitError(problem)
         self.model, self.world, self.options = model, world, options
-        self.watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
+        self.watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend,
+                                 groups=world.own_groups)
         self.scaler = LossScaler(enabled=options.autocast is torch.float16)
         self.gate = CallGate(world, self.watchdog)
         # a meta model: each rank initializes only its own shards (autosplit/meta_init.py)
@@ -332,26 +333,36 @@ class ParallelModule:
         """
         model_state.load_full_state_dict(self, state_dict)
 
-    def save_checkpoint(self, directory, optimizer=None) -> str:
-        """Write a sharded checkpoint (torch.distributed.checkpoint), atomically.
+    def save_checkpoint(self, directory, optimizer=None, extra=None) -> str:
+        """Write a sharded checkpoint (torch.distributed.checkpoint), atomically: everything an exact
+        resume needs (runtime/checkpoint.py).
 
         Args:
             directory: where versions are kept; each rank writes only its shards, under the original
                 names and full shapes.
-            optimizer: also save its state (any torch optimizer over ``parameters()``), or None.
+            optimizer: also save its state (any torch optimizer over ``parameters()``), in torch's
+                layout by parameter name, or None.
+            extra: ``{"name": stateful}``, any ``torch.distributed.checkpoint.stateful.Stateful`` (an LR
+                scheduler, a stateful data loader), saved under its name; None for none.
+        The fp16 loss scale and every rank's random state are always saved.
         Returns the directory of the committed version.
         """
-        return save_checkpoint(self, directory, optimizer)
+        return save_checkpoint(self, directory, optimizer, extra)
 
-    def load_checkpoint(self, directory, optimizer=None) -> dict:
+    def load_checkpoint(self, directory, optimizer=None, extra=None, missing_ok: bool = False) -> dict | None:
         """Load the latest complete checkpoint in ``directory``, saved on any mesh.
 
         Args:
             directory: the directory given to ``save_checkpoint``; each rank reads only its chunks.
             optimizer: also load its state, or None.
-        Returns the checkpoint's metadata (step, mesh, ...).
+            extra: ``{"name": stateful}`` to restore with ``load_state_dict``, by the names they were saved
+                under (a subset is fine).
+            missing_ok: when ``directory`` holds no committed checkpoint yet, return None (on every rank)
+                instead of raising: resume if present, else start afresh.
+        Returns the checkpoint's metadata (step, mesh, ...).  The loss scale and random states are
+        restored too: exactly per rank on the same mesh; on another mesh every rank takes rank 0's.
         """
-        return load_checkpoint(self, directory, optimizer)
+        return load_checkpoint(self, directory, optimizer, extra, missing_ok)
 
     # ---- agreement between ranks (runtime/call_gate.py, runtime/agreement.py) --------------------
     def _enter(self, call: str, *args) -> None:

@@ -2,9 +2,10 @@
 
 Terms (see runtime/parallel_module.py for replica batch and microbatch):
   provisional  -- a plan built before any microbatch was seen (from the model's declared input size,
-                  batch of 1) so that ``parameters()`` can be handed to an optimizer; the first step
-                  re-plans for its real microbatch keeping the same cut (``stage_bounds``), so the
-                  parameters the optimizer holds stay the ones this rank trains.
+                  batch of 1, or 2 where BatchNorm needs two rows) so that ``parameters()`` can be
+                  handed to an optimizer; the first step re-plans for its real microbatch keeping
+                  the same cut (``stage_bounds``), so the parameters the optimizer holds stay the
+                  ones this rank trains.
   raw modules  -- this rank's stage GraphModules (tp shards on the device, weight GEMMs split where
                   the schedule defers W), holding the parameters under their original names.
   modules      -- what the executor calls: the raw modules, wrapped for activation checkpointing or
@@ -27,6 +28,7 @@ from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.meta_init import Initializer
 from autosplit.options import PlanOptions
+from autosplit.passes.batch_norm import provisional_batch
 from autosplit.passes.split_backward import split_weight_gemms
 from autosplit.passes.tp_random import fork_sharded_random
 from autosplit.runtime import tp_collectives
@@ -37,7 +39,8 @@ from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.fsdp import StageSharding
 from autosplit.runtime.loss_check import checked_loss
-from autosplit.runtime.params import adopt_parameters, graph_order_params, materialize_local
+from autosplit.runtime.params import (adopt_parameters, graph_order_params, local_values, materialize_local,
+                                      to_device)
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.tp_collectives import bind_axis_groups, unbind_groups
 
@@ -79,7 +82,8 @@ class RankPlanner:
     def require(self) -> None:
         """Plan now if no microbatch was seen yet: a provisional plan from the model's own input size."""
         if self.plan is None:
-            self.build(torch.empty(1, *default_input_shape(self.model), device="meta"))
+            rows = provisional_batch(self.model)       # 2 where BatchNorm needs more than one row
+            self.build(torch.empty(rows, *default_input_shape(self.model), device="meta"))
             self.provisional = True
 
     def plan_for(self, mb: tuple, agree: Callable[..., None]) -> None:
@@ -140,7 +144,9 @@ class RankPlanner:
             self.profile = self.profile or agreed_profile(world, self.watchdog)
             changes["device"] = self.profile
         mesh = (world.mesh.pp, world.mesh.tp, world.mesh.dp)
-        self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts))
+        # the BatchNorm warning once per parallelize (its first plan, not a re-plan) and job (rank 0)
+        self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts),
+                                 warn=self.plan is None and world.rank == 0)
         self.provisional = False
         if world.rank == 0:
             log.info("planned:\n%s", self.plan.summary())
@@ -153,9 +159,14 @@ class RankPlanner:
         if self.raw_modules and not plan.dp_shard:   # a re-plan keeps the tensors (the Parameter
             for old, new in zip(self.raw_modules, modules):   # objects the optimizer was given, loaded buffers)
                 adopt_parameters(old, new)
-        if self.initializer is not None:      # a meta model: this rank's shards (all on the first build)
-            materialize_local(modules, self.initializer, self.sharded(), coord.tp, world.device)
-        modules = [m.to(world.device) for m in modules]
+        values = local_values(self.initializer, self.sharded(), coord.tp) if self.initializer is not None else None
+        # A meta model: this rank's tp shards (all on the first build).  Under dp_shard they stay on the
+        # meta device here: StageSharding allocates only this rank's FSDP shards of its copies (a re-plan
+        # keeps those and takes only the graphs), so the whole stage never exists, neither in these
+        # modules (with tp = 1 the user's model's own, and the plan's cache) nor in a copy.
+        if values is not None and not plan.dp_shard:
+            materialize_local(modules, values, world.device)
+        modules = [to_device(m, world.device) for m in modules]
         modules = [fork_sharded_random(m) for m in modules] if world.mesh.tp > 1 else modules
         # I / W schedules defer weight gradients to W, on the stages the cost model prices a W apart for
         # (deferred_w_stages: where some W does not directly follow its I, and on a GPU also where the
@@ -171,7 +182,7 @@ class RankPlanner:
         if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
             self.sharding = self.sharding or StageSharding(world, self.model, plan.dp_shard, opts.checkpoint,
                                                            opts.autocast)
-            self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial)
+            self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial, values)
             self.buckets = self.sharding.grads
         else:
             self.raw_modules = modules

@@ -8,11 +8,17 @@ Terms:
               (pp, dp, tp): tp innermost, so tensor-parallel ranks are consecutive (see mesh.py).
               With tp_mode="2d" also "tp_row" and "tp_col", from a DeviceMesh (pp, dp, q, q): tp rank
               t is grid row t // q and column t % q.
+  own groups -- the groups this World created (every mesh axis gets its own, even one spanning the
+              whole world, which DeviceMesh would otherwise run on the default group), the only ones
+              it destroys (``close``) and a failure aborts (faults.py): never the default group.
   timeout  -- every wait in the runtime gives up after this many seconds with an error naming the rank
-              and what it waited for (faults.Watchdog).  The process groups get the same timeout
-              plus ``NCCL_GRACE_S``: NCCL's own watchdog (async error handling, on by default here as
-              under torchrun) then tears down a rank whose kernels are still stuck after ours has
-              reported, instead of leaving it hanging on the GPU.
+              and what it waited for (faults.Watchdog).  NCCL's own timeout (``nccl_timeout_s``: of
+              the default group when we create it, and of every own group) is longer by the
+              heartbeats' diagnosis time plus ``NCCL_MARGIN_S``, so our message is out before NCCL's
+              watchdog acts.  Its async error handling is left as torch (3) or torchrun (1) set it:
+              with it on, that watchdog tears down a rank whose kernels are still stuck after ours
+              has reported; with it off (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, what torch's abort
+              API asks for), our failure path aborts the own groups itself.
 """
 from __future__ import annotations
 
@@ -27,9 +33,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autosplit.errors import AutosplitError
 from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
+from autosplit.runtime.heartbeat import watch_s
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
-NCCL_GRACE_S = 5.0
+# Beyond our deadline and the diagnosis: the store round trips that publish the failure, the polling
+# period, and a collective waited on some time after its launch (NCCL's clock starts at the launch).
+NCCL_MARGIN_S = 30.0
+
+
+def nccl_timeout_s(timeout_s: float, world_size: int) -> float:
+    """NCCL's own timeout for our groups: our deadline + the heartbeats' diagnosis + NCCL_MARGIN_S."""
+    return timeout_s + watch_s(world_size) + NCCL_MARGIN_S
 
 
 @dataclass
@@ -44,13 +58,18 @@ class World:
     timeout_s: float = DEFAULT_TIMEOUT_S
     control_group: object = field(default=None, repr=False)   # gloo over WORLD when the backend is NCCL
     grid_mesh: DeviceMesh | None = field(default=None, repr=False)   # 2D: (pp, dp, tp_row, tp_col)
+    created: list = field(default_factory=list, repr=False)          # own groups, in creation order
+    axis_groups: dict = field(default_factory=dict, repr=False)      # axis -> its group, as built
 
     def group(self, axis: str):
         if self.device_mesh is None:
             raise AutosplitError(f"the process groups of rank {self.rank} were closed (ParallelModule.close)")
-        if axis in ("tp_row", "tp_col"):
-            return self.grid_mesh.get_group(axis)
-        return self.device_mesh.get_group(axis)
+        # the group objects as built: DeviceMesh.get_group resolves a name torch no longer knows once
+        # a failure has aborted the group (faults.py), and the release after it still asks
+        if axis not in self.axis_groups:
+            mesh = self.grid_mesh if axis in ("tp_row", "tp_col") else self.device_mesh
+            self.axis_groups[axis] = mesh.get_group(axis)
+        return self.axis_groups[axis]
 
     def rank_at(self, *, pp: int | None = None, tp: int | None = None, dp: int | None = None) -> int:
         """The global rank that differs from this one only on the named axes."""
@@ -68,23 +87,28 @@ class World:
         group = self.control_group
         watchdog.wait(dist.barrier(group=group, async_op=True), doing, host=True, on_host=group is not None)
 
+    def own_groups(self) -> list:
+        """The groups this World created and that still exist (a failure may have aborted them), in
+        creation order: the same on every rank."""
+        return [g for g in self.created if _registered(g)]
+
     def close(self) -> None:
         """Destroy the process groups this World created (never the default group, which the job may
         still use), in the same order on every rank.  Call after a ``barrier``: a group destroyed while
         a peer still has an operation on it would fail that operation."""
-        groups = [self.device_mesh.get_group(axis) for axis in LAYOUT_ORDER]
-        if self.grid_mesh is not None:
-            groups += [self.grid_mesh.get_group(axis) for axis in self.grid_mesh.mesh_dim_names]
-        groups.append(self.control_group)
-        default, seen = dist.group.WORLD, set()
-        for group in groups:
-            if group is None or group is default or id(group) in seen:
-                continue
-            seen.add(id(group))
+        for group in self.own_groups():
             dist.destroy_process_group(group)
         # A gloo group's connections and threads end when its last reference goes, not at destroy
         self.device_mesh = self.grid_mesh = self.control_group = None
+        self.created, self.axis_groups = [], {}
         forget_meshes()
+
+
+def _registered(group) -> bool:
+    """Whether torch still knows ``group`` (destroy and abort both unregister it).  torch's table of
+    groups is private; where a torch version lacks it, every group counts as registered."""
+    table = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return table is None or group in table
 
 
 def forget_meshes() -> None:
@@ -136,14 +160,18 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d") 
         backend, device = _choose_backend()
         options = {}
         if backend == "nccl":
-            # NCCL's watchdog aborts stuck communicators (torchrun sets this too); device_id binds the
-            # default group to this GPU, so its communicators are created eagerly, on every rank at once.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            # device_id binds the default group to this GPU, so its communicators are created eagerly,
+            # on every rank at once.  TORCH_NCCL_ASYNC_ERROR_HANDLING is the user's (see the docstring).
             options["device_id"] = device
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s + NCCL_GRACE_S), **options)
+        dist.init_process_group(backend, timeout=timedelta(seconds=nccl_timeout_s(timeout_s, size)), **options)
     shape = MeshShape.parse(mesh, world_size=size)
     dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
-    device_mesh = init_device_mesh(device.type, dims, mesh_dim_names=LAYOUT_ORDER)
+    # Every axis on a group of its own (the default group's backend named for each): DeviceMesh would
+    # run an axis spanning the whole world on the default group, which is the user's, which we
+    # neither abort nor time as ours.
+    own = dist.get_backend()
+    override = {axis: own for axis in LAYOUT_ORDER} if own in ("nccl", "gloo") else None
+    device_mesh = init_device_mesh(device.type, dims, mesh_dim_names=LAYOUT_ORDER, backend_override=override)
     # The agreement checks exchange a few integers on the host at the start of every call; on NCCL a
     # CPU (gloo) group does it, so reading them never waits for the GPU's queue (no device sync).
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
@@ -154,7 +182,20 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d") 
         # groups in the same order, as DeviceMesh requires.
         layout = torch.arange(size).reshape(shape.pp, shape.dp, q, q)
         grid = DeviceMesh(device.type, layout, mesh_dim_names=("pp", "dp", "tp_row", "tp_col"))
+    axis_groups = {axis: device_mesh.get_group(axis) for axis in LAYOUT_ORDER}
+    grid_groups = [grid.get_group(axis) for axis in grid.mesh_dim_names] if grid is not None else []
+    if grid is not None:
+        axis_groups.update(tp_row=grid.get_group("tp_row"), tp_col=grid.get_group("tp_col"))
+    created, default = [], dist.group.WORLD
+    for group in [*(axis_groups[a] for a in LAYOUT_ORDER), *grid_groups, control]:
+        if group is not None and group is not default and all(group is not g for g in created):
+            created.append(group)
+    if backend == "nccl":
+        # NCCL's watchdog times a work from its launch and, with async error handling on, ends the
+        # process: it must act only after our deadline has fired and the diagnosis is published.
+        for group in created:
+            dist.set_timeout(timedelta(seconds=nccl_timeout_s(timeout_s, size)), group)
     rank = dist.get_rank()
     return World(grid_mesh=grid, rank=rank, size=size, device=device, backend=backend, mesh=shape,
                  coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,
-                 control_group=control)
+                 control_group=control, created=created, axis_groups=axis_groups)

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from autosplit.cost_model import AnnotateCosts
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.errors import AutosplitError
+from autosplit.passes.batch_norm import provisional_batch
 from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
 from autosplit.passes.shape_prop import MetaShapeProp
@@ -189,7 +190,8 @@ def _parameter_owners(gm: fx.GraphModule, nodes: list[fx.Node]):
 def trace_model(model, inputs: tuple[torch.Tensor, ...], leaf_modules=(), concrete_args=None) -> fx.GraphModule:
     """The model traced once (train and eval mode, as compile does), refused as compile refuses it."""
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
-    MetaShapeProp(_with_batch(inputs, 1))(gm)
+    # 2 rows where a BatchNorm in training mode refuses one value per channel
+    MetaShapeProp(_with_batch(inputs, provisional_batch(model)))(gm)
     check_single_output(gm)
     return gm
 

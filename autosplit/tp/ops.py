@@ -63,17 +63,26 @@ def axis_rank(axis: str) -> int:
     return _backend().axis_rank(axis)
 
 
+def _dim(x: torch.Tensor, dim: int) -> int:
+    """``dim`` as an index 0 .. ndim-1 (the passes may write -1 for the last dim, as torch code does)."""
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"dim {dim} is out of range for a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
 def pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """``x`` with zeros appended along ``dim`` up to a multiple of n."""
+    dim = _dim(x, dim)
     extra = -x.shape[dim] % n
     if not extra:
         return x
-    widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    widths = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
     return F.pad(x, widths)
 
 
 def shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s part of ``x`` split n ways along ``dim`` (padded first)."""
+    dim = _dim(x, dim)
     return pad(x, dim, n).chunk(n, dim=dim)[rank].contiguous()
 
 
@@ -99,6 +108,7 @@ def wait(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
     """Shard(dim) over n ranks -> replicated, ``full`` long: all-gather forward, reduce-scatter backward."""
+    dim = _dim(x, dim)
     if _planning(x):
         return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
     return _backend().all_gather(x, dim, axis, full)
@@ -107,6 +117,7 @@ def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch
 def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
     """Shard(dim) -> replicated for replicated consumers (a classifier head): all-gather forward; the
     gradient is already whole on every rank, so the backward only keeps this rank's slice."""
+    dim = _dim(x, dim)
     if _planning(x):
         return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
     return _backend().gather(x, dim, axis, full)
@@ -114,6 +125,7 @@ def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Ten
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     """Partial sums -> Shard(dim) over n ranks: reduce-scatter forward, all-gather backward."""
+    dim = _dim(x, dim)
     if _planning(x):
         return shard(x, dim, n, 0).clone()
     return _backend().reduce_scatter(x, dim, axis)
@@ -121,6 +133,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor
 
 def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     """Replicated -> Shard(dim) over n ranks: this rank's slice forward, all-gather backward."""
+    dim = _dim(x, dim)
     if _planning(x):
         return shard(x, dim, n, 0).clone()
     return _backend().local_slice(x, dim, axis)

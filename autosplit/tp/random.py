@@ -17,6 +17,12 @@ Terms:
   seed              -- the fork seeds the one generator the op draws from (the CPU default generator,
                        or the default generator of the tensor's CUDA device) and ``fork_rng`` restores it.
 
+  rank's random state -- what a rank's draws depend on: its default CPU generator and, on a GPU, the
+                       default generator of its device (``generator_states``).  A fork has no state of
+                       its own: its seed is a draw of the default CPU stream and ``fork_rng`` puts the
+                       generator back, so restoring these two states restores every fork too.  Checkpoints
+                       save them per rank (runtime/checkpoint_state.py).
+
 ``TpRandom`` wraps one op; ``passes/tp_random.py`` puts it on the sharded random ops of a stage graph.
 """
 from __future__ import annotations
@@ -39,6 +45,22 @@ def _device_of(args, kwargs) -> torch.device:
         if isinstance(a, torch.Tensor):
             return a.device
     return torch.device("cpu")
+
+
+def generator_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's random state (see *rank's random state*): ``cpu`` and, on a GPU, ``cuda`` (uint8 tensors)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_generator_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore ``generator_states``' output; a ``cuda`` state is restored only on a GPU (a CPU job's
+    checkpoint resumed on GPUs leaves the device generator as it is)."""
+    torch.set_rng_state(states["cpu"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 class TpRandom(nn.Module):

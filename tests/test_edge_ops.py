@@ -1,0 +1,138 @@
+"""Ops written the way real code writes them (tests/models_edge.py): implicit, negative and keyword dims,
+shape reads of split tensors, in-place writes, slices whose bounds are traced.  Each plans under every
+tensor-parallel mode and trains equal to single-device training in real gloo worlds (1D at (1, 2, 1),
+2D at (1, 4, 1)); timm's pit and samvit, once refused by a tracing bug, train at (2, 1, 1) and (1, 2, 1).
+A failure of our own rules reaches the user as a PlanError naming the node and module path."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autosplit
+from autosplit.errors import PlanError
+from autosplit.trace import trace
+from tests.dist_checks import train_matches_single_device
+from tests.models import VARIANTS
+from tests.models_edge import EDGE_VARIANTS, EdgeViT, tiny_pit, tiny_samvit
+
+TOL = 1e-5
+EDGE = [f"edge_{v}" for v in EDGE_VARIANTS]
+MIXED = ["edge_mixed_a", "edge_mixed_b"]          # every variant, in two models (for the trained tests)
+X = torch.randn(2, 3, 32, 32)
+
+
+def train_many(names, mesh, **kw) -> dict:
+    """``train_matches_single_device`` for each model (one pool task: the workers import this module,
+    which registers the edge models in VARIANTS)."""
+    warnings.filterwarnings("ignore", message="Implicit dimension choice")
+    return {name: train_matches_single_device(name, mesh, "1f1b", 1, steps=2, **kw) for name in names}
+
+
+def _assert_equal(results):
+    for per_rank in results:
+        for name, r in per_rank.items():
+            assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, (name, r)
+
+
+# ---- tracing --------------------------------------------------------------------------------------
+def test_traced_slice_bounds_are_graph_values_and_mode_constants_inside_slices_follow_the_mode():
+    """``x[:, :n]`` with a traced n pairs the two modes' graphs through the slice (no mode constant holding
+    a node); a bound that differs between modes becomes a ModeSwitch inside the slice."""
+    torch.manual_seed(0)
+    model = EdgeViT("slice_traced")
+    gm = trace(model)
+    for training in (True, False):
+        model.train(training)
+        gm.train(training)
+        assert torch.equal(gm(X), model(X)), f"training={training}"
+
+
+def test_inplace_writes_whose_result_is_unused_are_kept():
+    """``h.add_(g)`` whose result nothing reads still writes h: dead-code elimination must keep it."""
+    torch.manual_seed(0)
+    for name in ("inplace", "inplace_alias"):
+        model = EdgeViT(name)
+        assert torch.equal(trace(model)(X), model(X)), name
+
+
+def test_implicit_softmax_dim_is_torchs():
+    from autosplit.passes import op_dims
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for ndim in range(6):
+            assert op_dims.implicit_softmax_dim(ndim) == F._get_softmax_dim("softmax", ndim, 3)
+
+
+# ---- planning ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh,kw", [((1, 2, 1), {}), ((1, 2, 1), {"sequence_parallel": True}),
+                                     ((1, 4, 1), {"tp_mode": "2d"})], ids=["1d", "1d-sp", "2d"])
+@pytest.mark.filterwarnings("ignore:Implicit dimension choice")
+def test_edge_models_plan_under_every_tp_mode(mesh, kw):
+    """Keyword, negative and implicit dims, shape reads and in-place ops: each model plans, with both
+    Megatron regions of every block split."""
+    for name in EDGE + MIXED:
+        torch.manual_seed(0)
+        model = VARIANTS[name]()
+        plan = autosplit.compile(model, mesh=mesh, example_input=X, device="cpu", **kw)
+        assert len(plan.tp_plan.regions) == 2 * len(model.blocks), (name, plan.tp_plan.notes)
+
+
+def test_implicit_softmax_over_a_split_dim_is_refused_by_2d_not_computed_on_blocks():
+    """F.softmax(x) of a 4-D tensor normalizes dim 1, not -1: where dim 1 is the split channel dim
+    outside any region, 2D must refuse (a softmax over q blocks would be wrong), naming the op."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = torch.nn.Conv2d(3, 8, 8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.head(F.softmax(self.conv(x)).mean(dim=(2, 3)))  # (B, 8, 4, 4): softmax over channels
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PlanError, match=r"node 'softmax'.*softmax reduces over the split dim 1"):
+            autosplit.compile(Net(), mesh=(1, 4, 1), example_input=X, tp_mode="2d", device="cpu")
+
+
+def test_inplace_write_that_needs_its_target_cut_is_refused_by_2d():
+    """``t.add_(x)`` with t whole and x split: 2D would cut t into a copy, and the write would land in the
+    copy, which later readers of t do not see; refused, naming the op, its module and why."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Conv2d(3, 8, 8, 8), torch.nn.Linear(8, 8)
+            self.base = torch.nn.Parameter(torch.zeros(1, 16, 8))
+
+        def forward(self, x):
+            x = self.embed(x).flatten(2).transpose(1, 2)                    # (B, 16, 8): split over the grid
+            t = self.base.expand(x.shape[0], -1, -1).clone()                # whole
+            t.add_(x)
+            return self.head(t.mean(dim=1))
+
+    with pytest.raises(PlanError, match=r"node 'add_' \(in '<root>'\): it writes 'clone' in place, but its operands "
+                                        r"need 'clone' split differently"):
+        autosplit.compile(Net(), mesh=(1, 4, 1), example_input=X, tp_mode="2d", device="cpu")
+
+
+@pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1)])
+@pytest.mark.parametrize("factory", [tiny_pit, tiny_samvit], ids=["pit", "samvit"])
+def test_timm_pit_and_samvit_plan(factory, mesh):
+    torch.manual_seed(0)
+    autosplit.compile(factory(), mesh=mesh, example_input=X, device="cpu")
+
+
+# ---- training equal to one device ---------------------------------------------------------------
+def test_edge_models_train_equal_under_1d(pool2):
+    _assert_equal(pool2.run(train_many, MIXED, (1, 2, 1), timeout=600))
+
+
+def test_edge_models_train_equal_under_2d(pool4):
+    _assert_equal(pool4.run(train_many, MIXED, (1, 4, 1), tp_mode="2d", timeout=600))
+
+
+def test_timm_pit_and_samvit_train_equal(pool2):
+    for mesh in ((2, 1, 1), (1, 2, 1)):
+        _assert_equal(pool2.run(train_many, ["edge_pit", "edge_samvit"], mesh, timeout=600))
