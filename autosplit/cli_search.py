@@ -20,7 +20,6 @@ import torch
 from autosplit.cost_model.profiles import NAMES
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
-from autosplit.passes.batch_norm import provisional_batch
 
 MEASURED = "measured"
 
@@ -65,8 +64,9 @@ def run_search(args, build_model) -> int:
     from autosplit.strategy import search
     try:
         model = build_model(args.model, args.image_size)
-        # 2 rows where a BatchNorm in training mode refuses one value per channel
-        x = torch.empty(provisional_batch(model), *default_input_shape(model, args.image_size), device="meta")
+        # one row: the search and the fit read only the per-sample shape and dtype (the search takes the
+        # fewest rows a microbatch may have, BatchNorm's, from the model's traced graph)
+        x = torch.empty(1, *default_input_shape(model, args.image_size), device="meta")
         profile, described = _profile(args, model, x)
         ranked = search(model, args.world, x, global_batch=args.batch, device=profile,
                         memory_budget=args.memory, top=args.top)

@@ -63,7 +63,8 @@ _DEFAULTS = PlanOptions()
 def plan_passes(state: PlanState) -> list[MetaPass]:
     """The planning pipeline for ``state``'s options, in order (see the module docstring)."""
     opts = state.options
-    passes: list[MetaPass] = [TraceModel(state), ExampleShapeProp(state.inputs, model=state.model),
+    passes: list[MetaPass] = [TraceModel(state), ExampleShapeProp(state.inputs, model=state.model,
+                                                                         concrete_args=opts.concrete_args),
                               CheckSingleOutput(), TensorParallel(state)]
     if state.mesh.tp > 1:
         passes.append(ExampleShapeProp(state.inputs))          # the local shapes of tp rank 0 (our graph)

@@ -172,7 +172,11 @@ class _SplitLinear(torch.autograd.Function):
         y = _no_autocast(x.device.type, F.linear, xc, wc, bc)          # (..., out)
         ctx.save_for_backward(xc, wc)
         ctx.weight, ctx.has_bias = weight, bias is not None
-        return y
+        # F.linear of a (B, N, C) input returns a view of its (B*N, out) GEMM result, and autograd forbids
+        # writing in place into a view a custom Function returns (torch.sigmoid_(y) would raise): hand
+        # it over as a plain tensor on the same storage, as torch's own matmul does (no copy; nothing
+        # else holds the GEMM result)
+        return torch.ops.aten._unsafe_view(y, y.shape) if y._is_view() else y
 
     @staticmethod
     def backward(ctx, grad):                              # grad: (..., out)

@@ -21,24 +21,33 @@ Terms:
                  (runtime/buffers.py, DDP's ``broadcast_buffers``).
   label       -- the layers' module paths, numbered siblings that differ in one index merged:
                  "blocks.{0-3}.attn.qkv.bn".
+  values per channel -- what a layer's statistics are taken over: its input's dim 0 times the dims after
+                 the channel dim (dim 1), as torch counts them (it refuses 1 in training mode: "Expected
+                 more than 1 value per channel").  Per row: that over the microbatch rows, where the rows
+                 are in dim 0 (a BatchNorm1d on (B, C) features: 1; on tokens flattened to (B*N, C): N;
+                 a BatchNorm2d on (B, C, H, W): H*W).
+  fewest rows -- the fewest microbatch rows every layer accepts: 2 where some layer sees one value per
+                 channel per row (or its input is not in the graph: inside a leaf module), else 1.
 
 Pure: reads the traced graph and the module objects' flags; no process group.
 """
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from autosplit.passes.op_dims import arg
 from autosplit.trace_modes import ModeSwitch
 
 # functional batch norms: where their (running_mean, training, momentum) arguments sit
 _FUNCTIONAL = {F.batch_norm: (1, 5, 6), torch.batch_norm: (3, 5, 6), torch.native_batch_norm: (3, 5, 6)}
-ROOT = "(model forward)"
+ROOT = "<root>"          # a functional call in the model's own forward (as errors.py names it)
 
 
 class BatchNormStatisticsWarning(UserWarning):
@@ -51,12 +60,8 @@ class BatchNormLayer:
     kind: str              # "BatchNorm2d", "BatchNormAct2d", "F.batch_norm", ...
     tracks: bool           # updates running statistics in training mode
     momentum: float | None  # None: cumulative average (torch's momentum=None)
-
-
-def _arg(node: fx.Node, index: int, name: str, default):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
+    values: int | None = None   # values per channel of its input in the graph (tp rank 0's); None: inside a
+                                # leaf module (its input is not in the graph)
 
 
 def _training_value(gm: fx.GraphModule, value) -> bool:
@@ -68,13 +73,31 @@ def _training_value(gm: fx.GraphModule, value) -> bool:
     return bool(value)
 
 
-def _module_layers(path: str, module: torch.nn.Module) -> list[BatchNormLayer]:
+def _values(x) -> int | None:
+    """Values per channel of a node's tensor value (dim 0 times the dims after dim 1), as torch's
+    ``_verify_batch_size`` counts them; None without a shape."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    return math.prod([val.shape[0], *val.shape[2:]])
+
+
+def _module_layers(path: str, module: torch.nn.Module, values: int | None = None) -> list[BatchNormLayer]:
+    """The batch-statistics layers among ``module`` and its submodules; ``values``: the node's input's
+    values per channel, which are those of ``module`` itself only (a submodule's input is not in the graph)."""
     out = []
     for sub, m in module.named_modules():
         if isinstance(m, _BatchNorm) and (m.training or (m.running_mean is None and m.running_var is None)):
             out.append(BatchNormLayer(f"{path}.{sub}" if sub else path, type(m).__name__,
-                                      m.training and m.track_running_stats, m.momentum))
+                                      m.training and m.track_running_stats, m.momentum, None if sub else values))
     return out
+
+
+def _add(found: dict[str, BatchNormLayer], layer: BatchNormLayer) -> None:
+    """Record ``layer`` once; a layer called again keeps its fewest values (None, unknown, counts as fewest)."""
+    seen = found.setdefault(layer.path, layer)
+    if seen is not layer and seen.values is not None and (layer.values is None or layer.values < seen.values):
+        found[layer.path] = replace(seen, values=layer.values)
 
 
 def find_batch_norms(gm: fx.GraphModule) -> list[BatchNormLayer]:
@@ -84,24 +107,62 @@ def find_batch_norms(gm: fx.GraphModule) -> list[BatchNormLayer]:
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
             if not isinstance(module, ModeSwitch):    # a leaf module may hold BatchNorms inside
-                for layer in _module_layers(node.meta.get("module_path") or str(node.target), module):
-                    found.setdefault(layer.path, layer)
+                values = _values(node.args[0]) if node.args else None
+                for layer in _module_layers(node.meta.get("module_path") or str(node.target), module, values):
+                    _add(found, layer)
         elif node.op == "call_function" and node.target in _FUNCTIONAL:
             stats_at, training_at, momentum_at = _FUNCTIONAL[node.target]
-            if not _training_value(gm, _arg(node, training_at, "training", False)):
+            if not _training_value(gm, arg(node, training_at, "training", False)):
                 continue                               # running statistics only: an affine op
             name = f"{node.meta.get('module_path') or ROOT} {node.name}"
             kind = "F.batch_norm" if node.target is F.batch_norm else f"torch.{node.target.__name__}"
-            momentum = _arg(node, momentum_at, "momentum", 0.1)
-            found.setdefault(name, BatchNormLayer(name, kind, _arg(node, stats_at, "running_mean", None) is not None,
-                                                  momentum if isinstance(momentum, (int, float)) else None))
+            momentum = arg(node, momentum_at, "momentum", 0.1)
+            _add(found, BatchNormLayer(name, kind, arg(node, stats_at, "running_mean", None) is not None,
+                                       momentum if isinstance(momentum, (int, float)) else None,
+                                       _values(arg(node, 0, "input"))))
     return list(found.values())
 
 
-def provisional_batch(model: torch.nn.Module) -> int:
-    """Rows of a plan made before any input was seen: 1, or 2 where a BatchNorm in training mode would
-    compute batch statistics (torch refuses one value per channel: a BatchNorm1d on (B, C) features)."""
-    return 2 if any(_module_layers("", m) for m in model.modules() if isinstance(m, _BatchNorm)) else 1
+def running_stats(node: fx.Node) -> list:
+    """The running_mean and running_var arguments of a functional batch norm ``node`` (its kernel
+    updates them in place in training mode); empty for any other node."""
+    if node.op != "call_function" or node.target not in _FUNCTIONAL:
+        return []
+    at = _FUNCTIONAL[node.target][0]
+    return [x for x in (arg(node, at, "running_mean"), arg(node, at + 1, "running_var")) if x is not None]
+
+
+def values_per_row(layer: BatchNormLayer, rows: int) -> int | None:
+    """``layer``'s values per channel per microbatch row, its input having ``layer.values`` at ``rows``
+    rows; None where that is unknown (inside a leaf module) or not a multiple of the rows (the rows are
+    not in its input's dim 0 alone)."""
+    if layer.values is None or layer.values % rows:
+        return None
+    return layer.values // rows
+
+
+def fewest_rows(layers: list[BatchNormLayer], rows: int) -> tuple[int, BatchNormLayer | None]:
+    """The fewest microbatch rows at which every layer still sees more than one value per channel, from
+    a graph shape-propagated at ``rows`` rows; and the first layer that needs 2 (None where 1 will do).
+    2 is always enough: a layer's values per channel grow with the rows."""
+    for layer in layers:
+        per_row = values_per_row(layer, rows)
+        if per_row is None or per_row <= 1:
+            return 2, layer
+    return 1, None
+
+
+def one_row_refusal(layer: BatchNormLayer, rows: int) -> str:
+    """Why ``layer`` (fewest_rows's) needs 2 microbatch rows, with the arithmetic."""
+    head = f"{layer.path} ({layer.kind}, batch statistics in training mode)"
+    if layer.values is None:
+        return f"{head} is inside a leaf module: its input's values per channel are not in the graph"
+    per_row = values_per_row(layer, rows)
+    if per_row is None:
+        return (f"{head} sees {layer.values} values per channel at {rows} rows, not a multiple of the rows: "
+                f"how many one row gives is not known")
+    return (f"{head} sees {per_row} value per channel per row ({layer.values} at {rows} rows): over one "
+            f"row torch refuses it (\"Expected more than 1 value per channel when training\")")
 
 
 def _ranges(values: list[int]) -> str:
@@ -176,5 +237,5 @@ def warn_batch_norm(lines: list[str], stacklevel: int = 3) -> None:
         warnings.warn("\n".join(lines), BatchNormStatisticsWarning, stacklevel=stacklevel)
 
 
-__all__ = ["BatchNormLayer", "BatchNormStatisticsWarning", "batch_norm_note", "find_batch_norms", "paths_label",
-           "provisional_batch", "warn_batch_norm"]
+__all__ = ["BatchNormLayer", "BatchNormStatisticsWarning", "batch_norm_note", "fewest_rows", "find_batch_norms",
+           "one_row_refusal", "paths_label", "running_stats", "values_per_row", "warn_batch_norm"]

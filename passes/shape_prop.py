@@ -209,17 +209,18 @@ class ExampleShapeProp(MetaShapeProp):
               what it must be (one microbatch, batch dim first), the usual cause, and the model's error.
     """
 
-    def __init__(self, example_inputs: tuple, memo: bool = True, model=None):
+    def __init__(self, example_inputs: tuple, memo: bool = True, model=None, concrete_args: dict | None = None):
         """``model``: the user's model, whose forward decides whose failure it is; None for a graph that
-        our rewrite made (tensor parallelism), after the model's own graph propagated."""
+        our rewrite made (tensor parallelism), after the model's own graph propagated.
+        ``concrete_args``: the forward parameters the trace fixed ({name: value}), passed to that forward."""
         super().__init__(example_inputs, memo)
-        self.model = model
+        self.model, self.concrete_args = model, dict(concrete_args or {})
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         try:
             return super().call(graph_module)
         except AutosplitError as exc:
-            own = _eager_failure(self.model, self.example_inputs) if self.model is not None else None
+            own = _eager_failure(self.model, self.example_inputs, self.concrete_args) if self.model is not None else None
             if self.model is None or own is None:
                 where = "the tensor-parallel rewrite's graph" if self.model is None else \
                     "the traced graph (the model's own forward runs on this example_input)"
@@ -230,13 +231,31 @@ class ExampleShapeProp(MetaShapeProp):
                                  f"forward fails on it too: {type(own).__name__}: {_first_part(own)}") from exc
 
 
-def _eager_failure(model: torch.nn.Module, inputs: tuple) -> Exception | None:
-    """The error the model's own forward raises on ``inputs`` (meta tensors, meta stand-ins for its
-    parameters and buffers: nothing allocated), or None when it runs."""
-    state = {name: to_meta(t) for name, t in model.state_dict(keep_vars=True).items()}
+def _eager_failure(model: torch.nn.Module, inputs: tuple, kwargs: dict) -> Exception | None:
+    """The error the model's own forward raises on ``inputs`` and ``kwargs`` (its concrete args), or
+    None when it runs.  First on meta tensors, with meta stand-ins for every parameter and buffer
+    (non-persistent ones too: ``state_dict`` leaves those out, and a real buffer among meta tensors
+    fails for a reason of its own); nothing is allocated.  A forward that cannot run on meta (it
+    reads a value, ``.item()``) then runs on CPU zeros, as a leaf does in ``_call_module``, with
+    copies of its buffers."""
+    metas: dict[int, torch.Tensor] = {}       # tied tensors share one stand-in (functional_call checks ties)
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    state = {name: metas.setdefault(id(t), to_meta(t)) for name, t in named}
     try:
         with torch.no_grad():
-            torch.func.functional_call(model, state, tuple(inputs))
+            torch.func.functional_call(model, state, tuple(inputs), dict(kwargs))
+        return None
     except Exception as exc:        # noqa: BLE001  (any failure of the user's forward is the answer)
+        on_meta = exc
+    if any(t.device.type == "meta" for _, t in named):
+        return on_meta               # a model on meta has no values to run on
+    # copies of the buffers take what the forward writes (BatchNorm's running stats): the model is left as it was
+    clones: dict[int, torch.Tensor] = {}
+    copies = {name: clones.setdefault(id(b), b.clone()) for name, b in model.named_buffers(remove_duplicate=False)}
+    zeros = tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x, tuple(inputs))
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(model, copies, zeros, dict(kwargs))
+    except Exception as exc:        # noqa: BLE001
         return exc
     return None

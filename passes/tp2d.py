@@ -229,7 +229,7 @@ def _check_inplace(st: R._State, n: fx.Node, written: fx.Node) -> None:
     if not R._is_tensor(written):
         R._refuse(n, "an in-place op on a non-tensor")
     mine, out = st.specs.get(written, Spec2D()), st.specs[n]
-    if n.args[0] is not written or written.op == "get_attr" or (mine.b, mine.c) != (out.b, out.c):
+    if written.op == "get_attr" or (mine.b, mine.c) != (out.b, out.c):
         R._refuse(n, f"it writes '{written.name}' in place, but its operands need '{written.name}' split "
                      f"differently (batch dim {mine.b} -> {out.b}, channel dim {mine.c} -> {out.c}); the write "
                      f"would land in a copy that later readers of '{written.name}' do not see")

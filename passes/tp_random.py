@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from autosplit.passes.op_names import op_name
+from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.tp.random import TpRandom
 
 _RANDOM_FUNCS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -30,7 +30,7 @@ def is_random(node: fx.Node, gm: fx.GraphModule) -> bool:
         return isinstance(gm.get_submodule(node.target), nn.modules.dropout._DropoutNd)
     if node.op not in ("call_function", "call_method"):
         return False
-    name = op_name(node, gm)
+    name = inplace_base(node, gm) or op_name(node, gm)    # torch.dropout_ / x.bernoulli_: random as their bases
     if name == "scaled_dot_product_attention":
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         return isinstance(p, fx.Node) or bool(p)

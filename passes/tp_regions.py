@@ -23,6 +23,8 @@ from autosplit.errors import AutosplitError, rule_failure
 from autosplit.passes import op_dims as D
 from autosplit.passes.op_names import inplace_base, op_name, writes_input
 from autosplit.passes.tp_layout import Factors
+from autosplit.passes.tp_region_reads import Unsupported as _Unsupported
+from autosplit.passes.tp_region_reads import check_reads, inplace, is_tensorish as _is_tensorish, only_feeds
 
 MAX_REGION = 200      # ops; a Megatron region is a handful, a walk that long has left the block
 _UNARY_MODULES = (nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid)
@@ -30,9 +32,6 @@ _UNARY = {"gelu", "silu", "relu", "tanh", "sigmoid", "dropout", "neg", "contiguo
           "bfloat16", "type_as", "clone", "detach", "identity", "exp", "sqrt", "rsqrt", "erf", "abs"}
 _BINARY = {"add", "mul", "sub", "truediv", "div", "pow"}
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "prod"}
-# Non-tensor reads of a region tensor that the rewrite keeps right: sizes of one dim and numel() are made
-# global (times tp) where they cover the split dim; the rank, dtype and device are the same on every shard.
-_SHAPE_READS = {"size", "numel", "dim", "ndimension"}
 
 
 @dataclass
@@ -46,6 +45,7 @@ class Region:
     outside: list[tuple[fx.Node, int]] = field(default_factory=list)  # (op, out dim) with a replicated operand
     shard: set[int] = field(default_factory=set)    # the chosen factor class (leaf ids)
     shard_size: int = 0
+    slice_reads: list = field(default_factory=list)  # (reader, tensor, dims): shape slices, checked by _choose
 
     @property
     def name(self) -> str:
@@ -72,14 +72,6 @@ def params_used(gm: fx.GraphModule, node: fx.Node) -> list[str]:
 
 def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:
     return node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Linear
-
-
-def _is_tensorish(node) -> bool:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if isinstance(val, torch.Tensor):
-        return True
-    return isinstance(val, (tuple, list)) and not isinstance(val, torch.Size) and \
-        any(isinstance(v, torch.Tensor) for v in val)
 
 
 def _collect(exit: fx.Node, gm: fx.GraphModule):
@@ -109,23 +101,10 @@ def _collect(exit: fx.Node, gm: fx.GraphModule):
     members = set(nodes) | {exit}
     for n in nodes + entries:
         for u in n.users:
-            if u not in members and not _only_feeds(u, members, set()):
+            if u not in members and not only_feeds(u, members, set()):
                 return None                # a region value escapes: not closed
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(entries, key=order.get), sorted(nodes, key=order.get)
-
-
-def _only_feeds(u: fx.Node, members: set, seen: set) -> bool:
-    """Is ``u`` a non-tensor value (a size, a number computed from sizes) whose every use ends in the
-    region?  ``h.numel() / h.size(0)`` feeding a region op stays inside it."""
-    if _is_tensorish(u) or u.op == "output" or u in seen:
-        return u in seen
-    seen.add(u)
-    return all(w in members or _only_feeds(w, members, seen) for w in u.users)
-
-
-class _Unsupported(Exception):
-    pass
 
 
 class _Analysis:
@@ -153,27 +132,21 @@ class _Analysis:
         self.node = None
 
     def check_reads(self, n: fx.Node) -> None:
-        """Non-tensor reads of a region tensor: one dim's size, numel() or the rank (the rewrite makes
-        sizes global); the whole shape (``x.shape``, ``x.size()``) would hand local sizes to code that
-        expects global ones."""
-        for u in n.users:
-            if _is_tensorish(u) or u.op == "output":
-                continue
-            name = op_name(u, self.gm)
-            whole = name == "size" and D.arg(u, 1, "dim") is None
-            same = name == "getattr" and u.args[1] in ("ndim", "dtype", "device")
-            if (name not in _SHAPE_READS or whole) and not same:
-                raise _Unsupported(f"'{u.name}' ({name}) reads the shape of the split tensor '{n.name}' as a "
-                                   f"whole")
+        check_reads(n, self.gm, self.r.slice_reads)
 
     def lay(self, a):
         return self.r.layouts.get(a) if isinstance(a, fx.Node) else None
 
     def rule(self, n: fx.Node):
-        name = op_name(n, self.gm)
         base = inplace_base(n, self.gm)
-        if base is not None:
-            return self.inplace(n, base)
+        if base is None:
+            return self.rule_as(n, op_name(n, self.gm))
+        if base not in _UNARY | _BINARY:
+            raise _Unsupported(f"in-place op '{op_name(n, self.gm)}' at '{n.name}' has no tensor-parallel rule")
+        return inplace(self, n, base, lambda: self.rule_as(n, base))
+
+    def rule_as(self, n: fx.Node, name: str):
+        """The layout of ``n`` computed as the op ``name`` (an in-place op as its out-of-place base)."""
         x = self.lay(n.args[0]) if n.args else None
         if x is None and name not in _BINARY | {"matmul", "bmm", "scaled_dot_product_attention"}:
             raise _Unsupported(f"'{n.name}' ({name}) reads a tensor from outside the region")
@@ -228,24 +201,6 @@ class _Analysis:
         if name == "scaled_dot_product_attention":
             return self.sdpa(n)
         raise _Unsupported(f"op '{name}' at '{n.name}' has no tensor-parallel rule")
-
-    def inplace(self, n: fx.Node, base: str):
-        """``x.add_(y)``, ``x += y``, ``F.relu(x, inplace=True)``: the op writes its first operand, so the
-        result has that operand's layout and shape; the first operand must be a region tensor (a
-        replicated one would be written on one shard's worth of values)."""
-        x = self.lay(n.args[0]) if n.args else None
-        if not isinstance(x, list):
-            raise _Unsupported(f"'{n.name}' ({op_name(n, self.gm)}) writes in place a tensor from outside the "
-                               f"region")
-        if base in _UNARY:
-            return x
-        if base in _BINARY:
-            out = self.binary(n, n.args[0].meta["val"].shape)
-            for a, b in zip(out, x):
-                if not self.f.align(a, b):
-                    raise _Unsupported(f"'{n.name}' writes in place with an operand whose dims do not line up")
-            return x
-        raise _Unsupported(f"in-place op '{op_name(n, self.gm)}' at '{n.name}' has no tensor-parallel rule")
 
     def forbid(self, dims) -> None:
         for dim in dims:
@@ -323,6 +278,13 @@ def _choose(region: Region, tp: int) -> str | None:
             continue
         if any(set(f.flat(region.layouts[n][d])) & cls for n, d in region.outside):
             why = "a replicated operand broadcasts over the split factor"
+            continue
+        sliced = next(((u, n, d) for u, n, dims in region.slice_reads for d in dims
+                       if set(f.flat(region.layouts[n][d])) & cls), None)
+        if sliced is not None:
+            u, n, d = sliced
+            why = (f"'{u.name}' reads a slice of the shape of '{n.name}' that includes dim {d}, the split one: "
+                   f"those sizes would be local (1/tp); index the sizes one by one (x.shape[i])")
             continue
         region.shard, region.shard_size = cls, f.size[cand]
         return None

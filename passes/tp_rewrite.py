@@ -16,8 +16,8 @@ Terms:
                  shards; ``TensorParallelPlan.local_root(t)`` builds it.
 
 Shape constants are rewritten so that the graph computes with global sizes, as the model's code
-expects: ``x.size(d)`` of the split dim and ``x.numel()`` of a split tensor are multiplied by tp where
-they are read, and a reshape size for the split dim becomes size // tp (an int is divided in place, a
+expects: ``x.size(d)`` and ``x.shape[d]`` of the split dim and ``x.numel()`` of a split tensor are
+multiplied by tp where they are read, and a reshape size for the split dim becomes size // tp (an int is divided in place, a
 size node gets a floordiv node).
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autosplit.errors import at_node
 from autosplit.passes import op_dims as D
 from autosplit.passes.tp_layout import index_set
+from autosplit.passes.tp_region_reads import shape_index, whole_shape
 from autosplit.passes.tp_regions import Region, find_regions, params_used
 from autosplit.tp import ops as C
 from autosplit.tp.shards import ShardedParam
@@ -122,18 +123,26 @@ def _reduce_after(graph: fx.Graph, node: fx.Node, bias_target: str | None) -> No
 
 
 def _globalize_reads(graph: fx.Graph, region: Region, tp: int) -> None:
-    """``x.size(d)`` of the split dim and ``x.numel()`` of a split tensor are local at run time: multiply
-    them by tp, so the model's arithmetic sees the sizes it was written for (``h / h.size(-1)``); view
-    sizes at the split dim are then divided back (``_rewrite_view``).  The region analysis admits no
-    other non-tensor read of a split tensor (tp_regions.py ``check_reads``)."""
+    """``x.size(d)`` and ``x.shape[d]`` (``x.size()[d]``) of the split dim and ``x.numel()`` of a split
+    tensor are local at run time: multiply them by tp, so the model's arithmetic sees the sizes it was
+    written for (``h / h.size(-1)``); view sizes at the split dim are then divided back
+    (``_rewrite_view``).  The region analysis admits no other non-tensor read of a split tensor but
+    slices of its shape that miss the split dim, whose sizes are global already
+    (passes/tp_region_reads.py)."""
     for n in region.entries + region.nodes:
         d = region.shard_dim(n)
         if d is None:
             continue
+        ndim = n.meta["val"].dim()
         for u in list(n.users):
             name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            if whole_shape(u):
+                for w in list(u.users):
+                    if shape_index(w, ndim) == d:
+                        _times(graph, w, tp)
+                continue
             size_at = D.arg(u, 1, "dim") if name == "size" else None
-            if name == "numel" or (size_at is not None and D.norm(size_at, n.meta["val"].dim()) == d):
+            if name == "numel" or (size_at is not None and D.norm(size_at, ndim) == d):
                 _times(graph, u, tp)
 
 

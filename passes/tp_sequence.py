@@ -23,14 +23,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autosplit.errors import AutosplitError, PlanError, at_node
 from autosplit.passes import op_dims as D
-from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.op_names import inplace_base, op_name, out_of_place
 from autosplit.passes.tp_regions import params_used
 from autosplit.tp import ops as C
 
 AXIS, TOKENS = "tp", 1
 _LOCAL_MODULES = (nn.LayerNorm, nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU)
 _LOCAL_FUNCS = {"layer_norm", "dropout", "gelu", "silu", "relu", "contiguous", "clone", "to", "float"}
-_BINARY = {"add", "mul", "sub", "truediv", "div", "iadd"}
+_BINARY = {"add", "mul", "sub", "truediv", "div"}      # in-place forms go by inplace_base (x += y: add)
 
 
 def _is_3d(n) -> bool:
@@ -114,12 +114,13 @@ def _sequence_rule(gm: fx.GraphModule, n: fx.Node, plan, sharded: set, done: set
         n.meta["spec"] = {AXIS: Shard(TOKENS)}
         plan.partial_grads.update(params_used(gm, n))
     else:
-        if inplace_base(n, gm) is not None and n.args[0] in sharded:
+        base = inplace_base(n, gm)
+        if base is not None and n.args[0] in sharded:
             # the gathered copy would take the write; later readers of the shard would not see it
             raise PlanError(f"sequence_parallel: node '{n.name}' ({op_name(n, gm)}, in "
                             f"'{n.meta.get('module_path') or '<root>'}') writes the token-sharded tensor "
                             f"'{n.args[0].name}' in place but needs every token; write it out of place "
-                            f"(x = x.{op_name(n, gm).rstrip('_')}(...)) or turn sequence_parallel off")
+                            f"({out_of_place(n)}) or turn sequence_parallel off")
         _gather_inputs(graph, n, sharded, tp, full)
 
 

@@ -4,8 +4,8 @@ No GPU runs these tests, so what NCCL does differently is modelled on the host:
   stream work  -- a communication work as NCCL's looks to the host: ``wait()`` only orders the
                   device's stream after it and returns at once; ``is_completed()`` says whether it
                   has finished (a CUDA event query).
-  model device -- the device's queue as the host sees it: every compute action launches work into
-                  a queue of ``depth`` actions; once the stream waits on a transfer that never
+  model device -- the device's queue as the host sees it: every launch (a compute action, or one
+                  kernel) goes into a queue of ``depth`` of them; once the stream waits on a transfer that never
                   finishes, nothing drains, and the launch that finds the queue full would block
                   the host for good (here it raises ``HostBlocked`` instead).
   scripted transport -- NCCL's transport with no wire: every group finishes at once (received
@@ -33,8 +33,8 @@ class HostBlocked(RuntimeError):
 
 
 class ModelDevice:
-    def __init__(self, depth: int):
-        self.depth, self.blocked_by, self.queued = depth, None, 0
+    def __init__(self, depth: int, unit: str = "actions"):
+        self.depth, self.unit, self.blocked_by, self.queued = depth, unit, None, 0
 
     def stream_waits(self, work) -> None:
         if self.blocked_by is None and not work.is_completed():
@@ -45,8 +45,8 @@ class ModelDevice:
             return
         self.queued += 1
         if self.queued > self.depth:
-            raise HostBlocked(f"the host blocked launching {what}: the launch queue holds {self.depth} actions, all "
-                              f"behind {self.blocked_by.what}, which never finishes")
+            raise HostBlocked(f"the host blocked launching {what}: the launch queue holds {self.depth} "
+                              f"{self.unit}, all behind {self.blocked_by.what}, which never finishes")
 
 
 class StreamWork:
@@ -97,6 +97,27 @@ def hung_receive_run_ahead(depth: int = 4, stuck: str = "0RECV_B1"):
     dist.barrier()
     start = time.monotonic()
     err = error_of(pm.step, torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
+    return {"error": err, "queued": device.queued, "seconds": time.monotonic() - start}
+
+
+def collectives_in_one_action(watchdog, depth: int = 64, collectives: int = 100, launches_each: int = 4,
+                              stuck: int = 10) -> dict:
+    """One long compute action of a tp stage on the NCCL path, in this process (no pool): every
+    ``launches_each`` kernel launches end in a collective whose wait ``watchdog`` defers; collective
+    ``stuck`` never finishes, and the modelled queue holds ``depth`` launches.  The host must report
+    the stuck collective at our deadline before the queue fills, though no action boundary comes."""
+    device = ModelDevice(depth, unit="launches")
+    start = time.monotonic()
+    watchdog.advance()                          # the action begins, as the executor's loop does
+    try:
+        for i in range(collectives):
+            for k in range(launches_each):      # the kernels between two collectives (the last launches it)
+                device.launch(f"kernel {k} before all_reduce #{i}")
+            what = f"all_reduce over tp #{i}"
+            watchdog.wait(StreamWork(device, i != stuck, what), what)
+        err = None
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
     return {"error": err, "queued": device.queued, "seconds": time.monotonic() - start}
 
 

@@ -10,7 +10,9 @@ real code sometimes writes it:
   shape_reads      -- ``x.numel()`` and ``x.size(-1)`` of the MLP's hidden activation, a tensor that
                       tensor parallelism splits on its last dim, used as numbers;
   shape_chain      -- the same through scalar arithmetic (``h.numel() // (h.size(0) * h.size(1))``);
-  inplace          -- ``h.mul_(s)``, ``h.add_(g)`` and ``y.mul_(gamma)`` on split activations;
+  shape_index      -- ``h.shape[-1]``, ``h.size()[2]``, ``h.shape[0]`` and ``(N,) = h.shape[1:2]`` of that activation;
+  inplace          -- ``h.mul_(s)``, ``h.add_(g)``, ``y.mul_(gamma)`` and the function forms
+                      ``torch.sigmoid_(g)``, ``F.relu_(h)`` (results unused) on split activations;
   inplace_alias    -- an in-place add whose written tensor is also read through another name
                       afterwards (the write must reach that reader);
   slice_traced     -- ``x[:, :n]`` with ``n`` computed from a shape while tracing (a node inside a
@@ -73,9 +75,15 @@ class _Mlp(nn.Module):
             h = h * (per_token / h.size(-1)) + h / per_token               # h + h / 2C with global sizes
         elif self.variant == "inplace":
             h.mul_(2.0)
-            h.add_(torch.sigmoid(self.gate(x)))
+            g = self.gate(x)                                               # a split GEMM's output, then
+            torch.sigmoid_(g)                                              # function forms, results unused
+            h.add_(g)
+            F.relu_(h)
             y = self.fc2(h)
             return y.mul_(self.gamma)
+        elif self.variant == "shape_index":
+            (N,) = h.shape[1:2]                                            # a slice that misses the split dims
+            h = (h * (h.shape[-1] / (4 * DIM)) + h / h.size()[2]).reshape(h.shape[0], N, -1)  # h/2 + h/2C, global
         elif self.variant == "inplace_alias":
             g = torch.sigmoid(self.gate(x))
             before = h
@@ -133,8 +141,8 @@ def tiny_samvit():
                              neck_chans=8, num_classes=8)
 
 
-EDGE_VARIANTS = ("softmax_implicit", "dims_negative", "shape_reads", "shape_chain", "inplace", "inplace_alias",
-                 "slice_traced")
+EDGE_VARIANTS = ("softmax_implicit", "dims_negative", "shape_reads", "shape_chain", "shape_index", "inplace",
+                 "inplace_alias", "slice_traced")
 VARIANTS.update({f"edge_{v}": (lambda v=v: EdgeViT(v)) for v in EDGE_VARIANTS})
 
 
@@ -144,8 +152,9 @@ def edge_mixed_a():
 
 
 def edge_mixed_b():
-    """A traced, mode-dependent token slice in the stem, an aliased in-place write, shape arithmetic."""
-    return EdgeViT("slice_traced", blocks=[("sdpa", "inplace_alias"), ("sdpa", "shape_chain")])
+    """A traced, mode-dependent token slice in the stem, an aliased in-place write, shape arithmetic,
+    indexed shape reads."""
+    return EdgeViT("slice_traced", blocks=[("sdpa", "inplace_alias"), ("sdpa", "shape_chain"), ("sdpa", "shape_index")])
 
 
 # Every variant in two models: what the multi-process tests train (one model per variant costs 3x).

@@ -109,27 +109,69 @@ def test_stage_modules_out_of_range(pp_rank, tp_rank, match):
 
 
 # ---- failures of our own code: a PlanError naming the node, never bad input, never a raw exception ----
-def _corrupt_first_reshape(monkeypatch):
-    """Make tracing return a graph whose first reshape asks for an impossible shape: a stand-in for a
-    bug of ours that the model's own forward does not have."""
+def _corrupt_first(monkeypatch, target, args):
+    """Make tracing return a graph whose first ``target`` method call gets impossible ``args``: a stand-in
+    for a bug of ours that the model's own forward does not have."""
     import autosplit.passes.trace_model as tm
     real = tm.trace
 
-    def broken(*args, **kwargs):
-        gm = real(*args, **kwargs)
-        node = next(n for n in gm.graph.nodes if n.target == "reshape")
-        node.args = (node.args[0], 7, -1, 5)
+    def broken(*a, **kwargs):
+        gm = real(*a, **kwargs)
+        node = next(n for n in gm.graph.nodes if n.target == target)
+        node.args = (node.args[0], *args)
         gm.recompile()
         return gm
     monkeypatch.setattr(tm, "trace", broken)
 
 
-def test_shape_failure_of_our_graph_is_a_plan_error_not_bad_input(monkeypatch):
-    _corrupt_first_reshape(monkeypatch)
-    with pytest.raises(PlanError, match=r"(?s)shape propagation failed at node 'reshape'.*in module 'blocks\.0\.attn'"
+def tiny_beit():
+    """timm's beit: relative-position indices in non-persistent buffers (not in its state_dict)."""
+    import timm
+    return timm.create_model("beit_base_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
+                             depth=2, num_heads=2, num_classes=8)
+
+
+@pytest.mark.parametrize("factory,target,args,where", [
+    (lambda: timm_cls(depth=2), "reshape", (7, -1, 5), r"blocks\.0\.attn"),
+    (tiny_beit, "transpose", (1, 7), r"patch_embed")], ids=["vit", "beit"])
+def test_shape_failure_of_our_graph_is_a_plan_error_not_bad_input(monkeypatch, factory, target, args, where):
+    """The model's own forward runs on the example (every parameter and buffer on meta, non-persistent
+    ones included): the failure is ours, not the input's."""
+    _corrupt_first(monkeypatch, target, args)
+    with pytest.raises(PlanError, match=rf"(?s)shape propagation failed at node '{target}'.*in module '{where}'"
                                         r".*the model's own forward runs on this example_input.*autosplit bug") as info:
-        _call()
+        _call(model=factory())
     assert "example_input has shape" not in str(info.value)
+
+
+def test_model_forward_that_reads_values_and_takes_concrete_args_is_not_blamed_on_the_input(monkeypatch):
+    """A forward that reads a tensor's value (``.item()``, impossible on meta) and a parameter fixed by
+    concrete_args still runs for the check (on zeros, with those args): our graph's failure stays ours."""
+    class Gate(torch.nn.Module):                                        # a leaf: traced whole
+        def forward(self, h):
+            return h * 0 if h.abs().sum().item() > 1e30 else h           # a value read: not on meta
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.gate, self.b = torch.nn.Linear(12, 8), Gate(), torch.nn.Linear(8, 4)
+
+        def forward(self, x, scale=None):                               # (B, 3, 4) -> (B, 4)
+            return self.b(self.gate(self.a(x.reshape(x.shape[0], -1))) * scale)
+
+    import autosplit.passes.trace_model as tm
+    real = tm.trace
+
+    def broken(*a, **kwargs):
+        gm = real(*a, **kwargs)
+        node = next(n for n in gm.graph.nodes if n.target == "reshape")
+        node.args = (node.args[0], 7, 5)
+        gm.recompile()
+        return gm
+    monkeypatch.setattr(tm, "trace", broken)
+    with pytest.raises(PlanError, match=r"(?s)node 'reshape'.*the model's own forward runs on this example_input"):
+        autosplit.compile(Net(), mesh=(1, 1, 1), example_input=torch.randn(2, 3, 4), concrete_args={"scale": 2.0},
+                          leaf_modules=[Gate], device="cpu")
 
 
 def test_shape_failure_the_model_shares_still_shows_the_example():

@@ -16,7 +16,7 @@ import autosplit
 from autosplit.passes.batch_norm import BatchNormStatisticsWarning, paths_label
 from tests import checks_bn as C
 from tests.models import VARIANTS
-from tests.models_bn import BN_VARIANTS
+from tests.models_bn import BN_VARIANTS, LinearNorm
 
 TOL = 1e-7          # float64 models (tests/checks_bn.py says why): parameters and running statistics; measured
                     # <= 3e-9, against 0.2-1.3 (running_var) and 6 (num_batches_tracked) for the bug fixed here
@@ -113,15 +113,96 @@ def test_functional_and_leaf_batch_norm_found_from_the_graph():
     plan, caught = _compile_recording(FunctionalBN(), mesh=(1, 1, 2), num_microbatches=2,
                                       leaf_modules=[nn.Sequential])
     found = [(layer.path, layer.kind) for layer in plan.batch_norms]
-    assert found == [("(model forward) batch_norm", "F.batch_norm"), ("block.1", "BatchNorm2d")], found
+    assert found == [("<root> batch_norm", "F.batch_norm"), ("block.1", "BatchNorm2d")], found
     assert len(caught) == 1 and "2 BatchNorm layers" in caught[0], caught
 
 
-def test_parallelize_warns_once(pool2):
+@pytest.mark.parametrize("name,provisional", [("levit", 2), ("xcit", 1)])
+def test_parallelize_warns_once(pool2, name, provisional):
     """parallelize warns once (on rank 0: one warning per job, not per rank), also when it plans twice
-    (a provisional plan, then the first step's); the summary carries the note on every rank."""
-    results = pool2.run(C.parallelize_warnings)
+    (a provisional plan, then the first step's), with the step's microbatch size, not the provisional
+    plan's; the summary carries the note on every rank.  The provisional plan takes 2 rows only where a
+    layer would see one value per channel in one row (levit's BatchNorm1d on (B, C) features; xcit has
+    only BatchNorm2d, H*W values per channel in a row)."""
+    results = pool2.run(C.parallelize_warnings, name)
     for r in results:
-        assert r["rows"] == (2, 4), r["rows"]     # planned twice; the provisional plan takes 2 rows for BatchNorm
+        assert r["rows"] == (provisional, 4), r["rows"]      # planned twice: provisional, then the step's
         assert len(r["warnings"]) == (1 if r["rank"] == 0 else 0), r["warnings"]
+        for text in r["warnings"]:
+            assert "2 microbatches of 4 samples" in text and "the step's 8 samples" in text, text
         assert "BatchNorm layers" in r["summary"] and "per microbatch" in r["summary"], r["summary"]
+
+
+class _TokenNorm(nn.Module):
+    """Tokens flattened into rows before a BatchNorm1d (LeViT's LinearNorm): (B*N, C), N values per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 8, 8)
+        self.norm = LinearNorm(8, 8)
+
+    def forward(self, x):                                          # (B, 3, 32, 32)
+        return self.norm(self.conv(x).flatten(2).transpose(1, 2))  # (B, 16, 8)
+
+
+class _PooledNorm(nn.Module):
+    """A BatchNorm2d after global pooling: (B, C, 1, 1), one value per channel per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 8, 8)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x).mean(dim=(2, 3), keepdim=True)).flatten(1)
+
+
+@pytest.mark.parametrize("name,rows,why", [
+    ("xcit", 1, None), ("tokens", 1, None),
+    ("levit", 2, "head_bn (BatchNorm1d, batch statistics in training mode) sees 1 value per channel per row "
+                 "(2 at 2 rows)"),
+    ("pooled", 2, "bn (BatchNorm2d, batch statistics in training mode) sees 1 value per channel per row"),
+    ("leaf", 2, "block.1 (BatchNorm2d, batch statistics in training mode) is inside a leaf module")])
+def test_fewest_microbatch_rows_from_the_graph(name, rows, why):
+    """Values per channel per row at each batch-statistics layer's input, from the traced graph: a
+    microbatch needs 2 rows only where some layer sees one (or cannot be seen: inside a leaf module)."""
+    from autosplit.strategy.layout import fewest_microbatch_rows, trace_model
+    models = {"xcit": BN_VARIANTS["xcit"], "levit": BN_VARIANTS["levit"], "tokens": _TokenNorm,
+              "pooled": _PooledNorm, "leaf": FunctionalBN}
+    leaves = (nn.Sequential,) if name == "leaf" else ()
+    got, reason = fewest_microbatch_rows(trace_model(models[name](), (torch.empty(1, 3, 32, 32),), leaves))
+    assert got == rows, (got, reason)
+    assert (reason is None) if why is None else (why in reason), reason
+
+
+def test_recomputation_copies_only_the_buffers_its_forward_writes(monkeypatch):
+    """A checkpointed layer's recomputation restores the buffers its forward wrote (a BatchNorm's
+    statistics: updated once per microbatch) and copies none of a layer that only reads its buffers."""
+    from autosplit.runtime.checkpointing import Checkpointed
+
+    class ReadsBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    cloned, clone = [], torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: cloned.append(t) or clone(t, *a, **k))
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    for model, x, written in ((ReadsBuffer(), torch.randn(3, 4), set()),
+                              (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), torch.randn(3, 4),
+                               {f"1.{s}" for s in stats}),
+                              (FunctionalBN(), torch.randn(3, 3, 8, 8),
+                               {"mean", "var", *(f"block.1.{s}" for s in stats)})):
+        layer = torch.fx.symbolic_trace(model)     # a stage's layers are graphs (runtime/checkpointing.py)
+        out = Checkpointed(layer)(x.requires_grad_())
+        after = {n: b.clone() for n, b in layer.named_buffers()}
+        cloned.clear()
+        out.sum().backward()                         # the recomputation
+        names = {id(b): n for n, b in layer.named_buffers()}
+        assert {names[id(t)] for t in cloned if id(t) in names} == written, model
+        for n, b in layer.named_buffers():          # as after the forward: updated once per microbatch
+            assert torch.equal(b, after[n]), n

@@ -5,6 +5,7 @@ tensor-parallel mode and trains equal to single-device training in real gloo wor
 A failure of our own rules reaches the user as a PlanError naming the node and module path."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -56,6 +57,44 @@ def test_inplace_writes_whose_result_is_unused_are_kept():
     for name in ("inplace", "inplace_alias"):
         model = EdgeViT(name)
         assert torch.equal(trace(model)(X), model(X)), name
+
+
+def test_inplace_is_named_alike_in_method_and_function_form():
+    """``x.relu_()``, ``torch.relu_(x)`` and ``x += y`` write their operand; ``a & b`` (operator.and_) does not."""
+    import operator
+    from autosplit.passes.op_names import inplace_base, op_name, writes_input
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    cases = [(g.call_method("relu_", (x,)), "relu_", "relu"), (g.call_function(torch.relu_, (x,)), "relu_", "relu"),
+             (g.call_function(F.relu_, (x,)), "relu_", "relu"), (g.call_function(operator.iadd, (x, y)), "iadd", "add"),
+             (g.call_function(F.relu, (x,), {"inplace": True}), "relu", "relu"),
+             (g.call_function(operator.and_, (x, y)), "and", None), (g.call_function(operator.__add__, (x, y)), "add", None)]
+    for node, name, base in cases:
+        assert (op_name(node, None), inplace_base(node), writes_input(node)) == (name, base, base is not None), node
+
+
+@pytest.mark.parametrize("read,match", [
+    ("whole", r"'new_ones' \(new_ones\) uses the whole shape of the split tensor 'gelu'"),
+    ("slice", r"'getitem_1' reads a slice of the shape of 'gelu' that includes dim 2, the split one")])
+def test_shape_reads_that_1d_cannot_make_global_are_named(read, match):
+    """The whole shape handed on, or a slice of it over the split dim, would carry local sizes: the
+    region stays replicated, and the note names the read."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(12, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):                                               # (B, 3, 4) -> (B, 3, 4)
+            h = F.gelu(self.fc1(x.reshape(x.shape[0], 1, 12).expand(-1, 3, -1)))   # (B, 3, 16)
+            if read == "whole":
+                h = h + h.new_ones(h.shape)
+            else:
+                h = h * (h.shape[1:][1] / 16)
+            return self.fc2(h)
+
+    plan = autosplit.compile(Net(), mesh=(1, 2, 1), example_input=torch.randn(2, 3, 4), device="cpu")
+    assert not plan.tp_plan.regions
+    assert any(re.search(match, note) for note in plan.tp_plan.notes), plan.tp_plan.notes
 
 
 def test_implicit_softmax_dim_is_torchs():

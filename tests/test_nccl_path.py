@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit.mesh import MeshShape
-from autosplit.runtime import faults, heartbeat as hb
+from autosplit.runtime import deferred, faults, heartbeat as hb
 from autosplit.runtime.faults import RankFailure, Watchdog
 from tests import checks_nccl
 from tests.dist_pool import Pool
@@ -87,8 +87,24 @@ def test_host_run_ahead_is_bounded():
     r = _on_fresh_pool(checks_nccl.hung_receive_run_ahead)[0]
     assert r["error"].startswith("RankFailure:") and "HostBlocked" not in r["error"], r
     assert "0RECV_B1" in r["error"] and "no progress for 2 s" in r["error"], r
-    assert r["queued"] <= faults.RUN_AHEAD_ACTIONS, r
+    assert r["queued"] <= deferred.RUN_AHEAD_ACTIONS, r
     assert r["seconds"] < 2 + 6, r
+
+
+def test_host_run_ahead_is_bounded_inside_one_action(fast_beats):
+    """A tp stage defers a collective every few layers inside one action: a stuck one must end the step
+    at our deadline within RUN_AHEAD_WORKS deferrals, before the modelled launch queue (64 launches, 4
+    between collectives) fills, though no action boundary comes to check it."""
+    store = dist.HashStore()
+    try:
+        r = checks_nccl.collectives_in_one_action(_watchdog(store, timeout_s=0.5), depth=64, launches_each=4,
+                                                  stuck=10)
+    finally:
+        _stop(store)
+    assert r["error"] is not None and r["error"].startswith("RankFailure:"), r
+    assert "failed at all_reduce over tp #10: TimeoutError: no progress for 0.5 s" in r["error"], r
+    assert r["queued"] <= deferred.RUN_AHEAD_WORKS * 4, r
+    assert r["seconds"] < 0.5 + 3, r
 
 
 def test_a_failure_aborts_only_our_groups():

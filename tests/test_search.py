@@ -162,8 +162,20 @@ def test_cli_plans_with_the_measured_profile_fitted_to_the_model(capsys, tmp_pat
 
 def test_batch_norm_over_features_is_searched_without_one_row_microbatches():
     """A BatchNorm1d over (B, C) features refuses one row in training mode: the search traces at 2 rows
-    and rejects candidates whose microbatch would have one, instead of failing the whole search."""
+    and rejects candidates whose microbatch would have one, naming the layer and its values per channel,
+    instead of failing the whole search."""
     from tests.models_bn import LeViTLike
     ranked = autosplit.search(LeViTLike(), 4, X, global_batch=8, device="h100", top=50)
     assert ranked and all(8 // c.mesh[2] // c.options["num_microbatches"] >= 2 for c in ranked)
-    assert any("microbatch rows 1 < 2: BatchNorm" in r.why for r in ranked.rejected)
+    why = [r.why for r in ranked.rejected if r.why.startswith("microbatch rows 1 < 2: ")]
+    assert why and all("head_bn (BatchNorm1d, batch statistics in training mode) sees 1 value per channel per "
+                       "row (2 at 2 rows)" in w for w in why), why[:1]
+
+
+def test_batch_norm_2d_keeps_one_row_microbatches():
+    """A BatchNorm2d sees H*W values per channel in one row: a model with only those (XCiT-like) is
+    searched with 1-row microbatches too."""
+    from tests.models_bn import XCiTLike
+    ranked = autosplit.search(XCiTLike(), 4, X, global_batch=4, device="h100", top=50)
+    assert any(4 // c.mesh[2] // c.options["num_microbatches"] == 1 for c in ranked), ranked.table()
+    assert not [r.why for r in ranked.rejected if "rows" in r.why and "<" in r.why]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autosplit
-from autosplit.errors import AutosplitError, PlanError
+from autosplit.errors import REPORT, AutosplitError, PlanError
 from tests import checks_zoo as C
 from tests.models_zoo import IMAGE, ZOO, build
 
@@ -54,6 +54,8 @@ def test_2d_plans_or_refuses_naming_node_and_module(name):
     except AutosplitError as exc:
         msg = str(exc)
         assert isinstance(exc, PlanError), f"refused with {type(exc).__name__}, not PlanError: {msg}"
+        assert REPORT not in msg, f"an autosplit bug, not a refusal: {msg}"
+        assert "2D tensor parallelism cannot split it" in msg, msg
         model = build(name)
         # a submodule's path, or the model itself: "<root>" (autosplit/errors.py) or its class name
         modules = {p for p, _ in model.named_modules() if p} | {"<root>"}

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from autosplit.cost_model import profile_for_gpu
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
-from autosplit.passes.batch_norm import provisional_batch
 
 log = logging.getLogger("autosplit")
 
@@ -51,8 +50,9 @@ def auto_arguments(model, example_input, global_batch, compile_options: dict, au
         device = profile_for_gpu(torch.cuda.get_device_name())
     world, rank = _world()
     if example_input is None:
-        # 2 rows where a BatchNorm in training mode refuses one value per channel
-        example_input = torch.empty(provisional_batch(model), *default_input_shape(model), device="meta")
+        # one row: the search reads only the per-sample shape and dtype, and takes the fewest rows a
+        # microbatch may have (BatchNorm) from the model's traced graph
+        example_input = torch.empty(1, *default_input_shape(model), device="meta")
     inputs = example_input if isinstance(example_input, (tuple, list)) else (example_input,)
     ranked = search(model, world, example_input, global_batch=global_batch, device=device,
                     memory_budget=compile_options.get("memory_budget"),

@@ -159,11 +159,19 @@ def read_record(path: str) -> dict:
         return json.load(f)
 
 
-def is_model_key(metadata, key: str) -> bool:
-    """A model tensor's entry: a top-level key (everything else is nested under its part's name,
-    ``optimizer``, ``rng``, ``loss_scaler`` or an extra's), not the optimizer of a first-format checkpoint."""
+def entry_paths(metadata) -> dict[str, tuple]:
+    """Every saved entry's path in the nested state dict it was saved from: DCP's flat key -> the path its
+    default planner kept in ``metadata.planner_data``, or ``(key,)`` where it kept none (a checkpoint
+    written without flattening, or a top-level entry)."""
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    return len(paths.get(key, (key,))) == 1 and not key.startswith(OPTIMIZER_PREFIX)
+    return {key: tuple(paths.get(key, (key,))) for key in metadata.state_dict_metadata}
+
+
+def is_model_key(key: str, path: tuple) -> bool:
+    """A model tensor's entry (``path`` from ``entry_paths``): a top-level key (everything else is nested
+    under its part's name, ``optimizer``, ``rng``, ``loss_scaler`` or an extra's), not the optimizer of a
+    first-format checkpoint."""
+    return len(path) == 1 and not key.startswith(OPTIMIZER_PREFIX)
 
 
 def export_state_dict(directory, out) -> dict[str, torch.Tensor]:
@@ -173,9 +181,10 @@ def export_state_dict(directory, out) -> dict[str, torch.Tensor]:
     path = resolve(directory)
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
+    paths = entry_paths(metadata)
     state = {k: torch.empty(md.size, dtype=md.properties.dtype)
              for k, md in metadata.state_dict_metadata.items()
-             if isinstance(md, TensorStorageMetadata) and is_model_key(metadata, k)}
+             if isinstance(md, TensorStorageMetadata) and is_model_key(k, paths[k])}
     dcp.load(state, storage_reader=reader, no_dist=True)
     torch.save(state, out)
     return state

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from autosplit.errors import AutosplitError
 from autosplit.runtime.checkpoint_chunks import entry, sharded
+from autosplit.runtime.checkpoint_files import entry_paths
 from autosplit.runtime.exchange import who
 
 KEY = "optimizer"
@@ -94,13 +95,8 @@ def merged_groups(pm, optimizer, names: dict[int, str], group) -> list[dict]:
     return merged
 
 
-def _paths(metadata) -> dict:
-    """DCP's flat key -> path (None in a checkpoint written without flattening: each key its own path)."""
-    return metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-
-
 def saved_problem(metadata) -> str | None:
-    if not any(tuple(p[:1]) == (KEY,) for p in _paths(metadata).values()):
+    if not any(p[:1] == (KEY,) for p in entry_paths(metadata).values()):
         return "load_checkpoint: the checkpoint holds no optimizer state (it was saved without optimizer=)"
     return None
 
@@ -109,10 +105,10 @@ def load_targets(pm, optimizer, names: dict[int, str], metadata, root: dict) -> 
     """Put into ``root`` (the DCP state dict) the targets DCP fills: this rank's chunks of each of its
     parameters' saved state and every saved group.  Returns {(name, key): the tensor the optimizer gets}
     (a DTensor whose local part is the entry, for an FSDP-sharded parameter)."""
-    paths, info, targets = _paths(metadata), sharded(pm), {}
+    info, targets = sharded(pm), {}
     mine = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
-    for key, md in metadata.state_dict_metadata.items():
-        path = tuple(paths.get(key, (key,)))
+    for key, path in entry_paths(metadata).items():
+        md = metadata.state_dict_metadata[key]
         if path[:2] == (KEY, "param_groups"):
             set_element(root, path, None if isinstance(md, BytesStorageMetadata) else
                         torch.empty(md.size, dtype=md.properties.dtype))

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint._traverse import get_element, set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from autosplit.runtime.checkpoint_files import entry_paths
 from autosplit.runtime.exchange import gather_rows
 from autosplit.tp.random import generator_states, set_generator_states
 
@@ -117,16 +118,12 @@ def save_entries(pm, extra) -> tuple[dict, dict]:
     return state, {"extra": layouts, "rng": "per_rank"}
 
 
-def _paths(metadata) -> dict:
-    return metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-
-
 def _template(metadata, prefix: tuple, root: dict) -> bool:
     """Put into ``root`` an empty target for every saved entry under ``prefix`` (from the checkpoint's
     own metadata, so the structure is the saved one); whether there was any."""
-    paths, found = _paths(metadata), False
-    for key, md in metadata.state_dict_metadata.items():
-        path = tuple(paths.get(key, (key,)))
+    found = False
+    for key, path in entry_paths(metadata).items():
+        md = metadata.state_dict_metadata[key]
         if path[:len(prefix)] == prefix:
             set_element(root, path, None if isinstance(md, BytesStorageMetadata) else
                         torch.empty(md.size, dtype=md.properties.dtype))

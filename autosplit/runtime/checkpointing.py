@@ -10,7 +10,14 @@ run per layer, and the layer runs are wrapped in ``torch.utils.checkpoint``.  Pa
 same objects as in the stage module, so optimizers and gradient buckets see no difference.
   buffers under recomputation -- the recomputed forward runs in training mode, so a BatchNorm in it would
                        update its running statistics a second time per microbatch (``num_batches_tracked``
-                       +2, momentum applied twice); the recomputation restores every buffer it wrote.
+                       +2, momentum applied twice); the recomputation restores the buffers the forward
+                       wrote.
+  written buffers -- what the recomputation restores: the buffers of the modules the graph calls (their
+                       forward is not in the graph: BatchNorm, whose kernel updates the running
+                       statistics without bumping torch's version counter, or a leaf module), the running
+                       statistics a functional batch norm of the graph is given, and any buffer whose
+                       version counter (``Tensor._version``, bumped by every in-place op) a forward
+                       changed.  A layer without BatchNorm that only reads its buffers copies none.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from autosplit.model_layers import layer_of, layer_paths
+from autosplit.passes.batch_norm import running_stats
 
 
 class Checkpointed(torch.nn.Module):
@@ -29,26 +37,52 @@ class Checkpointed(torch.nn.Module):
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
+        self._written = _kernel_written(module)     # buffer names; grows with what forwards are seen to write
 
     def forward(self, *inputs):
         if not torch.is_grad_enabled():
             return self.module(*inputs)
-        return torch.utils.checkpoint.checkpoint(self.module, *inputs, use_reentrant=False,
-                                                 context_fn=self._contexts)
+        buffers = list(self.module.named_buffers())
+        before = [b._version for _, b in buffers]
+        out = torch.utils.checkpoint.checkpoint(self.module, *inputs, use_reentrant=False,
+                                                context_fn=self._contexts)
+        # Why after the forward and not before the recomputation: its backward (and so the recomputation,
+        # which reads ``_written`` only when it starts) always comes after this forward.
+        self._written.update(name for (name, b), v in zip(buffers, before) if b._version != v)
+        return out
 
     def _contexts(self):
-        return contextlib.nullcontext(), _buffers_restored(self.module)
+        return contextlib.nullcontext(), _buffers_restored(self.module, self._written)
+
+
+def _kernel_written(module: torch.nn.Module) -> set[str]:
+    """The buffers of ``module`` that a forward may write unseen by their version counters (see the
+    module docstring); every buffer where ``module`` holds no graph to read that from."""
+    graphs = [(p, m) for p, m in module.named_modules() if isinstance(m, fx.GraphModule)]
+    if not graphs:
+        return {name for name, _ in module.named_buffers()}
+    buffers = {name for name, _ in module.named_buffers()}
+    found = set()
+    for prefix, gm in graphs:
+        at = f"{prefix}." if prefix else ""
+        for node in gm.graph.nodes:
+            called = gm.get_submodule(node.target) if node.op == "call_module" else None
+            if called is not None and not isinstance(called, fx.GraphModule):
+                found.update(f"{at}{node.target}.{name}" for name, _ in called.named_buffers())
+            found.update(f"{at}{x.target}" for x in running_stats(node)
+                         if isinstance(x, fx.Node) and x.op == "get_attr")
+    return found & buffers
 
 
 @contextlib.contextmanager
-def _buffers_restored(module: torch.nn.Module):
-    """Run a recomputation and put ``module``'s buffers back as they were.  Why a copy around the
-    recomputation and not a frozen momentum: the buffers may have moved on since this microbatch's
-    forward (1F1B runs later forwards before this backward), and training-mode outputs never read them,
-    so the values at the recomputation's start are the ones to keep.  Buffers are few and small (the
-    running statistics, index tables); torch's early stop ends a recomputation by raising inside it,
-    so the restore is in ``finally``."""
-    saved = [(b, b.clone()) for b in module.buffers()]
+def _buffers_restored(module: torch.nn.Module, written: set[str]):
+    """Run a recomputation and put the ``written`` buffers of ``module`` back as they were.  Why a copy
+    around the recomputation and not a frozen momentum: the buffers may have moved on since this
+    microbatch's forward (1F1B runs later forwards before this backward), and training-mode outputs never
+    read them, so the values at the recomputation's start are the ones to keep.  Written buffers are few
+    and small (running statistics); torch's early stop ends a recomputation by raising inside it, so the
+    restore is in ``finally``."""
+    saved = [(b, b.clone()) for name, b in module.named_buffers() if name in written]
     try:
         yield
     finally:

@@ -98,7 +98,7 @@ class PipelineExecutor:
             else:
                 # NCCL: check the transfers and collectives deferred RUN_AHEAD_ACTIONS computes ago, so
                 # that a stuck one ends the step at our deadline, before the host blocks in a launch
-                # behind it (faults.py, *run-ahead*); nothing is pending on gloo
+                # behind it (deferred.py, *run-ahead*); nothing is pending on gloo
                 self.watchdog.advance()
                 self._guarded(item, run_compute[item.kind])
         for posted in self.posted:     # sends not yet known done; their buffers live until then

@@ -8,24 +8,11 @@ Terms:
   deadline    -- every wait gives up after ``timeout_s`` seconds with a RankFailure naming this rank
                  and what it waited for.
   Watchdog.wait -- waits for one handle, watching the store and the deadline from the calling thread:
-    NCCL Work   -- ``work.wait()`` does not block the host on NCCL (it only makes the current stream
-                   wait), so a deadline around it would never fire.  Inside a step the host must not
-                   block either (it would stop running ahead of the GPU), so ``wait`` orders the stream
-                   and *defers* the check: the work joins a pending list.  Every place where the host
-                   reads a device value (the loss, a norm, a state dict) calls ``wait(..., host=True)``,
-                   which first polls each pending work's ``is_completed()`` (a CUDA event query) in
-                   order against the deadline, on this thread: no thread hop, and a hang anywhere in
-                   the step is reported, naming the first unfinished work, before the host blocks.
-                   A deferred work's deadline counts from when it was posted (``since``), as NCCL's
-                   own timeout does, so ours always fires first (world.py sets NCCL's longer).
-    failed work -- NCCL's ``is_completed()`` is true for a work that *failed* too (its exception is set),
-                   so completion is followed by a look at the work's error (``work_error``).
-    run-ahead   -- how far the host may get past a deferred work it has not checked: the executor calls
-                   ``advance()`` before every compute action, which checks every work deferred
-                   ``RUN_AHEAD_ACTIONS`` or more actions ago.  Why: a receive that never arrives stalls
-                   the GPU's stream; a host that only checks at the loss keeps launching kernels until
-                   CUDA's launch queue is full, then blocks inside a launch, where no deadline of ours
-                   runs, and NCCL's watchdog ends the job with its own message instead.
+    NCCL Work   -- ``work.wait()`` only makes the stream wait and never blocks the host, so a deadline
+                   around it would never fire: ``wait`` orders the stream and *defers* the check
+                   (deferred.py: the terms, the run-ahead bounds and their limits).  A host read of a
+                   device value (loss, norm, state dict) calls ``wait(..., host=True)``, which first
+                   checks every deferred work in order against its deadline, on this thread.
     abort       -- on NCCL, with torch's async error handling off (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
                    which torch's abort API asks for), a failure aborts this module's own groups, never the
                    default one; otherwise NCCL's watchdog (torch's default 3, torchrun's 1) tears a stuck
@@ -53,40 +40,20 @@ import os
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from autosplit.runtime.deferred import DeferredWorks
 from autosplit.runtime.heartbeat import diagnose, heartbeat, store_address
 from autosplit.runtime.serial_thread import SerialThread
 
 FAILURE_KEY = "autosplit/failure"
 _CHECK_EVERY_S = 0.02         # how often a waiting rank looks at the store
 _POLL_S = (1e-5, 1e-3)        # first and longest sleep between completion polls
-# Why 2: the host queues action n while the GPU runs n-1, so a work of n-2 has normally finished when
-# it is checked (no wait for the GPU in a healthy step); and behind a transfer that never finishes at
-# most two actions' kernels are queued (some hundreds of launches for a stage), below CUDA's launch
-# queue (on the order of a thousand; not documented), so the host reaches this check, not a blocked launch.
-RUN_AHEAD_ACTIONS = 2
 
 
 class RankFailure(RuntimeError):
     """A rank of the job failed or timed out; raised on every rank with the original cause."""
-
-
-def work_error(handle) -> BaseException | None:
-    """What a finished work failed with, or None.  ``Work.exception()`` where the work implements it
-    (NCCL's and gloo's do; torch marks it deprecated and prints so once per process); else its
-    ``wait()`` reports a failure by raising."""
-    try:
-        return handle.exception()
-    except Exception:                # not implemented for this work type
-        pass
-    try:
-        handle.wait()
-    except Exception as exc:
-        return exc
-    return None
 
 
 def aborts_on_failure(backend: str) -> bool:
@@ -94,16 +61,6 @@ def aborts_on_failure(backend: str) -> bool:
     (torch: its abort API "should be used with TORCH_NCCL_ASYNC_ERROR_HANDLING turned off"; with it on,
     NCCL's watchdog aborts and tears the rank down itself)."""
     return backend == "nccl" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0"
-
-
-@dataclass
-class _Deferred:
-    """An NCCL work whose completion is not checked yet."""
-    handle: object
-    doing: str
-    action: int                  # the Watchdog's action count when it was deferred
-    since: float                 # when it was posted (time.monotonic()): its deadline counts from here
-    explain: object = None       # () -> str | None, added to a timeout's message
 
 
 class Watchdog:
@@ -123,8 +80,7 @@ class Watchdog:
         self.where = self.describe(rank)
         self.polled = backend == "nccl"      # NCCL works complete on their own: poll them
         self._waiter = None if self.polled else SerialThread("autosplit-wait")
-        self._pending: list[_Deferred] = []    # NCCL works whose completion is not checked yet
-        self._actions = 0                      # compute actions begun (advance)
+        self.deferred = DeferredWorks()        # NCCL works whose completion is not checked yet
         self.beat = heartbeat(store, rank, mesh.size)
 
     def describe(self, rank: int) -> str:
@@ -206,10 +162,9 @@ class Watchdog:
                 handle.wait()                       # stream ordering only; returns at once
             except Exception as exc:
                 raise self.fail(doing, exc, blame_others=True) from exc
-            now = time.monotonic()
-            self._pending.append(_Deferred(handle, doing, self._actions, now if since is None else since, explain))
-            if host:
-                self.settle()
+            self.deferred.add(handle, doing, since, explain)
+            # why here: a host read checks every work first; any other wait, the due ones (works bound)
+            self.settle(due_only=not host)
             return
         if handle.is_completed():
             return self._until(lambda: True, doing, handle.wait)
@@ -224,24 +179,16 @@ class Watchdog:
             self._waiter.close()
             self._waiter = None
 
-    def settle(self, before_action: int | None = None) -> None:
-        """Check, bounded by the deadline, that every deferred NCCL work (with ``before_action``: every
-        one deferred before that action count) has finished, and finished without error (no-op on gloo)."""
-        while self._pending and (before_action is None or self._pending[0].action < before_action):
-            work = self._pending.pop(0)
-
-            def finish(handle=work.handle):
-                error = work_error(handle)
-                if error is not None:
-                    raise error
-            self._until(work.handle.is_completed, work.doing, finish, start=work.since, explain=work.explain)
+    def settle(self, due_only: bool = False) -> None:
+        """Check, each by its deadline, that every deferred NCCL work (``due_only``: every one a run-ahead
+        bound makes due) has finished without error (deferred.py; no-op on gloo: nothing is deferred)."""
+        while (work := self.deferred.pop(due_only)) is not None:
+            self._until(work.handle.is_completed, work.doing, work.finish, start=work.since, explain=work.explain)
 
     def advance(self) -> None:
-        """Called before every compute action: bounds the host's *run-ahead* (module docstring) by
-        checking the works deferred RUN_AHEAD_ACTIONS actions ago or earlier."""
-        self._actions += 1
-        if self._pending:
-            self.settle(before_action=self._actions - RUN_AHEAD_ACTIONS + 1)
+        """Called before every compute action: checks the works the actions bound makes due (deferred.py)."""
+        self.deferred.begin_action()
+        self.settle(due_only=True)
 
     def until(self, done, doing: str) -> None:
         """Poll ``done()`` (a store key, say) with the same deadline and failure checks as a wait."""

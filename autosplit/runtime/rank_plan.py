@@ -2,7 +2,8 @@
 
 Terms (see runtime/parallel_module.py for replica batch and microbatch):
   provisional  -- a plan built before any microbatch was seen (from the model's declared input size,
-                  batch of 1, or 2 where BatchNorm needs two rows) so that ``parameters()`` can be
+                  batch of 1, or 2 where a BatchNorm would see one value per channel in one row: the
+                  fewest rows its traced graph allows, strategy/layout.py) so that ``parameters()`` can be
                   handed to an optimizer; the first step re-plans for its real microbatch keeping
                   the same cut (``stage_bounds``), so the parameters the optimizer holds stay the
                   ones this rank trains.
@@ -22,13 +23,14 @@ from collections.abc import Callable
 
 import torch
 
+from autosplit import validate
 from autosplit.compiler import compile_with
 from autosplit.cost_model.step_time import plan_deferred_w_stages
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.meta_init import Initializer
 from autosplit.options import PlanOptions
-from autosplit.passes.batch_norm import provisional_batch
+from autosplit.passes.batch_norm import warn_batch_norm
 from autosplit.passes.split_backward import split_weight_gemms
 from autosplit.passes.tp_random import fork_sharded_random
 from autosplit.runtime import tp_collectives
@@ -43,6 +45,7 @@ from autosplit.runtime.params import (adopt_parameters, graph_order_params, loca
                                       to_device)
 from autosplit.runtime.profile import agreed_profile
 from autosplit.runtime.tp_collectives import bind_axis_groups, unbind_groups
+from autosplit.strategy.layout import fewest_microbatch_rows, trace_model
 
 log = logging.getLogger("autosplit")      # the library logs; it never prints
 
@@ -74,6 +77,7 @@ class RankPlanner:
         self.buckets = None
         self.executor: PipelineExecutor | None = None
         self._buffer_sync: BufferSync | None = None
+        self._warned = False           # the BatchNorm warning was given (or was not due on this rank)
 
     def sharded(self) -> dict:
         """Name -> ShardedParam of the parameters split over tp (empty before planning or at tp = 1)."""
@@ -82,9 +86,17 @@ class RankPlanner:
     def require(self) -> None:
         """Plan now if no microbatch was seen yet: a provisional plan from the model's own input size."""
         if self.plan is None:
-            rows = provisional_batch(self.model)       # 2 where BatchNorm needs more than one row
-            self.build(torch.empty(rows, *default_input_shape(self.model), device="meta"))
-            self.provisional = True
+            shape = default_input_shape(self.model)
+            self.build(torch.empty(self._fewest_rows(shape), *shape, device="meta"), provisional=True)
+
+    def _fewest_rows(self, shape: tuple[int, ...]) -> int:
+        """Rows of a provisional plan: 1, or 2 where a batch-statistics layer would see one value per
+        channel in one row, from the model's graph traced here (compile traces it again; a trace is
+        cheap next to planning, and only a provisional plan needs this one)."""
+        opts = self.options
+        traced = trace_model(self.model, (torch.empty(1, *shape, device="meta"),),
+                             validate.leaf_modules(self.model, opts.leaf_modules), opts.concrete_args)
+        return fewest_microbatch_rows(traced)[0]
 
     def plan_for(self, mb: tuple, agree: Callable[..., None]) -> None:
         """Make the plan fit microbatch ``mb`` (plan, or re-plan a provisional plan keeping its cut),
@@ -101,6 +113,7 @@ class RankPlanner:
         self.provisional = False
         self.check_shapes(mb)
         agree()
+        self._warn_batch_norm()      # a kept provisional plan is now the step's: its sizes are the real ones
         self.bind()
 
     def bind(self) -> None:
@@ -129,12 +142,14 @@ class RankPlanner:
             raise AutosplitError(f"step inputs give microbatches of (shape, dtype) {got}, but the plan was built "
                                  f"for {want}; keep the batch size, image size and dtype of the first step")
 
-    def build(self, microbatch, bounds=None) -> None:
+    def build(self, microbatch, bounds=None, provisional: bool = False) -> None:
         """Plan for ``microbatch`` (its shapes only) and build this rank's modules, buckets and executor.
 
         Args:
             microbatch: a tensor or tuple of tensors with one microbatch's shapes and dtypes.
             bounds: keep this cut (a provisional plan's ``plan.bounds``) instead of the options'.
+            provisional: a plan made before any microbatch was seen (``require``); the first step
+                re-plans it, or keeps it where the shapes agree.
         """
         example = tuple(microbatch) if isinstance(microbatch, (tuple, list)) else (microbatch,)
         example = tuple(torch.empty_like(x, device="meta") for x in example)
@@ -144,13 +159,21 @@ class RankPlanner:
             self.profile = self.profile or agreed_profile(world, self.watchdog)
             changes["device"] = self.profile
         mesh = (world.mesh.pp, world.mesh.tp, world.mesh.dp)
-        # the BatchNorm warning once per parallelize (its first plan, not a re-plan) and job (rank 0)
         self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts),
-                                 warn=self.plan is None and world.rank == 0)
-        self.provisional = False
+                                 warn=False)          # the BatchNorm warning: _warn_batch_norm
+        self.provisional = provisional
         if world.rank == 0:
             log.info("planned:\n%s", self.plan.summary())
         self._build_modules()
+        if not provisional:
+            self._warn_batch_norm()
+
+    def _warn_batch_norm(self) -> None:
+        """The BatchNorm note as a warning once per parallelize and job (rank 0), from its first plan for
+        real microbatches: a provisional plan's microbatch size is not the step's."""
+        if not self._warned and self.world.rank == 0:
+            warn_batch_norm(self.plan.batch_norm_note(), stacklevel=5)   # at the user's step / parallelize
+        self._warned = True
 
     def _build_modules(self) -> None:
         world, plan, opts = self.world, self.plan, self.options

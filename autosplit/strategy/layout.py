@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from autosplit.cost_model import AnnotateCosts
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.errors import AutosplitError
-from autosplit.passes.batch_norm import provisional_batch
+from autosplit.passes.batch_norm import fewest_rows, find_batch_norms, one_row_refusal
 from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
 from autosplit.passes.shape_prop import MetaShapeProp
@@ -187,13 +187,26 @@ def _parameter_owners(gm: fx.GraphModule, nodes: list[fx.Node]):
     return users, names, {name: p.numel() * p.element_size() for name, p in params.items()}
 
 
+# Rows trace_model propagates: a batch-statistics layer that sees one value per channel per row (a
+# BatchNorm1d on (B, C) features) still sees 2, where torch refuses 1 (passes/batch_norm.py).
+TRACE_ROWS = 2
+
+
 def trace_model(model, inputs: tuple[torch.Tensor, ...], leaf_modules=(), concrete_args=None) -> fx.GraphModule:
-    """The model traced once (train and eval mode, as compile does), refused as compile refuses it."""
+    """The model traced once (train and eval mode, as compile does), refused as compile refuses it, its
+    shapes propagated at TRACE_ROWS rows (only the inputs' per-sample shapes and dtypes are used)."""
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
-    # 2 rows where a BatchNorm in training mode refuses one value per channel
-    MetaShapeProp(_with_batch(inputs, provisional_batch(model)))(gm)
+    MetaShapeProp(_with_batch(inputs, TRACE_ROWS))(gm)
     check_single_output(gm)
     return gm
+
+
+def fewest_microbatch_rows(traced: fx.GraphModule) -> tuple[int, str | None]:
+    """The fewest rows a microbatch of the model may have, from ``trace_model``'s graph: 2 where a
+    batch-statistics layer would see one value per channel in one row, else 1 (passes/batch_norm.py
+    ``fewest_rows``); and why not 1, naming the layer with its arithmetic (None where 1 will do)."""
+    rows, layer = fewest_rows(find_batch_norms(traced), TRACE_ROWS)
+    return rows, (one_row_refusal(layer, TRACE_ROWS) if layer is not None else None)
 
 
 class _NotAffine(Exception):

@@ -34,10 +34,9 @@ from autosplit import validate
 from autosplit.cost_model import get_profile
 from autosplit.errors import AutosplitError
 from autosplit.model_layers import layer_paths
-from autosplit.passes.batch_norm import provisional_batch
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
 from autosplit.strategy.costing import PRUNED, Group, price
-from autosplit.strategy.layout import LayoutGraph, trace_model
+from autosplit.strategy.layout import LayoutGraph, fewest_microbatch_rows, trace_model
 from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
 
 _SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
@@ -86,7 +85,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     layers = layer_paths(model)
     sample_bytes = sum(x[:1].numel() * x.element_size() for x in inputs)
     traced = trace_model(model, inputs, leaves, concrete_args)
-    min_rows = provisional_batch(model)         # 2 where a BatchNorm would see one value per channel
+    min_rows, one_row = fewest_microbatch_rows(traced)   # 2 where a BatchNorm sees one value per channel per row
 
     rejected: list[Rejected] = []
     specs = []                                  # (layout, graph, pp, dp, m, b, schedule, v)
@@ -124,8 +123,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                 b = per_replica // m
                 if b < min_rows:
                     rejected.append(Rejected(mesh, {**base, "num_microbatches": m}, f"microbatch rows {b} < "
-                                             f"{min_rows}: BatchNorm in training mode takes its statistics per "
-                                             f"microbatch (over one row BatchNorm1d refuses to)", "batch"))
+                                             f"{min_rows}: {one_row}", "batch"))
                     continue
                 if b % layout.q:
                     rejected.append(Rejected(mesh, {**base, "num_microbatches": m}, f"microbatch rows {b} % q"
