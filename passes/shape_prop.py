@@ -236,8 +236,8 @@ def _eager_failure(model: torch.nn.Module, inputs: tuple, kwargs: dict) -> Excep
     None when it runs.  First on meta tensors, with meta stand-ins for every parameter and buffer
     (non-persistent ones too: ``state_dict`` leaves those out, and a real buffer among meta tensors
     fails for a reason of its own); nothing is allocated.  A forward that cannot run on meta (it
-    reads a value, ``.item()``) then runs on CPU zeros, as a leaf does in ``_call_module``, with
-    copies of its buffers."""
+    reads a value, ``.item()``) then runs on zeros on the model's device, as a leaf does in
+    ``_call_module``, with copies of its buffers."""
     metas: dict[int, torch.Tensor] = {}       # tied tensors share one stand-in (functional_call checks ties)
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     state = {name: metas.setdefault(id(t), to_meta(t)) for name, t in named}
@@ -252,7 +252,9 @@ def _eager_failure(model: torch.nn.Module, inputs: tuple, kwargs: dict) -> Excep
     # copies of the buffers take what the forward writes (BatchNorm's running stats): the model is left as it was
     clones: dict[int, torch.Tensor] = {}
     copies = {name: clones.setdefault(id(b), b.clone()) for name, b in model.named_buffers(remove_duplicate=False)}
-    zeros = tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x, tuple(inputs))
+    device = named[0][1].device if named else torch.device("cpu")     # where the model's tensors are
+    zeros = tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor)
+                     else x, tuple(inputs))
     try:
         with torch.no_grad():
             torch.func.functional_call(model, copies, zeros, dict(kwargs))
