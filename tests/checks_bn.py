@@ -13,39 +13,13 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import autosplit
-from tests.dist_checks import batches
+from tests.checks_numerics import accumulation_reference
+from tests.dist_checks import batches, train_steps
 from tests.models_bn import BN_VARIANTS
 
 STATS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def accumulation_reference(model, xs, ys, dp: int, m: int, lr: float):
-    """Losses (each global batch's mean microbatch loss) and the state dict after ``len(xs)`` steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for x, y in zip(xs, ys):
-        start = {k: v.clone() for k, v in model.named_buffers()}
-        replica0, total = None, 0.0
-        for d, (xr, yr) in enumerate(zip(x.chunk(dp), y.chunk(dp))):
-            with torch.no_grad():                      # every replica starts from the step's buffers
-                for name, b in model.named_buffers():
-                    b.copy_(start[name])
-            for xm, ym in zip(xr.chunk(m), yr.chunk(m)):
-                loss = F.cross_entropy(model(xm), ym) / (dp * m)
-                loss.backward()
-                total += loss.item()
-            if d == 0:
-                replica0 = {name: b.clone() for name, b in model.named_buffers()}
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(replica0[name])
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, model.state_dict()
 
 
 def _diff(a: dict, b: dict, keys) -> float:
@@ -67,17 +41,13 @@ def train_matches_accumulation(name: str, mesh, microbatches: int = 2, batch: in
     xs, ys = batches(steps, batch)
     xs = xs.to(dtype)
     dp = mesh[2]
-    ref_losses, ref_state = accumulation_reference(copy.deepcopy(model), xs, ys, dp, microbatches, lr)
+    ref_losses, ref_state = accumulation_reference(copy.deepcopy(model), xs, ys, dp, microbatches, lr,
+                                                  torch.optim.AdamW)
     pm = autosplit.parallelize(model, mesh=mesh, loss_fn=torch.nn.CrossEntropyLoss(),
                                num_microbatches=microbatches, example_input=xs[0, : batch // dp // microbatches],
                                **kw)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
-    losses = []
-    for x, y in zip(xs, ys):
-        losses.append(pm.step(x[rows], y[rows]))
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm, torch.optim.AdamW(pm.parameters(), lr=lr), xs, ys, rows)
     state = pm.full_state_dict()
     ref = BN_VARIANTS[name]().to(dtype)
     ref.load_state_dict(ref_state)

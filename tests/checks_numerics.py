@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.runtime import call_gate
-from tests.dist_checks import batches, max_diff, train_accumulating
+from tests.dist_checks import batches, max_diff, train_accumulating, train_steps
 from tests.models import VARIANTS
 
 
@@ -130,20 +130,24 @@ class ConvBN(torch.nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def _replica0_reference(model, xs, ys, dp: int, m: int, lr: float):
-    """Single-device reference of DDP-style buffers: each step accumulates the gradients of every
-    replica's microbatches (each replica starting from the step's buffers, loss / (dp*m)), then the
-    buffers are replica 0's (what dp rank 0 broadcasts), then one SGD step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def accumulation_reference(model, xs, ys, dp: int, m: int, lr: float, optimizer=torch.optim.SGD):
+    """Single-device reference of per-microbatch, per-replica BatchNorm with DDP-style buffers: each step
+    accumulates the gradients of every replica's microbatches (each replica starting from the step's
+    buffers, loss / (dp*m)), then the buffers are replica 0's (what dp rank 0 broadcasts), then one
+    ``optimizer`` step.  Returns the losses (each global batch's mean microbatch loss) and the state dict."""
+    opt = optimizer(model.parameters(), lr=lr)
+    losses = []
     for x, y in zip(xs, ys):
         start = {k: v.clone() for k, v in model.named_buffers()}
-        replica0 = None
+        replica0, total = None, 0.0
         for k, (xr, yr) in enumerate(zip(x.chunk(dp), y.chunk(dp))):
-            with torch.no_grad():
+            with torch.no_grad():                      # every replica starts from the step's buffers
                 for name, b in model.named_buffers():
                     b.copy_(start[name])
             for xm, ym in zip(xr.chunk(m), yr.chunk(m)):
-                (F.cross_entropy(model(xm), ym) / (dp * m)).backward()
+                loss = F.cross_entropy(model(xm), ym) / (dp * m)
+                loss.backward()
+                total += loss.item()
             if k == 0:
                 replica0 = {name: b.clone() for name, b in model.named_buffers()}
         with torch.no_grad():
@@ -151,7 +155,8 @@ def _replica0_reference(model, xs, ys, dp: int, m: int, lr: float):
                 b.copy_(replica0[name])
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+        losses.append(total)
+    return losses, model.state_dict()
 
 
 def buffers_under_dp(mesh, steps: int = 3, batch: int = 8, m: int = 2, lr: float = 0.1):
@@ -162,15 +167,11 @@ def buffers_under_dp(mesh, steps: int = 3, batch: int = 8, m: int = 2, lr: float
     dp = mesh[2]
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=m, example_input=xs[0, : batch // dp // m])
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
-    for x, y in zip(xs, ys):
-        pm.step(x[rows], y[rows])
-        opt.step()
-        opt.zero_grad()
+    train_steps(pm, torch.optim.SGD(pm.parameters(), lr=lr), xs, ys, rows)
     pm.train()
     pm.predict(xs[0][rows])          # a training-mode forward updates the statistics too
     state = pm.full_state_dict()
-    ref_state = _replica0_reference(ref, xs, ys, dp, m, lr)
+    _, ref_state = accumulation_reference(ref, xs, ys, dp, m, lr)
     with torch.no_grad():            # ... and so does the reference's replica-0 forward
         ref.train()
         for xm in xs[0][: batch // dp].chunk(m):

@@ -23,6 +23,16 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
+def train_steps(pm, opt, xs, ys, rows) -> list[float]:
+    """One ``pm.step`` on this replica's ``rows`` of each batch, each followed by an optimizer step: the losses."""
+    losses = []
+    for x, y in zip(xs, ys):
+        losses.append(pm.step(x[rows], y[rows]))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def train_accumulating(pm, ref, xs, ys, rows, micro_steps: int, updates: int, lr: float) -> None:
     """``updates`` SGD steps of ``pm`` and of the single-device ``ref``, each accumulating ``micro_steps``
     calls of ``pm.step`` (all but the last under ``no_sync``) on this replica's ``rows`` of the batches."""

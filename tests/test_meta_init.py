@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import autosplit
 from autosplit.errors import AutosplitError
-from tests.dist_checks import batches
+from tests.dist_checks import batches, train_steps
 from tests.models import VARIANTS, HandViT
 
 TOL = 1e-5
@@ -98,13 +98,8 @@ def meta_train(variant: str, mesh, steps: int = 3, batch: int = 8, microbatches:
     local = {n: t for m in pm.raw_modules for n, t in list(m.named_parameters()) + list(m.named_buffers())}
     expected = sum(math.prod(sharded[n].local_shape(pm.tp_rank)) * t.element_size() if n in sharded
                    else t.numel() * t.element_size() for n, t in local.items())
-    opt = adamw(pm.parameters(), lr)
     rows = slice(pm.dp_rank * batch // dp, (pm.dp_rank + 1) * batch // dp)
-    losses = []
-    for x, y in zip(xs, ys):
-        losses.append(pm.step(x[rows], y[rows]))
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm, adamw(pm.parameters(), lr), xs, ys, rows)
     state = pm.full_state_dict()                          # a collective: every rank calls it
     return {"losses": losses, "state": state if torch.distributed.get_rank() == 0 else None,
             "held": sum(t.numel() * t.element_size() for t in held.values()), "expected": expected,

@@ -64,11 +64,10 @@ class World:
     def group(self, axis: str):
         if self.device_mesh is None:
             raise AutosplitError(f"the process groups of rank {self.rank} were closed (ParallelModule.close)")
-        # the group objects as built: DeviceMesh.get_group resolves a name torch no longer knows once
-        # a failure has aborted the group (faults.py), and the release after it still asks
+        # the group objects as built (init_world): DeviceMesh.get_group resolves a name torch no longer
+        # knows once a failure has aborted the group (faults.py), and the release after it still asks
         if axis not in self.axis_groups:
-            mesh = self.grid_mesh if axis in ("tp_row", "tp_col") else self.device_mesh
-            self.axis_groups[axis] = mesh.get_group(axis)
+            raise AutosplitError(f"rank {self.rank} has no '{axis}' group (axes: {sorted(self.axis_groups)})")
         return self.axis_groups[axis]
 
     def rank_at(self, *, pp: int | None = None, tp: int | None = None, dp: int | None = None) -> int:
