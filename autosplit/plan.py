@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from autosplit.dump import dump_plan
-from autosplit.errors import RankError
+from autosplit.errors import AutosplitError, RankError
 from autosplit.mesh import MeshShape
 from autosplit.passes.batch_norm import BatchNormLayer, batch_norm_note
+from autosplit.passes.sharding.describe import explain
 from autosplit.report import plan_dict, summary_table
 from autosplit.schedule.placement import Placement, placement_of
 from autosplit.stage_info import StageInfo, TensorInfo
@@ -96,6 +97,23 @@ class Plan:
 
     def summary(self) -> str:
         return "\n".join([summary_table(self), *self.batch_norm_note()])
+
+    def explain(self, target: str) -> str:
+        """How the sharding engine priced one op: each candidate strategy (its output's and operands'
+        placements on the tp axis), its compute and the redistribution from its producers' chosen
+        placements, in ms per microbatch (forward + backward), the chosen one marked.
+
+        Args:
+            target: a node name of ``plan.graph`` (as the dumps and ``plan.tp_plan.regions`` show it)
+                or a module path (every node of that module).
+        """
+        sharding = getattr(self.tp_plan, "sharding", None)
+        if self.tp_plan is None:
+            raise AutosplitError(f"explain('{target}'): tp = 1, nothing is split; plan with a mesh whose tp > 1")
+        if sharding is None:
+            raise AutosplitError(f"explain('{target}'): tp_mode='{self.tp_mode}' plans are not priced per op; "
+                                 f"tp_mode='1d' plans are")
+        return explain(sharding, target)
 
     def batch_norm_note(self) -> list[str]:
         """What the BatchNorm layers compute under this plan's microbatches and replicas (lines; empty

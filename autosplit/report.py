@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
+from autosplit.passes.sharding.describe import block_lines
 from autosplit.schedule import SPLIT_BACKWARD
 
 if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
@@ -82,8 +83,11 @@ def summary_table(plan: Plan) -> str:
         if plan.tp_mode == "2d":
             foot += _grid_note(plan)
         else:
-            foot.append(f"tensor parallel (tp={tp.tp}, 1d): {len(tp.regions)} regions sharded, "
-                        f"{len(tp.sharded)} parameters split; everything else replicated")
+            split = sum(1 for line in tp.regions if ": whole" not in line)
+            foot.append(f"tensor parallel (tp={tp.tp}, 1d{', sequence parallel' if tp.sequence_parallel else ''}): "
+                        f"{split} of {len(tp.regions)} layers split, {len(tp.sharded)} parameters split "
+                        f"(plan.explain(node) shows one op's candidates); per block:")
+            foot += [f"  {line}" for line in block_lines(tp.regions)]
         foot += [f"  note: {note}" for note in tp.notes]
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")

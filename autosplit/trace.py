@@ -131,13 +131,22 @@ def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, le
     timm_leaves, timm_functions = _timm_notrace()
     tracer = _Tracer(tuple(leaf_modules) + timm_leaves, timm_functions, leaf_ids)
     concrete = _concrete_args(model, n_inputs, concrete_args)
+    before = set(vars(model))
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
+        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types (TraceError, TypeError, RuntimeError ...)
         raise _explain(exc, tracer.failed_scope or []) from exc
-    gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    finally:
+        # fx stores each tensor the forward creates as a constant (``_tensor_constant0``) on the root,
+        # i.e. on the user's model; the GraphModule has its own reference.  Left there, the next
+        # trace (the other mode) would number its constants from 2 and the modes would differ by name
+        # only, making the module holding them a leaf (beit's and eva02's attention were).
+        for name in set(vars(model)) - before:
+            if name.startswith("_tensor_constant"):
+                delattr(model, name)
     _drop_concrete_placeholders(gm.graph, n_inputs)
     gm.recompile()
     for node in gm.graph.nodes:

@@ -1,7 +1,7 @@
 """The tensor-parallel rewrite as a planning pass: 1D (Megatron, optionally sequence parallel) or 2D.
 
-Terms: see passes/tp_rewrite.py (region, TensorParallelPlan, local root), passes/tp_sequence.py
-(sequence parallelism) and passes/tp2d.py (the q x q grid, linear_2d forms).
+Terms: see passes/sharding/ (the engine: placements, rules, strategies, the solver, the lowering;
+TensorParallelPlan and the local root in tp_plan.py) and passes/tp2d.py (the q x q grid, linear_2d forms).
   local graph -- the rewritten graph with tp rank 0's parameter shards: the pass returns a new
                  GraphModule over it, so the following passes see local shapes (after the next
                  shape propagation); ``plan.stage_modules(r, tp_rank)`` builds the other ranks'.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 from torch.fx.passes.infra.pass_base import PassResult
@@ -20,8 +21,8 @@ from autosplit.cost_model.comm import linear_2d_time
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.tp2d import shard_2d
-from autosplit.passes.tp_rewrite import shard_tensor_parallel
-from autosplit.passes.tp_sequence import apply_sequence_parallel
+from autosplit.passes.sharding.engine import priced_at
+from autosplit.passes.sharding.megatron import shard_1d
 
 LINEAR_2D_FORMS = ("allgather", "summa")
 
@@ -36,6 +37,17 @@ def form_chooser(choice: str, q: int, profile):
         times = {f: sum(linear_2d_time(x_bytes, w_bytes, q, f, profile)) for f in LINEAR_2D_FORMS}
         return min(LINEAR_2D_FORMS, key=times.get)
     return form
+
+
+def layout_vals(gm: fx.GraphModule, inputs, unit: int) -> dict | None:
+    """The values the layout is priced at (passes/sharding/engine.py "priced at"): the graph's at a
+    microbatch of 2 * unit rows (the strategy search's), None when the example already has that many."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors or all(x.shape[0] == 2 * unit for x in tensors):
+        return None
+    canon = tuple(torch.empty((2 * unit, *x.shape[1:]), dtype=x.dtype, device="meta")
+                  if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in inputs)
+    return priced_at(gm, canon)
 
 
 class TensorParallel(MetaPass):
@@ -60,9 +72,8 @@ class TensorParallel(MetaPass):
             q = math.isqrt(tp)
             tp_plan = shard_2d(graph_module, q, form_chooser(opts.tp_2d_form, q, s.profile))
         else:
-            tp_plan = shard_tensor_parallel(graph_module, tp)
-            if opts.sequence_parallel:
-                apply_sequence_parallel(graph_module, tp_plan)
+            tp_plan = shard_1d(graph_module, tp, s.profile, opts.sequence_parallel,
+                               price_vals=layout_vals(graph_module, s.inputs, 1))
         s.put(tp_plan=tp_plan)
         graph = graph_module.graph
         return PassResult(fx.GraphModule(tp_plan.local_root(0, graph), graph, type(s.model).__name__), True)

@@ -22,7 +22,8 @@ from autosplit.passes.tp2d_params import ParamUses, apply_param_uses
 from autosplit.passes import op_dims as OD
 from autosplit.passes.op_names import inplace_base, keeps_effect, op_name
 from autosplit.passes.tp_regions import find_regions
-from autosplit.passes.tp_rewrite import TensorParallelPlan, _cols
+from autosplit.passes.sharding.tp_plan import TensorParallelPlan
+from autosplit.passes.tp_layout import index_set
 from autosplit.tp import ops as C
 
 Spec2D, ROW, COL = R.Spec2D, R.ROW, R.COL
@@ -61,6 +62,14 @@ def shard_2d(gm: fx.GraphModule, q: int, form) -> TensorParallelPlan:
     gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)
     gm.graph.lint()
     return plan
+
+
+def _cols(region, q: int) -> list[torch.Tensor]:
+    """Per rank, the exit's input features it holds (the heads in the order the exit reads them)."""
+    f = region.factors
+    leaves = f.flat(region.layouts[region.exit.args[0]][-1])
+    shard = next(x for x in leaves if x in region.shard)
+    return [index_set(f, leaves, shard, q, r) for r in range(q)]
 
 
 def _slice_inputs(st: R._State, placeholders: list[fx.Node]) -> None:

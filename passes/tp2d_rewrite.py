@@ -32,7 +32,7 @@ from autosplit.errors import PlanError
 from autosplit.passes import op_dims as OD
 from autosplit.passes import tp2d_dims as D
 from autosplit.passes.tp2d_params import ParamUses
-from autosplit.passes.tp_rewrite import TensorParallelPlan
+from autosplit.passes.sharding.tp_plan import TensorParallelPlan
 from autosplit.tp import ops as C
 
 ROW, COL = "tp_row", "tp_col"

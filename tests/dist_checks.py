@@ -250,7 +250,7 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
     finally:
         collectives.dist.all_reduce, torch.Tensor.clone = original, clone
     per_block = {f"{k[0]}:{k[1]}": v / (depth * microbatches) for k, v in COUNTS.items()}
-    return {"per_block": per_block, "regions": len(pm.plan.tp_plan.regions), "depth": depth,
+    return {"per_block": per_block, "regions": sum(1 for line in pm.plan.tp_plan.regions if ": row," in line or ": by heads" in line), "depth": depth,
             "microbatches": microbatches, "all_reduces": len(reduced), "clones": len(clones)}
 
 

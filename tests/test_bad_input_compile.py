@@ -188,13 +188,15 @@ def _raise(exc):
 
 
 @pytest.mark.parametrize("target,tp_kw,match", [
-    ("autosplit.passes.tp_layout.Factors.reshape", dict(mesh=(1, 2, 1)),
-     r"the tensor-parallel region analysis failed at node 'reshape' \(call_method reshape\) in module 'blocks\.0\.attn': "
+    ("autosplit.passes.sharding.factors.Factors.reshape", dict(mesh=(1, 2, 1)),
+     r"the sharding engine's op rules failed at node 'flatten' \(call_method flatten\) in module 'patch_embed': "
      r"ZeroDivisionError: injected"),
+    ("autosplit.passes.sharding.strategies.Enumerator.transition", dict(mesh=(1, 2, 1)),
+     r"the sharding engine's redistributions failed at node '\w+' .* in module '[\w.<>]+': ZeroDivisionError: injected"),
     ("autosplit.passes.tp2d_dims.reshape_dim", dict(mesh=(1, 4, 1), tp_mode="2d"),
      r"the 2D tensor-parallel rule failed at node '\w+' \(call_\w+ \w+\) in module '[\w.]+': ZeroDivisionError: injected"),
-    ("autosplit.passes.tp_sequence._token_local", dict(mesh=(1, 2, 1), sequence_parallel=True),
-     r"the sequence-parallel rule failed at node '\w+' .* in module '[\w.<>]+': ZeroDivisionError: injected"),
+    ("autosplit.passes.sharding.lower.Lowering.transition", dict(mesh=(1, 2, 1), sequence_parallel=True),
+     r"the sharding engine's lowering failed at node '\w+' .* in module '[\w.<>]+': ZeroDivisionError: injected"),
     ("autosplit.passes.cut_points.FindCuts.call", dict(mesh=(2, 1, 1)),
      r"planning pass FindCuts failed: ZeroDivisionError: injected; this is an autosplit bug"),
 ])

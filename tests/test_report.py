@@ -66,7 +66,8 @@ def test_report_is_self_contained_and_holds_the_plan(plan, dumped):
     assert "# blocks.0.attn.qkv" in page
     # tensor parallelism: every collective of the graph listed, with the axis and a predicted time
     n_coll = sum(1 for n in plan.graph.graph.nodes if getattr(n.target, "comm_kind", None))
-    assert n_coll > 0 and page.count("<tr><td>copy_to_axis") + page.count("<tr><td>all_reduce") == n_coll
+    listed = sum(page.count(f"<tr><td>{op}") for op in ("copy_to_axis", "all_reduce", "gather"))
+    assert n_coll > 0 and listed == n_coll            # Megatron's copies and all-reduces, the head's gather
 
 
 def test_cli_prints_the_report_path(tmp_path, capsys):

@@ -8,8 +8,8 @@ from torch.utils._pytree import tree_flatten
 
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.tp2d import shard_2d
-from autosplit.passes.tp_rewrite import shard_tensor_parallel
-from autosplit.passes.tp_sequence import apply_sequence_parallel
+from autosplit.cost_model import get_profile
+from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.trace import trace
 from tests import models
 
@@ -46,9 +46,7 @@ def test_memo_equals_full_propagation_after_tp_rewrites(factory, layout):
     if layout == "2d":
         plan = shard_2d(gm, 2, lambda node, a, w: "allgather")
     else:
-        plan = shard_tensor_parallel(gm, 4)
-        if layout == "1d-sp":
-            apply_sequence_parallel(gm, plan)
+        plan = shard_1d(gm, 4, get_profile("h100"), sequence_parallel=layout == "1d-sp")
     local = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph)
     full, memo = _both(local, x)
     assert memo == full

@@ -3,8 +3,9 @@
 Terms:
   layout   -- (tp, tp_mode, sequence_parallel): what the graph looks like on tp rank 0 (the tp rewrite).
               Traced, shape-propagated and rewritten once per layout, as ``autosplit.compile`` does, from
-              the stable passes (trace, MetaShapeProp, shard_tensor_parallel / apply_sequence_parallel,
-              shard_2d); 2D linears use the all-gather form (the search passes tp_2d_form="allgather").
+              the stable passes (trace, MetaShapeProp, the sharding engine: shard_1d, shard_2d), priced at
+              2 units (as compile prices its layout); 2D linears use the all-gather form (the search
+              passes tp_2d_form="allgather").
   unit     -- the smallest microbatch the layout admits: q = sqrt(tp) for 2D (rows split over tp_row),
               else 1.  Microbatch sizes are multiples of it.
   rescale  -- every shape and integer a node computes is affine in the microbatch size b (the batch dim
@@ -26,6 +27,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autosplit.cost_model import AnnotateCosts
+from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.roofline import output_dtype
 from autosplit.errors import AutosplitError
 from autosplit.passes.batch_norm import fewest_rows, find_batch_norms, one_row_refusal
@@ -34,8 +36,7 @@ from autosplit.passes.cut_points import find_cuts
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
 from autosplit.passes.tp2d import shard_2d
-from autosplit.passes.tp_rewrite import shard_tensor_parallel
-from autosplit.passes.tp_sequence import apply_sequence_parallel
+from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.trace import trace
 
 
@@ -59,9 +60,10 @@ class LayoutGraph:
     """The rank-0 graph of one layout, rescalable to any microbatch size (see the module docstring)."""
 
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
-                 sequence_parallel: bool):
-        """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy)."""
-        self.inputs, self.tp = inputs, tp
+                 sequence_parallel: bool, profile="h100"):
+        """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy); ``profile``
+        prices the sharding engine's candidates (compile's ``device``)."""
+        self.inputs, self.tp, self.profile = inputs, tp, get_profile(profile)
         self.unit = math.isqrt(tp) if tp_mode == "2d" else 1
         # 2D writes the row count into the graph (gather's full size): rewrite at both sizes and extrapolate
         # those integers too; the 1D rewrites write only head and token counts, so one rewrite serves.
@@ -99,9 +101,7 @@ class LayoutGraph:
         if tp_mode == "2d":
             plan = shard_2d(gm, self.unit, lambda node, x, w: "allgather")
         else:
-            plan = shard_tensor_parallel(gm, tp)
-            if sp:
-                apply_sequence_parallel(gm, plan)
+            plan = shard_1d(gm, tp, self.profile, sp)
         gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
         MetaShapeProp(_with_batch(self.inputs, b))(gm)
         return gm, plan

@@ -97,7 +97,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         graph = None
         if known is None:
             try:
-                graph = LayoutGraph(traced, inputs, layout.tp, layout.tp_mode, layout.sequence_parallel)
+                graph = LayoutGraph(traced, inputs, layout.tp, layout.tp_mode, layout.sequence_parallel, profile)
             except AutosplitError as exc:
                 known = (layout.tp, str(exc).splitlines()[0])
                 failed[layout.tp_mode].append(known)

@@ -139,6 +139,12 @@ def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     return _backend().local_slice(x, dim, axis)
 
 
+def global_size(local: int, full: int) -> int:
+    """A size read off a dim split with padding (sequence parallelism's 17 tokens on 2 ranks): the
+    unsplit size the model's code was written for, fixed at planning (the shard's is ceil(full / n))."""
+    return full
+
+
 def linear_2d(x: torch.Tensor, w: torch.Tensor, row_axis: str, col_axis: str, q: int,
               form: str = "allgather") -> torch.Tensor:
     """(..., in/q) sharded over col_axis, weight block (out/q, in/q) -> (..., out/q) sharded over col_axis."""

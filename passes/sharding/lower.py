@@ -1,0 +1,471 @@
+"""Lower the engine's choice to a per-rank graph: collectives, local shards, local sizes; one axis or several.
+
+Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorParallelPlan: tp_plan.py):
+  axes       -- the tp mesh axes, each with its own Sharding, in the order their collectives are
+                applied to an operand ("tp"; or "tp_row" then "tp_col").  Placements on different axes
+                commute, so an operand that changes place on both gets one collective per axis, chained.
+  transition node -- the collective inserted between a producer and the consumers that need another
+                place (autosplit/tp/ops.py): ``copy_to_axis`` (R for a split consumer: identity forward,
+                all-reduce of the gradient backward), ``all_reduce`` (P -> R), ``reduce_scatter``
+                (P -> S), ``all_gather`` (S -> R for a split consumer: its backward reduce-scatters the
+                partial gradients), ``gather`` (S -> R for a whole consumer: backward only slices),
+                ``local_slice`` (R -> S: backward all-gathers).  One per (axis, producer, kind).
+  pending bias -- a Linear split by input features gives a Partial sum; its bias is added once, after
+                the reduction (Megatron's row-parallel linear).
+  local sizes -- the graph keeps the model's global arithmetic: a size read off a split dim
+                (``x.size(d)``, ``x.shape[d]``, ``x.numel()``) is multiplied by the axis size where it is
+                read, and a size written at a split dim (reshape / view / expand / split) is divided.
+  partial grads -- one axis: a whole parameter read by a split strategy gets a partial gradient, summed
+                over tp by the runtime once per step.  Several axes (``param_copies``): the runtime's
+                sum runs over the whole tp group, which is wrong for a parameter split on one axis and
+                whole on another, so the graph reduces instead: ``copy_to_axis`` on the parameter.
+  stored split -- with several axes, a parameter whose every reader runs split over a ``store`` axis
+                is kept split over that axis too and all-gathered at its use (backward: the
+                reduce-scatter that sums its gradient over the axis): 2D's q*q-way parameter split.
+  grid forms -- 2D (``grid``): a column-split ``F.linear`` whose input is split on its features runs as
+                ``linear_2d`` (the input gathered over tp_col, the weight block over tp_row, inside the
+                op; or SUMMA), and a layer norm over split features as ``layer_norm_2d``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autosplit.errors import PlanError, at_node
+from autosplit.passes import op_dims as D
+from autosplit.passes.op_names import op_name
+from autosplit.passes.sharding.factors import index_set
+from autosplit.passes.sharding.strategies import P, R
+from autosplit.passes.sharding.tp_plan import fetch
+from autosplit.passes.tp_region_reads import shape_index, whole_shape
+from autosplit.tp import ops as C
+from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
+from autosplit.tp.shards import ShardedParam
+
+_VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
+
+
+class Lowering:
+    """Args:
+        shardings: axis name -> the engine's Sharding over it, in the order collectives are applied.
+        plan: the TensorParallelPlan to fill (shards, makers, partial grads).
+        coords: fn(tp rank) -> {axis: coordinate on it}; default: the one axis's coordinate is the rank.
+        store: an axis to store whole parameters split over (2D: "tp_row"), or None.
+        grid: (row axis, col axis, form chooser) for 2D's ``linear_2d`` / ``layer_norm_2d``, or None.
+    """
+
+    def __init__(self, shardings: dict, plan, coords=None, store: str | None = None, grid=None):
+        self.sh = shardings
+        self.axes = list(shardings)
+        first = shardings[self.axes[0]]
+        self.first, self.plan, self.gm, self.graph = first, plan, first.gm, first.gm.graph
+        self.coords = coords or (lambda r: {self.axes[0]: r})
+        self.ranks = plan.tp
+        self.store, self.grid = store, grid
+        self.param_copies = len(self.axes) > 1
+        self.made: dict = {}              # (axis, source, have, need, kind) -> transition node
+        self.spec: dict = {}              # node -> {axis: torch placement}
+        self.stored: dict = {}            # param node -> (dim, gather node or None)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def n(self, axis) -> int:
+        return self.sh[axis].n
+
+    def layout(self, axis, node):
+        return self.sh[axis].nodes[node].rule.out if node in self.sh[axis].nodes else None
+
+    def split_dim(self, axis, node):
+        w = self.sh[axis].where(node)
+        return None if w is None else w[0]
+
+    def indices(self, axis, layout_dim, cls) -> list[torch.Tensor]:
+        f, n = self.sh[axis].factors, self.n(axis)
+        leaf = next(x for x in f.flat(layout_dim) if f.find(x) == cls)
+        return [index_set(f, layout_dim, leaf, n, r) for r in range(n)]
+
+    def _new(self, after, fn, args, like, axis, place):
+        with self.graph.inserting_after(after):
+            node = self.graph.call_function(fn, args)
+        node.meta.update(module_path=like.meta.get("module_path", ""), val=like.meta.get("val"))
+        self.spec.setdefault(node, {})[axis] = place
+        return node
+
+    # -- the pass -------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.plan_storage()
+        for node in list(self.graph.nodes):
+            if node not in self.first.nodes:
+                continue
+            with at_node("the sharding engine's lowering", node):
+                self.lower_node(node)
+        out = next(v for v in self.graph.nodes if v.op == "output")
+        for p in list(out.all_input_nodes):
+            if p in self.first.nodes:
+                src = p
+                for axis in self.axes:
+                    src = self.transition(axis, p, src, R, False)
+                if src is not p:
+                    out.replace_input_with(p, src)
+        for axis in self.axes:
+            for node in list(self.graph.nodes):
+                self.size_reads(axis, node)
+        for node in self.graph.nodes:
+            spec = {}
+            for axis in self.axes:
+                place = self.spec.get(node, {}).get(axis)
+                if place is None and node in self.sh[axis].chosen:
+                    s = self.sh[axis].chosen[node].out
+                    d = self.split_dim(axis, node)
+                    place = Partial() if s == P else Shard(d) if d is not None else Replicate()
+                spec[axis] = place or Replicate()
+            node.meta["spec"] = spec
+
+    def lower_node(self, node: fx.Node) -> None:
+        chosen = {axis: self.sh[axis].chosen[node] for axis in self.axes}
+        rule = self.first.nodes[node].rule
+        grid2d = self.grid is not None and self._linear_2d(node)
+        for k, (p, _lay) in enumerate(rule.operands):
+            if p not in self.first.nodes:
+                continue
+            src = p
+            for axis in self.axes:
+                if grid2d and ((k == 0 and axis == self.grid[1]) or (k == 1 and axis == self.grid[0])):
+                    continue          # linear_2d gathers its input over tp_col and its weight over tp_row
+                src = self.transition(axis, p, src, chosen[axis].ins[k], chosen[axis].sharded)
+            if src is not p:
+                node.replace_input_with(p, src)
+        for axis, s in chosen.items():
+            if s.sharded and not self.param_copies:
+                self.plan.partial_grads.update(self._whole_params(axis, node, s))
+        s = chosen[self.axes[0]]
+        if rule.kind == "linear" and s.params:
+            self.linear_module(node, s)
+        elif rule.kind == "mha" and s.out == P:
+            self.mha(node, s)
+        elif rule.kind == "param" and (any(isinstance(c.out, tuple) for c in chosen.values()) or node in self.stored):
+            self.param(node, chosen)
+        if any(c.pending_bias for c in chosen.values()) and rule.kind == "op":   # F.linear(x, w, b): b after the sum
+            node.args = node.args[:2]
+            node.kwargs = {}
+        name = op_name(node, self.gm)
+        if name in _VIEW_SIZE_ARGS:
+            self.spell_sizes(node)
+        for axis, c in chosen.items():
+            d = self.split_dim(axis, node) if isinstance(c.out, tuple) else None
+            if d is not None and name in _VIEW_SIZE_ARGS:
+                self.local_view(axis, node, d)
+            if isinstance(c.out, tuple) and name == "split" and isinstance(D.arg(node, 1, "split_size"), int):
+                src_d = self.sh[axis].where(node.args[0]) if node.args[0] in self.sh[axis].nodes else None
+                if src_d is not None and src_d[0] == D.dim(node, 2, "dim", node.args[0].meta["val"].dim()):
+                    node.args = (node.args[0], D.arg(node, 1, "split_size") // self.n(axis), *node.args[2:])
+        if grid2d:
+            self.as_linear_2d(node)
+        elif self.grid is not None and name == "layer_norm":
+            self.as_layer_norm_2d(node, chosen[self.grid[1]])
+
+    def _whole_params(self, axis, node, s) -> list[str]:
+        """Whole parameters a split strategy reads: their gradient is partial over the axis."""
+        sh = self.sh[axis]
+        names = [a.target for k, (a, _) in enumerate(sh.nodes[node].rule.operands)
+                 if a.op == "get_attr" and s.ins[k] == R and a in sh.chosen and sh.chosen[a].out == R]
+        if node.op == "call_module":
+            split = {k for k, d in s.params if d is not None}
+            module = self.gm.get_submodule(node.target)
+            bias_after = s.pending_bias and sh.nodes[node].rule.kind == "linear"
+            names += [f"{node.target}.{k}" for k, _ in module.named_parameters()
+                      if k not in split and not (bias_after and k == "bias") and
+                      not (sh.nodes[node].rule.kind == "mha" and s.out == P)]
+        return names
+
+    # -- transitions ----------------------------------------------------------------------------
+    def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool) -> fx.Node:
+        """``src`` (``p``, after the earlier axes' transitions) in the place ``need`` on ``axis``."""
+        if p in self.stored and axis == self.store:
+            return self._stored_gather(p, src)
+        sh = self.sh[axis]
+        have = sh.place(p)
+        grads = p.op != "placeholder" and (p.op != "get_attr" or self.param_copies)
+        if have == need and not (need == R and consumer_sharded and grads):
+            return src
+        key = (axis, src, have, need, consumer_sharded if need == R else None)
+        if key in self.made:
+            return self.made[key]
+        n = self.n(axis)
+        if have == need:                                          # R for a split consumer
+            node = self._new(src, C.copy_to_axis, (src, axis), p, axis, Replicate())
+        elif have == P:
+            node = self._add_bias(axis, p, self._reduce(axis, p, src, need))
+        elif have == R:
+            d = sh.enum.where(self.layout(axis, p), need[1])[0]
+            node = self._new(src, C.local_slice, (src, d, axis, n), p, axis, Shard(d))
+        else:
+            d = self.split_dim(axis, p)
+            fn = C.all_gather if consumer_sharded else C.gather
+            node = self._new(src, fn, (src, d, axis, n, p.meta["val"].shape[d]), p, axis, Replicate())
+        self.made[key] = node
+        return node
+
+    def _reduce(self, axis, p: fx.Node, src: fx.Node, need) -> fx.Node:
+        if need == R:
+            return self._new(src, C.all_reduce, (src, axis), p, axis, Replicate())
+        d = self.sh[axis].enum.where(self.layout(axis, p), need[1])[0]
+        return self._new(src, C.reduce_scatter, (src, d, axis, self.n(axis)), p, axis, Shard(d))
+
+    def _add_bias(self, axis, p: fx.Node, reduced: fx.Node) -> fx.Node:
+        """``reduced`` plus the bias ``p``'s strategy left pending; the bias as the sum holds it: this
+        rank's slice when the sum was scattered over its features (the last dim), whole otherwise.
+        The slice's backward all-gathers, so the bias gradient is whole on every rank."""
+        sh = self.sh[axis]
+        s, rule = sh.chosen[p], sh.nodes[p].rule
+        if not s.pending_bias:
+            return reduced
+        owner = rule.operands[0][0] if rule.operands and sh.nodes[rule.operands[0][0]].rule.kind == "mha" else p
+        if owner is not p:                    # getitem 0 of a MultiheadAttention: out_proj's bias
+            rule = sh.nodes[owner].rule
+        if rule.kind in ("linear", "mha"):
+            target = f"{owner.target}.bias" if rule.kind == "linear" else f"{owner.target}.out_proj.bias"
+            if fetch(self.gm, target) is None:
+                return reduced
+            with self.graph.inserting_after(reduced):
+                bias = self.graph.get_attr(target)
+            bias.meta.update(module_path=p.meta.get("module_path", ""), val=None)
+            self.spec[bias] = {axis: Replicate()}
+        else:
+            bias = rule.operands[2][0]
+        place, last = self.spec[reduced][axis], reduced.meta["val"].dim() - 1
+        at = bias if bias.op == "get_attr" else reduced
+        if isinstance(place, Shard) and place.dim == last:
+            bias = self._new(at, C.local_slice, (bias, 0, axis, self.n(axis)), bias, axis, Shard(0))
+            at = bias
+        elif isinstance(place, Shard) and bias.op == "get_attr":
+            # scattered over tokens: each rank adds the whole bias to its own rows, its gradient a part
+            if self.param_copies:
+                bias = self._new(bias, C.copy_to_axis, (bias, axis), bias, axis, Replicate())
+                at = bias
+            else:
+                self.plan.partial_grads.add(bias.target)
+        return self._new(at, operator.add, (reduced, bias), p, axis, place)
+
+    # -- parameters -----------------------------------------------------------------------------
+    def plan_storage(self) -> None:
+        """Which whole parameters are stored split over the ``store`` axis (module docstring)."""
+        if self.store is None:
+            return
+        sh = self.sh[self.store]
+        for node, ns in sh.nodes.items():
+            if ns.rule.kind != "param" or not isinstance(fetch(self.gm, node.target), nn.Parameter) or \
+                    sh.chosen[node].out != R or not node.users:
+                continue
+            if not all(u in sh.chosen and sh.chosen[u].sharded for u in node.users):
+                continue
+            dim = self._store_dim(node)
+            if dim is not None:
+                self.stored[node] = (dim, None)
+
+    def _store_dim(self, node: fx.Node):
+        n = self.n(self.store)
+        local = list(node.meta["val"].shape)
+        col_dim = None
+        for axis in self.axes:
+            if axis != self.store and isinstance(self.sh[axis].chosen[node].out, tuple):
+                col_dim = self.split_dim(axis, node)
+                local[col_dim] //= self.n(axis)
+        users = list(node.users)
+        if len(users) == 1 and self.grid is not None and op_name(users[0], self.gm) == "linear" and \
+                users[0].args[1:2] == (node,) and self._linear_2d(users[0]):
+            return 1 if local[1] % n == 0 else None                 # linear_2d's weight block
+        order = ([col_dim] if col_dim is not None else []) + [d for d in range(len(local)) if d != col_dim]
+        return next((d for d in order if local[d] % n == 0 and local[d] >= n), None)
+
+    def _stored_gather(self, p: fx.Node, src: fx.Node) -> fx.Node:
+        dim, gathered = self.stored[p]
+        if gathered is None:
+            full = p.meta["val"].shape[dim]
+            for axis in self.axes:
+                if axis != self.store and self.split_dim(axis, p) == dim:
+                    full //= self.n(axis)
+            gathered = self._new(src, C.all_gather, (src, dim, self.store, self.n(self.store), full), p,
+                                 self.store, Replicate())
+            self.stored[p] = (dim, gathered)
+        return gathered
+
+    def param(self, node: fx.Node, chosen: dict) -> None:
+        """Record the parameter's shards: per tp rank, the indices it holds along each split dim."""
+        shape = tuple(node.meta["val"].shape)
+        per_axis = {}
+        for axis, s in chosen.items():
+            if isinstance(s.out, tuple):
+                d = self.split_dim(axis, node)
+                per_axis[axis] = (d, self.indices(axis, self.layout(axis, node)[d], s.out[1]))
+        slices = []
+        for rank in range(self.ranks):
+            at = self.coords(rank)
+            sl = {d: idx[at[axis]] for axis, (d, idx) in per_axis.items()}
+            if node in self.stored:
+                d, _ = self.stored[node]
+                base = sl.get(d, torch.arange(shape[d]))
+                part = len(base) // self.n(self.store)
+                sl[d] = base[at[self.store] * part:(at[self.store] + 1) * part]
+                self.spec.setdefault(node, {})[self.store] = Shard(d)
+            slices.append(sl)
+        if all(not sl for sl in slices):
+            return
+        sp = ShardedParam(node.target, shape, slices)
+        self.plan.sharded[node.target] = sp
+        tensor = fetch(self.gm, node.target)
+        self.plan.makers[node.target] = (
+            lambda r, sp=sp, t=tensor: nn.Parameter(sp.select(t.detach(), r), requires_grad=t.requires_grad)
+            if isinstance(t, nn.Parameter) else sp.select(t, r))
+
+    # -- modules (one axis) -----------------------------------------------------------------------
+    def linear_module(self, node: fx.Node, s) -> None:
+        axis = self.axes[0]
+        lin: nn.Linear = self.gm.get_submodule(node.target)
+        w = self.first.nodes[node].rule.params["weight"]
+        dims = dict(s.params)
+        if dims.get("weight") == 0:
+            rows = self.indices(axis, w[0], s.cls)
+            self.plan.makers[node.target] = lambda r, lin=lin, rows=rows: column_linear(lin, rows[r])
+            self._record(f"{node.target}.weight", 0, lin.weight.shape, rows)
+            if lin.bias is not None:
+                self._record(f"{node.target}.bias", 0, lin.bias.shape, rows)
+        elif dims.get("weight") == 1:
+            cols = self.indices(axis, w[1], s.cls)
+            self.plan.makers[node.target] = lambda r, lin=lin, cols=cols: row_linear(lin, cols[r])
+            self._record(f"{node.target}.weight", 1, lin.weight.shape, cols)
+
+    def _record(self, name, dim, shape, parts) -> None:
+        self.plan.sharded[name] = ShardedParam.along(name, dim, tuple(shape), parts)
+
+    def mha(self, node: fx.Node, s) -> None:
+        mha, n = self.gm.get_submodule(node.target), self.n(self.axes[0])
+        E, H = mha.embed_dim, mha.num_heads
+        Dh, h = E // H, H // n
+        rows = [torch.arange(3 * E).reshape(3, H, Dh)[:, r * h:(r + 1) * h].reshape(-1) for r in range(n)]
+        cols = [torch.arange(E).reshape(H, Dh)[r * h:(r + 1) * h].reshape(-1) for r in range(n)]
+        self.plan.makers[node.target] = lambda r: LocalMultiheadAttention(mha, rows[r], cols[r], h)
+        self._record(f"{node.target}.in_proj_weight", 0, (3 * E, E), rows)
+        if mha.in_proj_bias is not None:
+            self._record(f"{node.target}.in_proj_bias", 0, (3 * E,), rows)
+        self._record(f"{node.target}.out_proj.weight", 1, (E, E), cols)
+        node.args = (node.args[0], node.args[0], node.args[0], *node.args[3:])
+        node.meta["tp_random"] = mha.dropout > 0          # its attention dropout sees this rank's heads only
+
+    # -- 2D grid forms --------------------------------------------------------------------------
+    def _linear_2d(self, node: fx.Node) -> bool:
+        """A column-split ``F.linear`` of a parameter whose input is split on its features over tp_col."""
+        row, col, _ = self.grid
+        if op_name(node, self.gm) != "linear" or node not in self.sh[col].chosen:
+            return False
+        s, sh = self.sh[col].chosen[node], self.sh[col]
+        rule = sh.nodes[node].rule
+        if len(rule.operands) < 2 or rule.operands[1][0].op != "get_attr" or s.ins[1] == R or s.ins[1] == P:
+            return False
+        if sh.enum.where(rule.operands[1][1], s.ins[1][1])[0] != 0:
+            return False
+        x = rule.operands[0][0]
+        have = sh.place(x)
+        w = sh.where(x) if isinstance(have, tuple) else None
+        return w is not None and w[0] == x.meta["val"].dim() - 1 and w[2] and s.ins[0] == R
+
+    def as_linear_2d(self, node: fx.Node) -> None:
+        row, col, form = self.grid
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        weight = self.first.nodes[node].rule.operands[1][0]
+        chosen = form(node, node.args[0].meta["val"], tuple(weight.meta["val"].shape))
+        node.target, node.args, node.kwargs = C.linear_2d, (x, w, row, col, self.n(col), chosen), {}
+        self.plan.forms.append((node.meta.get("module_path") or node.name, chosen))
+        if bias is not None:
+            with self.graph.inserting_after(node):
+                added = self.graph.call_function(operator.add, (node, bias))
+            added.meta.update(module_path=node.meta.get("module_path", ""), val=node.meta.get("val"))
+            node.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
+            self.spec[added] = {a: self._place(a, node) for a in self.axes}
+
+    def _place(self, axis, node):
+        s = self.sh[axis].chosen[node].out
+        d = self.split_dim(axis, node)
+        return Partial() if s == P else Shard(d) if d is not None else Replicate()
+
+    def as_layer_norm_2d(self, node: fx.Node, s) -> None:
+        """A layer norm over features split over tp_col: statistics from partial sums."""
+        col = self.grid[1]
+        x = node.args[0]
+        shape = D.arg(node, 1, "normalized_shape")
+        if not isinstance(s.out, tuple) or self.split_dim(col, node) != node.meta["val"].dim() - 1:
+            return
+        features = shape if isinstance(shape, int) else shape[-1]
+        w, b = D.arg(node, 2, "weight"), D.arg(node, 3, "bias")
+        eps = D.arg(node, 4, "eps", 1e-5)
+        node.target, node.args, node.kwargs = C.layer_norm_2d, (x, features, w, b, eps, col), {}
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def spell_sizes(self, node: fx.Node) -> None:
+        """``y.reshape(x.shape)`` -> ``y.reshape(x.shape[0], ..., x.shape[k])``: each size then is read
+        (made global where x is split) and written (made local where the view is split) on its own."""
+        if len(node.args) != 2 or not isinstance(node.args[1], fx.Node) or \
+                not isinstance(node.args[1].meta.get("val"), torch.Size):
+            return
+        shape = node.args[1]
+        sizes = []
+        for i in range(len(shape.meta["val"])):
+            with self.graph.inserting_before(node):
+                g = self.graph.call_function(operator.getitem, (shape, i))
+            g.meta.update(module_path=node.meta.get("module_path", ""), val=shape.meta["val"][i])
+            sizes.append(g)
+        node.args = (node.args[0], *sizes)
+
+    def local_view(self, axis, node: fx.Node, d: int) -> None:
+        packed = len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
+        sizes = list(node.args[1] if packed else node.args[1:])
+        s = sizes[d]
+        if isinstance(s, int) and s != -1:
+            sizes[d] = s // self.n(axis)
+        elif isinstance(s, fx.Node):
+            with self.graph.inserting_before(node):
+                sizes[d] = self.graph.call_function(operator.floordiv, (s, self.n(axis)))
+            sizes[d].meta.update(module_path=node.meta.get("module_path", ""))
+        node.args = (node.args[0], tuple(sizes)) if packed else (node.args[0], *sizes)
+
+    def size_reads(self, axis, node: fx.Node) -> None:
+        """Sizes read off a split dim are local at run time: make them global where they are read."""
+        place = self.spec.get(node, {}).get(axis)
+        sh = self.sh[axis]
+        if place is None and node in sh.chosen and isinstance(sh.chosen[node].out, tuple):
+            d = self.split_dim(axis, node)
+        elif isinstance(place, Shard) and node not in self.stored:
+            d = place.dim
+        else:
+            return
+        if d is None or not isinstance(node.meta.get("val"), torch.Tensor):
+            return
+        ndim, full = node.meta["val"].dim(), node.meta["val"].shape[d]
+        n = self.n(axis)
+        padded = full % n != 0
+        if padded and any(op_name(u, self.gm) == "numel" for u in node.users):
+            raise PlanError(f"'{node.name}' is split with padding over '{axis}' and its numel() is read: "
+                            f"a padded shard cannot give the model's count")
+        for u in list(node.users):
+            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            if whole_shape(u):
+                for w in list(u.users):
+                    if shape_index(w, ndim) == d:
+                        self._globalize(w, n, full if padded else None)
+                continue
+            at = D.arg(u, 1, "dim") if name == "size" else None
+            if name == "numel" or (at is not None and D.norm(at, ndim) == d):
+                self._globalize(u, n, full if padded else None)
+
+    def _globalize(self, node: fx.Node, n: int, full: int | None) -> None:
+        """Every reader of the size ``node`` reads the global one: ``node * n``, or ``full`` for a
+        padded split (``global_size``)."""
+        with self.graph.inserting_after(node):
+            g = self.graph.call_function(operator.mul, (node, n)) if full is None else \
+                self.graph.call_function(C.global_size, (node, full))
+        g.meta.update(module_path=node.meta.get("module_path", ""))
+        node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)

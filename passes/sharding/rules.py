@@ -1,0 +1,373 @@
+"""The one op table of the sharding engine: for each op, how its output's dims come from its operands'.
+
+Terms (factors, classes, layouts: passes/sharding/factors.py):
+  OpRule    -- what one node does to dims: its output layout (a tuple of layouts for chunk/unbind/
+               MultiheadAttention), its tensor operands with the layouts they are paired by, and the
+               leaves it ``contract``s (sums over: a linear's input features, a matmul's k, ``sum``; a
+               shard of one gives a Partial output), ``forbid``s (needs whole: softmax's dim, a norm's
+               normalized dims, attention's head_dim and key tokens) and whether it is ``linear`` in
+               its operands (a Partial operand may pass through: "all" of them together as in add,
+               "one" of them with the others Replicate as in mul and matmul, or only the "first").
+  opaque    -- an op without a rule: its operands must be Replicate and its output is new dims, so the
+               engine still plans around it (the redistribution before it is priced) and the summary
+               names it.
+  params    -- for a call_module node, its own parameters' layouts (the Linear's weight is [out, in]).
+  rowwise   -- every index of the dims the op keeps is computed from the same index alone (pointwise
+               ops, norms over trailing dims, linears over their leading dims): a dim padded to a
+               multiple of the ranks (sequence parallelism's 17 tokens on 2 ranks) may stay split
+               through it, the padding rows computing values nobody reads.
+Every dim an op reads goes through passes/op_dims.py (keyword, negative and implicit dims).
+The rule of an in-place op is its out-of-place base's; the strategy then keeps the written operand's
+placement (passes/sharding/strategies.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autosplit.passes import op_dims as D
+from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.sharding.factors import Factors
+
+UNARY_LINEAR = {"neg", "contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "identity",
+                "Identity", "positive"}
+UNARY = UNARY_LINEAR | {"gelu", "silu", "relu", "tanh", "sigmoid", "dropout", "exp", "sqrt", "rsqrt", "erf", "abs",
+                        "softplus", "mish", "hardswish", "hardsigmoid", "leaky_relu", "elu", "log", "square",
+                        "reciprocal", "cos", "sin", "sign", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid", "Dropout",
+                        "Softplus", "Mish", "Hardswish", "Hardsigmoid", "LeakyReLU", "ELU", "QuickGELU",
+                        "DropPath", "GELUTanh"}
+BINARY = {"add": "all", "sub": "all", "mul": "one", "truediv": "first", "div": "first", "pow": "", "maximum": "",
+          "minimum": "", "floordiv": "", "where": ""}
+VIEWS = ("reshape", "view", "flatten", "unflatten")
+REDUCE_PARTIAL = {"sum"}
+REDUCE_WHOLE = {"mean", "amax", "amin", "prod", "max", "min", "var", "std", "logsumexp", "norm", "any", "all",
+                "argmax", "argmin"}
+NORMS = {"layer_norm": 1, "rms_norm": 1, "LayerNorm": None, "RMSNorm": None}
+
+
+@dataclass
+class OpRule:
+    out: object                                   # layout, tuple of layouts, or None (not a tensor)
+    operands: list = field(default_factory=list)  # (node, layout) per tensor operand, in argument order
+    contract: set = field(default_factory=set)
+    forbid: set = field(default_factory=set)
+    linear: str = ""                              # "all" | "one" | "first" | ""
+    kind: str = "op"                              # "op" | "view" | "opaque" | "input" | "param" | "linear" | "mha"
+    params: dict = field(default_factory=dict)    # call_module: param name -> layout
+    why: str = ""                                 # opaque: why no rule applies
+    rowwise: bool = False                         # each index of a kept dim is computed alone (padding-safe)
+
+
+def is_tensor(n) -> bool:
+    return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def tensorish(n) -> bool:
+    """Does ``n`` hold a tensor, or a tuple of them (chunk, unbind, MultiheadAttention)?"""
+    val = n.meta.get("val") if isinstance(n, fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (tuple, list)) and not isinstance(val, torch.Size) and \
+        any(isinstance(v, torch.Tensor) for v in val)
+
+
+class Rules:
+    """Applies the table node by node; ``layouts`` holds every tensor node's layout so far."""
+
+    def __init__(self, gm: fx.GraphModule, f: Factors):
+        self.gm, self.f = gm, f
+        self.layouts: dict[fx.Node, object] = {}
+
+    def fresh(self, shape) -> list[list[int]]:
+        return [[self.f.new(s)] for s in shape]
+
+    def lay(self, a):
+        if not isinstance(a, fx.Node):
+            return None
+        if a not in self.layouts and is_tensor(a):
+            self.layouts[a] = self.fresh(a.meta["val"].shape)      # a tensor made outside any rule
+        return self.layouts.get(a)
+
+    def opaque(self, n: fx.Node, why: str) -> OpRule:
+        val = n.meta.get("val")
+        out = self.fresh(val.shape) if isinstance(val, torch.Tensor) else \
+            tuple(self.fresh(v.shape) if isinstance(v, torch.Tensor) else None for v in val) if tensorish(n) else None
+        ops = [(a, self.lay(a)) for a in n.all_input_nodes if is_tensor(a)]
+        return OpRule(out, ops, kind="opaque", why=why)
+
+    def rule(self, n: fx.Node) -> OpRule:
+        if n.op == "placeholder":
+            return OpRule(self.fresh(n.meta["val"].shape), kind="input") if is_tensor(n) else OpRule(None)
+        if n.op == "get_attr":
+            return OpRule(self.fresh(n.meta["val"].shape), kind="param") if is_tensor(n) else OpRule(None)
+        if n.op == "output" or not tensorish(n):
+            return OpRule(None)
+        base = inplace_base(n, self.gm)
+        name = base or op_name(n, self.gm)
+        module = self.gm.get_submodule(n.target) if n.op == "call_module" else None
+        try:
+            r = self._rule(n, name, module)
+        except _NoRule as exc:
+            return self.opaque(n, str(exc))
+        if base is not None and (not r.operands or r.operands[0][0] is not n.args[0]):
+            return self.opaque(n, f"in-place '{name}' without its written tensor first")
+        return r
+
+    # -- the table ------------------------------------------------------------------------------
+    def _rule(self, n: fx.Node, name: str, module) -> OpRule:
+        x = self.lay(n.args[0]) if n.args else None
+        nd = len(x) if isinstance(x, list) else 0
+        val = n.meta["val"]
+        if isinstance(module, nn.Linear):
+            return self._linear(n, x, module.out_features, module.bias is not None, kind="linear")
+        if name == "linear":
+            w, b = D.arg(n, 1, "weight"), D.arg(n, 2, "bias")
+            r = self._linear(n, x, val.shape[-1], b is not None, w=self.lay(w), kind="op")
+            r.rowwise = True
+            r.operands.append((w, self.lay(w)))
+            if b is not None:
+                self._align(self.lay(b)[0], r.out[-1])
+                r.operands.append((b, self.lay(b)))
+            return r
+        if isinstance(module, nn.MultiheadAttention):
+            return self._mha(n, x, module)
+        if name in NORMS:
+            return self._norm(n, x, nd, name, module)
+        if name in UNARY or (module is None and name in ("dropout", "identity")):
+            return OpRule(x, [(n.args[0], x)], linear="first" if name in UNARY_LINEAR else "", rowwise=True)
+        if name in BINARY:
+            return self._binary(n, name, val)
+        if name in VIEWS:
+            out = self.f.reshape(x, list(val.shape))
+            if out is None:
+                raise _NoRule(f"{name} to {tuple(val.shape)} regroups dims no factor survives")
+            return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
+        if name == "expand":
+            shape, src = list(val.shape), n.args[0].meta["val"].shape
+            k = len(shape) - len(src)
+            out = [[self.f.new(s)] for s in shape[:k]] + \
+                  [x[i] if src[i] == shape[k + i] else [self.f.new(shape[k + i])] for i in range(len(src))]
+            return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
+        if name == "permute":
+            return OpRule([x[d] for d in D.permute_order(n, nd)], [(n.args[0], x)], linear="first")
+        if name in ("transpose", "swapaxes", "swapdims", "t"):
+            a, b = D.transpose_dims(n, nd) if name != "t" else (0, nd - 1)
+            out = list(x)
+            out[a], out[b] = out[b], out[a]
+            return OpRule(out, [(n.args[0], x)], linear="first")
+        if name == "unsqueeze":
+            d = D.unsqueeze_dim(n, nd)
+            return OpRule(x[:d] + [[self.f.new(1)]] + x[d:], [(n.args[0], x)], linear="first")
+        if name == "squeeze":
+            gone = D.squeeze_dims(n, n.args[0].meta["val"].shape)
+            return OpRule([x[d] for d in range(nd) if d not in gone], [(n.args[0], x)], linear="first")
+        if name == "unbind":
+            d = D.dim(n, 1, "dim", nd)
+            return OpRule(tuple(x[:d] + x[d + 1:] for _ in val), [(n.args[0], x)], linear="first")
+        if name in ("chunk", "split", "tensor_split"):
+            return self._chunk(n, x, nd, name)
+        if name == "getitem":
+            return self._getitem(n, x, nd)
+        if name in ("cat", "concat", "stack"):
+            return self._cat(n, name, val)
+        if name in D.SOFTMAX_LIKE:
+            return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
+        if name in REDUCE_PARTIAL | REDUCE_WHOLE:
+            dims = D.reduced_dims(n, nd)
+            out = [[self.f.new(1)] if d in dims else x[d] for d in range(nd)] if D.keepdim(n) else \
+                [x[d] for d in range(nd) if d not in dims]
+            leaves = self._leaves([x[d] for d in dims])
+            if name in REDUCE_PARTIAL:
+                return OpRule(out, [(n.args[0], x)], contract=leaves, linear="first")
+            return OpRule(out, [(n.args[0], x)], forbid=leaves)
+        if name in ("matmul", "bmm", "mm"):
+            return self._matmul(n)
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(n)
+        if name == "embedding":
+            w = self.lay(D.arg(n, 1, "weight"))
+            return OpRule(x + [w[1]], [(n.args[0], x), (n.args[1], w)], forbid=self._leaves([w[0]]))
+        raise _NoRule(f"'{name}' has no sharding rule")
+
+    def _leaves(self, dims) -> set[int]:
+        return {leaf for d in dims for leaf in self.f.flat(d)}
+
+    def _align(self, a, b) -> None:
+        if not self.f.align(a, b):
+            raise _NoRule("operand dims do not pair")
+
+    def _linear(self, n, x, out_features: int, bias: bool, w=None, kind="linear") -> OpRule:
+        if x is None:
+            raise _NoRule("a linear of a non-tensor")
+        if w is None:
+            w = [[self.f.new(out_features)], [self.f.new(n.args[0].meta["val"].shape[-1])]]
+        self._align(x[-1], w[1])
+        out = x[:-1] + [w[0]]
+        params = {"weight": w, "bias": [w[0]]} if bias else {"weight": w}
+        return OpRule(out, [(n.args[0], x)], contract=self._leaves([x[-1]]), linear="one" if not bias else "",
+                      kind=kind, params=params if kind == "linear" else {}, rowwise=True)
+
+    def _mha(self, n, x, m: nn.MultiheadAttention) -> OpRule:
+        """The module as one op: heads are sharded inside it (autosplit/tp/local_modules.py)."""
+        q, k, v = (list(n.args) + [None, None, None])[:3]
+        if not (q is k is v) or not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn or \
+                any(n.kwargs.get(a) is not None for a in ("attn_mask", "key_padding_mask")):
+            raise _NoRule("MultiheadAttention that is not plain self-attention (q, k, v differ, a mask, "
+                          "bias_k or add_zero_attn)")
+        heads = self.f.new(m.num_heads)
+        out = x[:-1] + [[self.f.new(m.embed_dim)]]
+        weights = self.fresh(n.meta["val"][1].shape) if isinstance(n.meta["val"][1], torch.Tensor) else None
+        return OpRule((out, weights) if weights is not None else (out,), [(q, x)], contract={heads},
+                      forbid=self._leaves([x[-1]]), kind="mha", params={"heads": [[heads]]})
+
+    def _norm(self, n, x, nd, name, module) -> OpRule:
+        shape = module.normalized_shape if module is not None and hasattr(module, "normalized_shape") else \
+            D.arg(n, 1, "normalized_shape")
+        k = 1 if isinstance(shape, int) else len(shape)
+        ops = [(n.args[0], x)]
+        params = {}
+        for i, key in ((2, "weight"), (3, "bias")) if module is None else ():
+            p = D.arg(n, i, key)
+            if is_tensor(p):
+                self._align_trailing(self.lay(p), x)
+                ops.append((p, self.lay(p)))
+        if module is not None:
+            for key in ("weight", "bias"):
+                if getattr(module, key, None) is not None:
+                    params[key] = x[nd - k:]
+        return OpRule(x, ops, forbid=self._leaves(x[nd - k:]), params=params, rowwise=True)
+
+    def _align_trailing(self, a, out) -> None:
+        for j in range(1, len(a) + 1):
+            if self.f.flat(a[-j]):
+                self._align(a[-j], out[-j])
+
+    def _binary(self, n, name, val) -> OpRule:
+        if name == "where":
+            tensors = [a for a in n.args[:3] if is_tensor(a)]
+        else:
+            tensors = [a for a in (D.arg(n, 0, "input"), D.arg(n, 1, "other")) if is_tensor(a)]
+        shape = list(val.shape)
+        out: list = [None] * len(shape)
+        for a in tensors:
+            la, sa = self.lay(a), a.meta["val"].shape
+            for j in range(1, len(sa) + 1):
+                if sa[-j] == 1:
+                    continue
+                if out[-j] is None:
+                    out[-j] = la[-j]
+                else:
+                    self._align(la[-j], out[-j])
+        out = [d if d is not None else [self.f.new(s)] for d, s in zip(out, shape)]
+        linear = BINARY[name]
+        if name == "truediv" and is_tensor(D.arg(n, 1, "other")) and not is_tensor(n.args[0]):
+            linear = ""
+        return OpRule(out, [(a, self.lay(a)) for a in tensors], linear=linear, rowwise=True)
+
+    def _chunk(self, n, x, nd, name) -> OpRule:
+        val = n.meta["val"]
+        d = D.dim(n, 2, "dim", nd)
+        if len({t.shape[d] for t in val}) != 1 or not isinstance(D.arg(n, 1, "chunks"), int):
+            raise _NoRule(f"uneven {name}")
+        rest = self.f.split_leading(x[d], len(val))
+        if rest is None:
+            raise _NoRule(f"{name} into {len(val)} does not split the dim's outermost factor")
+        return OpRule(tuple(x[:d] + [rest] + x[d + 1:] for _ in val), [(n.args[0], x)], linear="first")
+
+    def _getitem(self, n, x, nd) -> OpRule:
+        src, idx = n.args[0], n.args[1]
+        if isinstance(self.layouts.get(src), tuple):          # an element of chunk / unbind / MHA
+            return OpRule(self.layouts[src][idx], [(src, self.layouts[src][idx])], linear="first")
+        if x is None:
+            raise _NoRule("indexing a non-tensor")
+        items = list(idx) if isinstance(idx, tuple) else [idx]
+        if sum(1 for i in items if isinstance(i, fx.Node)) == 1 and len(items) == 1:
+            index = items[0]                                   # table[idx]: gathers rows of dim 0
+            li = self.lay(index)
+            return OpRule(li + x[1:], [(src, x), (index, li)], forbid=self._leaves([x[0]]))
+        if any(i is Ellipsis for i in items):
+            k = items.index(Ellipsis)
+            fill = nd - (len(items) - 1 - sum(1 for i in items if i is None))
+            items = items[:k] + [slice(None)] * fill + items[k + 1:]
+        out, forbid, d = [], [], 0
+        for i in items:
+            if i is None:
+                out.append([self.f.new(1)])
+            elif isinstance(i, slice) and i == slice(None):
+                out.append(x[d])
+                d += 1
+            elif isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool)):
+                forbid.append(x[d])
+                if isinstance(i, slice):
+                    out.append([self.f.new(n.meta["val"].shape[len(out)])])
+                d += 1
+            else:
+                raise _NoRule("indexing with tensors or lists")
+        out += x[d:]
+        return OpRule(out, [(src, x)], forbid=self._leaves(forbid), linear="first")
+
+    def _cat(self, n, name, val) -> OpRule:
+        tensors = [a for a in (D.arg(n, 0, "tensors") or []) if is_tensor(a)]
+        if not tensors:
+            raise _NoRule(f"{name} of no tensors")
+        lays = [self.lay(a) for a in tensors]
+        nd = len(lays[0])
+        d = D.dim(n, 1, "dim", nd + (name == "stack"))
+        if name == "stack":
+            for la in lays[1:]:
+                for a, b in zip(la, lays[0]):
+                    self._align(a, b)
+            out = lays[0][:d] + [[self.f.new(len(tensors))]] + lays[0][d:]
+            return OpRule(out, [(a, la) for a, la in zip(tensors, lays)], linear="all")
+        for la in lays[1:]:
+            for k in range(nd):
+                if k != d:
+                    self._align(la[k], lays[0][k])
+        sizes = {a.meta["val"].shape[d] for a in tensors}
+        forbid = set()
+        if len(sizes) == 1:                              # equal parts: (parts, part) with parts aligned
+            for la in lays[1:]:
+                self._align(la[d], lays[0][d])
+            cat_dim = [self.f.new(len(tensors))] + lays[0][d]
+        else:
+            cat_dim = [self.f.new(val.shape[d])]
+            forbid = self._leaves([la[d] for la in lays])
+        out = lays[0][:d] + [cat_dim] + lays[0][d + 1:]
+        return OpRule(out, [(a, la) for a, la in zip(tensors, lays)], forbid=forbid, linear="all")
+
+    def _matmul(self, n) -> OpRule:
+        a, b = n.args[:2]
+        la, lb = self.lay(a), self.lay(b)
+        if la is None or lb is None or len(la) < 2 or len(lb) < 2:
+            raise _NoRule("matmul with a vector or non-tensor operand")
+        self._align(la[-1], lb[-2])
+        for da, db in zip(reversed(la[:-2]), reversed(lb[:-2])):
+            if self.f.flat(da) and self.f.flat(db):
+                self._align(da, db)
+        batch = la[:-2] if len(la) >= len(lb) else lb[:-2]
+        return OpRule(batch + [la[-2], lb[-1]], [(a, la), (b, lb)], contract=self._leaves([la[-1]]), linear="one")
+
+    def _sdpa(self, n) -> OpRule:
+        q, k, v = n.args[:3]
+        lq, lk, lv = self.lay(q), self.lay(k), self.lay(v)
+        if lq is None or lk is None or lv is None:
+            raise _NoRule("attention with a non-tensor operand")
+        for other in (lk, lv):
+            for da, db in zip(lq[:-2], other[:-2]):
+                self._align(da, db)
+        self._align(lq[-1], lk[-1])
+        self._align(lk[-2], lv[-2])
+        ops = [(q, lq), (k, lk), (v, lv)]
+        mask = D.arg(n, 3, "attn_mask")
+        if is_tensor(mask):
+            scores = lq[:-1] + [lk[-2]]
+            self._align_trailing(self.lay(mask), scores)
+            ops.append((mask, self.lay(mask)))
+        return OpRule(lq[:-1] + [lv[-1]], ops, forbid=self._leaves([lq[-1], lk[-2]]))
+
+
+class _NoRule(Exception):
+    """Why an op is opaque (the summary lists it)."""

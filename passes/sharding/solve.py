@@ -1,0 +1,91 @@
+"""Choose one strategy per node: the plan of least predicted time, as an integer program.
+
+Terms (strategy, transition: strategies.py):
+  x[v, s]   -- 1 when node v runs strategy s (binary; one per node).
+  z[e, a, b] -- 1 when edge e's producer runs a and its consumer b (continuous in [0, 1]: the
+               equalities below make it the product x[p, a] * x[c, b] at any integer x).  Only pairs
+               with a possible transition exist, so an impossible pair is excluded, not penalised.
+  objective -- sum of compute(v, s) x[v, s] + sum of transition(e, a, b) z[e, a, b].
+  must      -- options the caller requires one of (tp_mode="1d": a Linear's weight is split when any
+               rule can split it; Megatron's contract): a penalty above any plan's time on the others,
+               so a requirement no plan can meet (a split no consumer can take) is given up alone,
+               not with every other one.
+
+Why an integer program and not a DP over the chain of blocks: a ViT's graph is a chain of blocks, but a
+block is not a chain (the residual forks), and models pass tensors past blocks (eva02's rotary table
+feeds every block); the program is exact on any DAG.  This is meta-pytorch/autoparallel's formulation
+(per-edge pair variables, the marginal equalities), solved with scipy's HiGHS (``scipy.optimize.milp``):
+the well-kept open solver, already a wheel on every platform torch has, unlike PuLP's CBC binary.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from autosplit.errors import PlanError
+
+
+def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = ()) -> list[int]:
+    """Chosen option index per node.
+
+    Args:
+        nodes: per node, the compute cost of each option (seconds).
+        edges: (producer index, consumer index, {(a, b): seconds}) for every tensor edge; pairs
+            missing from the dict are impossible.
+        must: groups of (node index, option index); one of each group's options is chosen wherever
+            some plan allows it.
+    """
+    offset, nvar = [], 0
+    for costs in nodes:
+        offset.append(nvar)
+        nvar += len(costs)
+    cost = [c for costs in nodes for c in costs]
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    row = 0
+
+    def add(entries, low, high):
+        nonlocal row
+        for col, v in entries:
+            rows.append(row)
+            cols.append(col)
+            vals.append(v)
+        lo.append(low)
+        hi.append(high)
+        row += 1
+
+    for v, costs in enumerate(nodes):
+        add([(offset[v] + s, 1.0) for s in range(len(costs))], 1.0, 1.0)
+    penalty = 1e3 * (sum(max(c) for c in nodes) + 1.0)     # above any plan's time: a violation never pays
+    for group in must:
+        allowed = {(v, s) for v, s in group}
+        for v in {v for v, _ in group}:
+            for s in range(len(nodes[v])):
+                if (v, s) not in allowed:
+                    cost[offset[v] + s] += penalty
+    z_first = nvar
+    for p, c, pairs in edges:
+        by_a: dict[int, list[int]] = {a: [] for a in range(len(nodes[p]))}
+        by_b: dict[int, list[int]] = {b: [] for b in range(len(nodes[c]))}
+        for (a, b), t in pairs.items():
+            by_a[a].append(nvar)
+            by_b[b].append(nvar)
+            cost.append(t)
+            nvar += 1
+        for a, zs in by_a.items():
+            add([(z, 1.0) for z in zs] + [(offset[p] + a, -1.0)], 0.0, 0.0)
+        for b, zs in by_b.items():
+            add([(z, 1.0) for z in zs] + [(offset[c] + b, -1.0)], 0.0, 0.0)
+    a = coo_matrix((vals, (rows, cols)), shape=(row, nvar)).tocsr()
+    integrality = np.zeros(nvar)
+    integrality[:z_first] = 1
+    res = milp(np.asarray(cost) * 1e6, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
+               bounds=Bounds(0, 1))          # microseconds: HiGHS's tolerances suit O(1) coefficients
+    if res.x is None:
+        raise Infeasible(res.message)
+    x = res.x
+    return [int(np.argmax(x[offset[v]:offset[v] + len(costs)])) for v, costs in enumerate(nodes)]
+
+
+class Infeasible(PlanError):
+    """No assignment meets the constraints (a required split that no consumer can take)."""

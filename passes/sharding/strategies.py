@@ -1,0 +1,212 @@
+"""Sharding strategies: for every node, the ways it can run over one mesh axis of n ranks, and what each costs.
+
+Terms (factors, classes, layouts: factors.py; OpRule: rules.py):
+  place     -- a tensor's placement on the axis: ``R`` (Replicate: every rank holds it whole), ``P``
+               (Partial: every rank holds a summand) or ``("S", c)`` (Shard: every rank holds 1/n of
+               the leaf of class c; torch's ``Shard(dim)`` when that leaf leads its dim, a strided
+               shard inside it otherwise, as a fused qkv's heads).
+  strategy  -- one way to run a node: the class it splits (None for R and P), its output's place,
+               each tensor operand's place, each own parameter's split (a Linear's weight by rows or
+               columns) and ``pending_bias`` (a Linear whose input features are split gives a Partial
+               sum without its bias: the bias is added once, after the reduction).
+  transition -- a producer's place -> the place its consumer needs: the collective inserted there
+               (P -> R all-reduce, P -> S reduce-scatter, S -> R all-gather, R -> S this rank's
+               slice; a Replicate operand of a node that runs split gets its gradient all-reduced
+               backward: Megatron's copy), priced forward plus backward.  Impossible transitions
+               (S of one class to S of another, anything to P) are None.
+  sharded   -- a strategy whose output is split or partial: its ranks compute different values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autosplit.cost_model.comm import all_gather_time, all_reduce_time, reduce_scatter_time
+from autosplit.cost_model.flops import node_cost
+from autosplit.cost_model.roofline import op_time, output_dtype
+from autosplit.passes.op_names import inplace_base
+from autosplit.passes.shape_prop import tensor_bytes
+from autosplit.passes.sharding.factors import Factors
+from autosplit.passes.sharding.rules import OpRule
+
+R, P = "R", "P"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    cls: int | None
+    out: object
+    ins: tuple
+    params: tuple = ()                  # (name, tensor dim split or None)
+    pending_bias: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.out != R
+
+
+@dataclass
+class NodeStrategies:
+    node: fx.Node
+    rule: OpRule
+    options: list[Strategy] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)      # seconds, forward + backward, per option
+    why_whole: str = ""                                      # why no split option exists
+
+
+class Enumerator:
+    """Strategies and transition costs over one axis of ``n`` ranks."""
+
+    def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=()):
+        self.gm, self.f, self.rules, self.n, self.profile = gm, f, rules, n, profile
+        self.allowed = allowed                 # class roots that may be split (None: any)
+        self.padded = set(padded)              # classes split even when n does not divide them (padded)
+
+    # -- classes and leaves ---------------------------------------------------------------------
+    def classes(self, layout) -> dict[int, tuple[int, int]]:
+        """class root -> (tensor dim, leaf) for every leaf of ``layout`` that divides by n."""
+        out = {}
+        for d, dim in enumerate(layout or []):
+            for leaf in self.f.flat(dim):
+                if self.f.size[leaf] % self.n == 0 or self.f.find(leaf) in self.padded:
+                    out.setdefault(self.f.find(leaf), (d, leaf))
+        return out
+
+    def where(self, layout, cls: int):
+        """(tensor dim, leaf, leads its dim) of class ``cls`` in ``layout``, or None."""
+        for d, dim in enumerate(layout or []):
+            flat = self.f.flat(dim)
+            for k, leaf in enumerate(flat):
+                if self.f.find(leaf) == cls:
+                    return d, leaf, k == 0
+        return None
+
+    def _has(self, layout, cls) -> bool:
+        if isinstance(layout, tuple):
+            return all(self._has(x, cls) for x in layout if x is not None)
+        return self.where(layout, cls) is not None
+
+    # -- strategies -----------------------------------------------------------------------------
+    def strategies(self, n: fx.Node) -> NodeStrategies:
+        r = self.rules[n]
+        ns = NodeStrategies(n, r)
+        ops = r.operands
+        ns.options.append(Strategy(None, R, tuple(R for _ in ops)))
+        if r.kind in ("input", "opaque"):
+            ns.why_whole = r.why or "a model input"
+            return self._priced(ns)
+        if r.kind == "param":
+            for c, (d, leaf) in self.classes(r.out).items():
+                if self._ok(c) and not self.uneven(c):
+                    ns.options.append(Strategy(c, ("S", c), ()))
+            return self._priced(ns)
+        forbid = {self.f.find(x) for x in r.forbid}
+        contract = {self.f.find(x) for x in r.contract}
+        cands = set()
+        for lay in [x for _, x in ops] + (list(r.out) if isinstance(r.out, tuple) else [r.out]):
+            cands |= set(self.classes(lay) if not isinstance(lay, tuple) else {})
+        cands |= {c for c in contract if self.f.size[next(x for x in r.contract if self.f.find(x) == c)] % self.n == 0}
+        inplace = inplace_base(n, self.gm) is not None
+        for c in sorted(cands):
+            if c in forbid or not self._ok(c):
+                continue
+            if self._has(r.out, c):
+                out = ("S", c)
+            elif c in contract:
+                out = P
+            else:
+                continue
+            if self.uneven(c) and (out == P or not r.rowwise):
+                continue                       # padding rows must never be summed nor reshaped in
+            ins = tuple(("S", c) if self._has(lay, c) else R for _, lay in ops)
+            if r.kind == "mha" and (out != P or self._weights_used(n)):
+                continue
+            params = tuple((k, self._param_dim(lay, c)) for k, lay in r.params.items() if k != "heads")
+            if out != P and all(i == R for i in ins) and r.kind != "view" and \
+                    all(d is None for _, d in params):
+                continue                       # computed whole from whole operands: not a shard
+            bias_operand = r.kind == "op" and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
+            pending = out == P and (r.kind == "mha" or "bias" in r.params or bias_operand)
+            ns.options.append(Strategy(c, out, ins, params, pending))
+        if r.linear and not isinstance(r.out, tuple):
+            for i in ({"all": [None], "one": range(len(ops)), "first": [0]}[r.linear]):
+                ins = tuple(P if (i is None or j == i) else R for j in range(len(ops)))
+                if r.kind == "linear" and "bias" in r.params:
+                    continue
+                ns.options.append(Strategy(None, P, ins, tuple((k, None) for k in r.params)))
+        if inplace:
+            ns.options = [s for s in ns.options if s.ins[0] == s.out]
+        if ops and isinstance(ops[0][0].meta.get("val"), (tuple, list)) and self.rules[ops[0][0]].kind == "mha":
+            # the attention's output, a Partial sum still without out_proj's bias (added once reduced)
+            ns.options = [Strategy(s.cls, s.out, s.ins, s.params, s.out == P) for s in ns.options]
+        if len(ns.options) == 1:
+            ns.why_whole = self._why_whole(r, forbid)
+        return self._priced(ns)
+
+    def uneven(self, c: int) -> bool:
+        """Is class ``c`` split with padding (n does not divide it)?"""
+        return c in self.padded and self.f.size[self.f.members(c)[0]] % self.n != 0
+
+    def _ok(self, c: int) -> bool:
+        return self.allowed is None or c in self.allowed
+
+    def _param_dim(self, layout, c):
+        w = self.where(layout, c)
+        return None if w is None else w[0]
+
+    def _weights_used(self, n: fx.Node) -> bool:
+        return any(u.args[1] != 0 and u.users for u in n.users)
+
+    def _why_whole(self, r: OpRule, forbid) -> str:
+        sizes = [self.f.size[x] for x in r.forbid]
+        if r.kind == "opaque":
+            return r.why
+        dims = {self.f.size[leaf] for _, lay in r.operands for d in (lay or []) if not isinstance(lay, tuple)
+                for leaf in self.f.flat(d)}
+        if dims and all(s % self.n for s in dims):
+            return f"no dim of size {sorted(dims)} divides by {self.n}"
+        return f"it needs whole the dims it reduces over ({sorted(set(sizes))})" if sizes else "no split pays"
+
+    def _priced(self, ns: NodeStrategies) -> NodeStrategies:
+        n = ns.node
+        base = 0.0
+        if ns.rule.kind not in ("input", "param") and isinstance(n.meta.get("val"), torch.Tensor):
+            cost = node_cost(n, self.gm)
+            base = sum(op_time(cost, output_dtype(n), self.profile))
+        ns.compute = [base / self.n if s.sharded else base for s in ns.options]
+        return ns
+
+    # -- transitions ----------------------------------------------------------------------------
+    def transition(self, producer: fx.Node, have, need, layout, nbytes: float, consumer_sharded: bool):
+        """Seconds (forward + backward) to turn ``have`` into ``need`` for one consumer; None if impossible."""
+        n, prof = self.n, self.profile
+        if have == need:
+            if need == R and consumer_sharded and producer.op not in ("get_attr", "placeholder"):
+                return all_reduce_time(nbytes, n, prof)        # copy: the gradient is partial
+            return 0.0
+        if need == P:
+            return None
+        if have == P:
+            if need == R:
+                return all_reduce_time(nbytes, n, prof)
+            return reduce_scatter_time(nbytes, n, prof) + all_gather_time(nbytes, n, prof) \
+                if self._leads(layout, need[1]) else None
+        if have == R:                                          # this rank's slice; backward all-gathers
+            if not self._leads(layout, need[1]):
+                return None
+            return all_gather_time(nbytes, n, prof)
+        if need == R and self._leads(layout, have[1]):         # gather; backward slices or reduce-scatters
+            return all_gather_time(nbytes, n, prof) + \
+                (reduce_scatter_time(nbytes, n, prof) if consumer_sharded else 0.0)
+        return None
+
+    def _leads(self, layout, cls) -> bool:
+        w = self.where(layout, cls)
+        return w is not None and w[2]
+
+
+def operand_bytes(node: fx.Node) -> float:
+    val = node.meta.get("val")
+    return float(tensor_bytes(val)) if isinstance(val, torch.Tensor) else 0.0
