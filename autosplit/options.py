@@ -27,7 +27,7 @@ from autosplit.schedule.generate import SCHEDULES, SPLIT_BACKWARD
 from autosplit.schedule.generate import validate as validate_schedule
 from autosplit.segment_costs import CHECKPOINTS
 
-TP_MODES = ("1d", "2d")
+TP_MODES = ("1d", "2d", "auto")
 TP_2D_FORMS = ("auto",) + LINEAR_2D_FORMS
 AUTOCAST = (None, torch.bfloat16, torch.float16)
 DP_SHARD = (False, None, True, "stage", "layer")     # None: as False
@@ -45,8 +45,10 @@ class PlanOptions:
     of ``autosplit plan`` (``--tp-mode``, ``--memory-budget``, ...).
 
     Args:
-        tp_mode: "1d" (Megatron: column / row sharded linear pairs) or "2d" (SUMMA/Optimus on a
-            q x q grid; tp must be a perfect square).
+        tp_mode: "1d" (Megatron: every Linear weight split by rows or columns, attention by heads),
+            "2d" (SUMMA/Optimus on a q x q grid; tp must be a perfect square) or "auto" (the sharding
+            engine's free choice over one tp axis: the least predicted step time whose per-rank
+            memory fits ``memory_budget``, or the device's memory; layers may stay whole).
         schedule: the pipeline schedule, one of ``autosplit.schedule.SCHEDULES`` ("gpipe", "1f1b",
             "interleaved", "zb-h1", "zb-v").
         chunks_per_rank: model chunks (stages) per pipeline rank: 1, >= 2 for "interleaved", 2 for "zb-v".
@@ -142,6 +144,9 @@ class PlanOptions:
             if self.sequence_parallel and mesh.tp > 1:
                 raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='2d' already splits "
                                      "every activation over both tp axes (batch over tp_row, channels over tp_col)")
+        if self.tp_mode == "auto" and self.sequence_parallel and mesh.tp > 1:
+            raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='auto' already weighs "
+                                 "splitting the tokens between blocks, by cost")
         validate.one_of("schedule", self.schedule, SCHEDULES)
         validate.positive_int("chunks_per_rank", self.chunks_per_rank)
         if self.num_microbatches is not None or not microbatches_default:

@@ -53,7 +53,7 @@ class Plan:
     graph: fx.GraphModule = field(repr=False)  # the whole traced graph, annotated
     modules: list[fx.GraphModule] = field(repr=False)
     schedule_grid: str = field(default="", repr=False)
-    tp_plan: object = field(default=None, repr=False)   # passes.tp_rewrite.TensorParallelPlan when tp > 1
+    tp_plan: object = field(default=None, repr=False)   # passes.sharding.tp_plan.TensorParallelPlan when tp > 1
     autocast: str | None = None               # "bfloat16" / "float16" when planned for torch.autocast
     checkpoint: str | None = None             # None, "stage" or "block"
     layer_end_segments: list[int] = field(default_factory=list)   # per layer, the segment it ends in

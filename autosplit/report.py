@@ -82,9 +82,10 @@ def summary_table(plan: Plan) -> str:
         tp = plan.tp_plan
         if plan.tp_mode == "2d":
             foot += _grid_note(plan)
+            foot += [f"  {line}" for line in block_lines(tp.regions)]
         else:
             split = sum(1 for line in tp.regions if ": whole" not in line)
-            foot.append(f"tensor parallel (tp={tp.tp}, 1d{', sequence parallel' if tp.sequence_parallel else ''}): "
+            foot.append(f"tensor parallel (tp={tp.tp}, {plan.tp_mode}{', sequence parallel' if tp.sequence_parallel else ''}): "
                         f"{split} of {len(tp.regions)} layers split, {len(tp.sharded)} parameters split "
                         f"(plan.explain(node) shows one op's candidates); per block:")
             foot += [f"  {line}" for line in block_lines(tp.regions)]

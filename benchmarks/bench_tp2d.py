@@ -18,12 +18,11 @@ Run from the repository root:  python benchmarks/bench_tp2d.py [--steps N] [--no
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 from pathlib import Path
 
-from common import cpu_name, rotate, slowest, spawn_ranks, step_stats, train_step, write_section
+from common import cpu_name, mode_rows, rotate, spawn_ranks, step_args, train_step, write_section
 
 START, END = "<!-- bench_tp2d:start -->", "<!-- bench_tp2d:end -->"
 REPO = Path(__file__).resolve().parent.parent
@@ -132,18 +131,11 @@ def time_rows(args) -> list[str]:
     per_rank = spawn_ranks(run_rank, WORLD, args, timeout=3600)
     first = per_rank[0]["first"]
     assert all(abs(a - b) < 1e-5 for a, b in zip(first["1d"][:2], first["2d"][:2])), first
-    stats = {m: step_stats(slowest(per_rank, "times", m)) for m in ("1d", "2d")}
-    base = stats["1d"]["median"]
-    return [f"| tp_mode=\"{m}\" | {s['median'] * 1e3:.0f} | {s['p10'] * 1e3:.0f} | {s['p90'] * 1e3:.0f} | "
-            f"{s['median'] / base:.3f} |" for m, s in stats.items()]
+    return mode_rows(per_rank, ("1d", "2d"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = step_args()
     load = os.getloadavg()[0]
     mem, comm, steps = memory_rows(), comm_rows(), time_rows(args)
     section = "\n".join([

@@ -18,6 +18,7 @@ Terms:
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import platform
@@ -295,3 +296,20 @@ def write_section(path: Path, section: str, start: str, end: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def step_args() -> argparse.Namespace:
+    """--steps, --warmup and --no-write, the flags of the benchmarks that time steps and write a section."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-write", action="store_true")
+    return ap.parse_args()
+
+
+def mode_rows(per_rank: list[dict], modes: tuple[str, ...]) -> list[str]:
+    """Markdown rows of the slowest rank's step times per ``tp_mode`` (ms), relative to the first."""
+    stats = {m: step_stats(slowest(per_rank, "times", m)) for m in modes}
+    base = stats[modes[0]]["median"]
+    return [f"| tp_mode=\"{m}\" | {s['median'] * 1e3:.0f} | {s['p10'] * 1e3:.0f} | {s['p90'] * 1e3:.0f} | "
+            f"{s['median'] / base:.3f} |" for m, s in stats.items()]

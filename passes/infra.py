@@ -19,9 +19,9 @@ Node metadata keys (``node.meta[...]``):
   spec        -- dict mesh axis -> torch.distributed.tensor placement (Shard(dim), Replicate(), Partial()):
                  ``{"tp": ...}`` for 1D and tp = 1, ``{"tp_row": ..., "tp_col": ...}`` for 2D; dp never
                  shards a node's value (it splits the batch rows).  On every traced node; nodes the
-                 rewrite inserts (collectives) may have none  (passes/tensor_parallel.py, tp_rewrite.py, tp2d.py)
+                 rewrite inserts (collectives) may have none  (passes/tensor_parallel.py, passes/sharding/lower.py)
   tp_random   -- bool, on attention nodes whose dropout sees this rank's heads only: the stage forks the
-                 random generator per tp rank there                       (passes/tp_rewrite.py)
+                 random generator per tp rank there                       (passes/sharding/lower.py)
   cost        -- ``cost_model.NodeCost``: FLOPs, bytes, saved activations      (cost_model/annotate.py)
   stage       -- int: the global pipeline stage the node runs in            (passes/assign_stages.py)
 (``nn_module_stack`` is torch.fx's own, read by tracing only.)
@@ -59,7 +59,7 @@ class PlanState:
     budget: float | None
     leaves: tuple
     layers: list[str]
-    tp_plan: object = None          # TensorParallelPlan (passes/tp_rewrite.py, tp2d.py); None when tp = 1
+    tp_plan: object = None          # TensorParallelPlan (passes/sharding/tp_plan.py); None when tp = 1
     schedule_result: object = None  # schedule.SimResult of the schedule (deadlock-free, its peak activations)
     placement: object = None        # schedule.Placement: which stage each (pipeline rank, chunk) runs
     in_flight: list[int] = None     # per stage, microbatches held at the schedule's peak

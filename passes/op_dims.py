@@ -10,8 +10,12 @@ Terms:
                   (``torch.nn.functional._get_softmax_dim``).  Not -1: for a 4-D input it is dim 1.
   reduced dims -- the dims ``sum`` / ``mean`` / ``amax`` ... reduce: the ``dim`` argument (an int or a
                   sequence), every dim when it is absent, None or empty.
+  shape read   -- ``x.shape`` / ``x.size()`` (the whole shape), then ``[i]`` with a constant int (one dim)
+                  or a constant slice (several).
 """
 from __future__ import annotations
+
+import operator
 
 import torch.fx as fx
 
@@ -94,3 +98,23 @@ def squeeze_dims(node: fx.Node, shape) -> list[int]:
     d = arg(node, 1, "dim")
     given = range(len(shape)) if d is None else dims(d, len(shape))
     return [k for k in given if shape[k] == 1]
+
+
+def whole_shape(u: fx.Node) -> bool:
+    """Is ``u`` the whole shape of its first operand (``x.shape``, ``x.size()``)?"""
+    if u.op == "call_function" and u.target is getattr:
+        return u.args[1] == "shape"
+    return u.op == "call_method" and u.target == "size" and arg(u, 1, "dim") is None
+
+
+def shape_index(w: fx.Node, ndim: int):
+    """For ``w`` = ``shape[i]`` with a constant int, the dim it reads (normalized); for a constant
+    slice ``shape[a:b:c]``, the list of dims it reads; None for any other use of a shape."""
+    if not (w.op == "call_function" and w.target is operator.getitem):
+        return None
+    i = w.args[1]
+    if isinstance(i, int) and not isinstance(i, bool):
+        return norm(i, ndim)
+    if isinstance(i, slice) and all(f is None or isinstance(f, int) for f in (i.start, i.stop, i.step)):
+        return list(range(ndim)[i])
+    return None

@@ -1,7 +1,7 @@
 """The tensor-parallel rewrite as a planning pass: 1D (Megatron, optionally sequence parallel) or 2D.
 
 Terms: see passes/sharding/ (the engine: placements, rules, strategies, the solver, the lowering;
-TensorParallelPlan and the local root in tp_plan.py) and passes/tp2d.py (the q x q grid, linear_2d forms).
+TensorParallelPlan and the local root in tp_plan.py; 1D in megatron.py, 2D's q x q grid in grid.py).
   local graph -- the rewritten graph with tp rank 0's parameter shards: the pass returns a new
                  GraphModule over it, so the following passes see local shapes (after the next
                  shape propagation); ``plan.stage_modules(r, tp_rank)`` builds the other ranks'.
@@ -20,7 +20,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from autosplit.cost_model.comm import linear_2d_time
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
-from autosplit.passes.tp2d import shard_2d
+from autosplit.passes.sharding.grid import shard_2d
 from autosplit.passes.sharding.engine import priced_at
 from autosplit.passes.sharding.megatron import shard_1d
 
@@ -70,10 +70,15 @@ class TensorParallel(MetaPass):
             return PassResult(graph_module, False)
         if opts.tp_mode == "2d":
             q = math.isqrt(tp)
-            tp_plan = shard_2d(graph_module, q, form_chooser(opts.tp_2d_form, q, s.profile))
+            tp_plan = shard_2d(graph_module, q, s.profile, form_chooser(opts.tp_2d_form, q, s.profile),
+                               price_vals=layout_vals(graph_module, s.inputs, q))
         else:
+            budget = None
+            if opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
+                budget = (s.budget if s.budget is not None else s.profile.memory_bytes) * s.mesh.pp
             tp_plan = shard_1d(graph_module, tp, s.profile, opts.sequence_parallel,
-                               price_vals=layout_vals(graph_module, s.inputs, 1))
+                               price_vals=layout_vals(graph_module, s.inputs, 1), auto=opts.tp_mode == "auto",
+                               memory_budget=budget)
         s.put(tp_plan=tp_plan)
         graph = graph_module.graph
         return PassResult(fx.GraphModule(tp_plan.local_root(0, graph), graph, type(s.model).__name__), True)

@@ -1,6 +1,6 @@
 """Put the random ops of sharded tensor-parallel regions on a per-tp-rank RNG fork.
 
-Terms (see autosplit/tp/random.py for the fork, tp_rewrite.py for spec):
+Terms (see autosplit/tp/random.py for the fork, passes/sharding/lower.py for spec):
   random op  -- a dropout module (``nn.Dropout`` and the other ``_DropoutNd``), a dropout function
                 (``F.dropout``, ``dropout1d`` ...), ``bernoulli`` / ``rand_like`` style ops, and
                 ``scaled_dot_product_attention`` with a ``dropout_p`` that is not 0 (a number or a

@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from autosplit.passes.shape_prop import MetaShapeProp
-from autosplit.passes.tp2d import shard_2d
+from autosplit.passes.sharding.grid import shard_2d
 from autosplit.cost_model import get_profile
 from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.trace import trace
@@ -44,7 +44,7 @@ def test_memo_equals_full_propagation_after_tp_rewrites(factory, layout):
     gm = trace(factory())
     MetaShapeProp((x,))(gm)
     if layout == "2d":
-        plan = shard_2d(gm, 2, lambda node, a, w: "allgather")
+        plan = shard_2d(gm, 2, get_profile("h100"), lambda node, a, w: "allgather")
     else:
         plan = shard_1d(gm, 4, get_profile("h100"), sequence_parallel=layout == "1d-sp")
     local = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph)

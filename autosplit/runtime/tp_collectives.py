@@ -106,7 +106,10 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str, full: int) -> torch.Tensor
     x = x.contiguous()          # the received parts must be row-major like what is sent (empty_like keeps strides)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     _wait(dist.all_gather(parts, x, group=group, async_op=True), f"all_gather over {axis}")
-    return torch.cat(parts, dim=dim).narrow(dim, 0, full)
+    out = torch.cat(parts, dim=dim)
+    # a fresh tensor, never a view: a model may write the gathered tensor in place (autograd forbids
+    # in-place writes to a custom Function's view output); the padded case drops the padding by copy
+    return out if out.shape[dim] == full else out.narrow(dim, 0, full).clone()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False) -> torch.Tensor:

@@ -35,7 +35,7 @@ from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
-from autosplit.passes.tp2d import shard_2d
+from autosplit.passes.sharding.grid import shard_2d
 from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.trace import trace
 
@@ -99,7 +99,7 @@ class LayoutGraph:
         if tp == 1:
             return gm, None
         if tp_mode == "2d":
-            plan = shard_2d(gm, self.unit, lambda node, x, w: "allgather")
+            plan = shard_2d(gm, self.unit, self.profile, lambda node, x, w: "allgather")
         else:
             plan = shard_1d(gm, tp, self.profile, sp)
         gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)

@@ -17,6 +17,7 @@ import re
 import torch.fx as fx
 
 from autosplit.passes.op_names import op_name
+from autosplit.passes.sharding.engine import priced
 from autosplit.passes.sharding.strategies import P, R
 
 
@@ -119,7 +120,8 @@ def layer_lines(sh) -> list[str]:
     for v in sh.gm.graph.nodes:
         if v in sh.nodes and v in sh.chosen and _is_layer(sh, v):
             path = v.meta.get("module_path") or v.name
-            label = path if sh.nodes[v].rule.kind in ("linear", "mha") else f"{path} [{v.name}]"
+            weighted = sh.nodes[v].rule.kind in ("linear", "mha") or op_name(v, sh.gm) == "linear"
+            label = path if weighted else f"{path} [{v.name}]"
             lines.append(f"{label}: {how(sh, v)}")
     return lines
 
@@ -151,44 +153,53 @@ def _next(a: str, b: str) -> bool:
         int(pb[1]) == int(pa[1]) + 1
 
 
-def opaque_notes(sh) -> list[str]:
-    """Ops without a rule that a split tensor had to be gathered for."""
+def opaque_notes(shardings: dict) -> list[str]:
+    """Ops without a rule that a split tensor had to be gathered for (``shardings``: axis -> Sharding)."""
+    gathered: dict = {}
+    for axis, sh in shardings.items():
+        for v, ns in sh.nodes.items():
+            if ns.rule.kind != "opaque" or v not in sh.chosen:
+                continue
+            for a, _ in ns.rule.operands:
+                if a in sh.chosen and sh.chosen[a].out != R:
+                    gathered.setdefault(v, (sh, {}))[1].setdefault(a.name, []).append(axis)
     notes = []
-    for v, ns in sh.nodes.items():
-        if ns.rule.kind != "opaque" or v not in sh.chosen:
-            continue
-        split_in = [a.name for a, _ in ns.rule.operands if a in sh.chosen and sh.chosen[a].out != R]
-        if split_in:
-            notes.append(f"'{v.name}' ({op_name(v, sh.gm)}, in '{v.meta.get('module_path') or '<root>'}'): "
-                         f"{ns.rule.why}; {', '.join(split_in)} gathered whole before it")
+    for v, (sh, names) in gathered.items():
+        what = ", ".join(f"{name} (over {' and '.join(axes)})" if len(shardings) > 1 else name
+                         for name, axes in names.items())
+        notes.append(f"'{v.name}' ({op_name(v, sh.gm)}, in '{v.meta.get('module_path') or '<root>'}'): "
+                     f"{sh.nodes[v].rule.why}; {what} gathered whole before it")
     return notes
 
 
 def explain(sh, target: str) -> str:
     """The candidates of the node named ``target`` (or the nodes of the module path ``target``): each
-    option's places, compute and the transitions from its producers' chosen places, in ms (the
-    redistribution after it, to its consumers, is priced on their lines)."""
+    option's places, compute and the transitions from its producers' chosen places, in ms at the
+    shapes the layout was priced at (engine.py "priced at"; the redistribution after it, to its
+    consumers, is priced on their lines)."""
     nodes = [v for v in sh.nodes if v.name == target] or \
         [v for v in sh.nodes if v.meta.get("module_path") == target]
     if not nodes:
         raise KeyError(f"no node or module path '{target}' in the planned graph")
-    out = []
-    for v in nodes:
-        ns = sh.nodes[v]
-        out.append(f"{v.name} ({op_name(v, sh.gm)}, in '{v.meta.get('module_path') or '<root>'}'):")
-        for i, s in enumerate(ns.options):
-            moves = 0.0
-            for k, (p, lay) in enumerate(ns.rule.operands):
-                if p in sh.chosen:
-                    t = sh.enum.transition(p, sh.chosen[p].out, s.ins[k], lay,
-                                           _nbytes(p, v), s.sharded)
-                    moves += float("inf") if t is None else t
-            mark = "  <- chosen" if s == sh.chosen.get(v) else ""
-            own = "".join(f", {k} split on dim {d}" for k, d in s.params if d is not None)
-            out.append(f"  {_place(sh, v, s.out)} from ({', '.join(_place(sh, v, x) for x in s.ins)}){own}: "
-                       f"compute {ns.compute[i] * 1e3:.4f} ms + redistribution {moves * 1e3:.4f} ms{mark}")
-        if len(ns.options) == 1:
-            out.append(f"  (one option: {ns.why_whole})")
+    with priced(sh.gm, sh.price_vals):
+        return "\n".join(_candidates(sh, v) for v in nodes)
+
+
+def _candidates(sh, v: fx.Node) -> str:
+    ns = sh.nodes[v]
+    out = [f"{v.name} ({op_name(v, sh.gm)}, in '{v.meta.get('module_path') or '<root>'}'):"]
+    for i, s in enumerate(ns.options):
+        moves = 0.0
+        for k, (p, lay) in enumerate(ns.rule.operands):
+            if p in sh.chosen:
+                t = sh.enum.transition(p, sh.chosen[p].out, s.ins[k], lay, _nbytes(p, v), s.sharded)
+                moves += float("inf") if t is None else t
+        mark = "  <- chosen" if s == sh.chosen.get(v) else ""
+        own = "".join(f", {k} split on dim {d}" for k, d in s.params if d is not None)
+        out.append(f"  {_place(sh, v, s.out)} from ({', '.join(_place(sh, v, x) for x in s.ins)}){own}: "
+                   f"compute {ns.compute[i] * 1e3:.4f} ms + redistribution {moves * 1e3:.4f} ms{mark}")
+    if len(ns.options) == 1:
+        out.append(f"  (one option: {ns.why_whole})")
     return "\n".join(out)
 
 

@@ -22,12 +22,12 @@ import torch
 import torch.fx as fx
 
 from autosplit.errors import rule_failure
+from autosplit.passes.op_dims import shape_index, whole_shape
 from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import Rules, tensorish
-from autosplit.passes.sharding.solve import solve
+from autosplit.passes.sharding.solve import Infeasible, solve
 from autosplit.passes.sharding.strategies import R, Enumerator, NodeStrategies, Strategy, operand_bytes
-from autosplit.passes.tp_region_reads import shape_index, whole_shape
 
 _SIZE_READS = {"size", "numel", "dim", "ndimension"}
 _VIEW_SIZE_ARGS = ("reshape", "view", "expand")
@@ -44,6 +44,8 @@ class Sharding:
     enum: Enumerator | None = None
     notes: list[str] = field(default_factory=list)
     cost: float = 0.0
+    memory: float = 0.0                 # bytes a rank keeps under the choice (strategies.py ``_priced``)
+    price_vals: dict | None = None      # the values the candidates were priced with ("priced at")
 
     def place(self, node: fx.Node):
         s = self.chosen.get(node)
@@ -99,7 +101,7 @@ def priced_at(gm: fx.GraphModule, inputs: tuple) -> dict:
 
 
 @contextmanager
-def _vals(gm: fx.GraphModule, vals: dict | None):
+def priced(gm: fx.GraphModule, vals: dict | None):
     """Nodes carry ``vals`` (by name) instead of their own values inside the block."""
     if not vals:
         yield
@@ -116,7 +118,8 @@ def _vals(gm: fx.GraphModule, vals: dict | None):
 
 
 def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_weights: bool = False,
-            padded_fn=None, must_split_fn=None, price_vals: dict | None = None) -> Sharding:
+            padded_fn=None, must_split_fn=None, price_vals: dict | None = None, grid: bool = False,
+            memory_budget: float | None = None, microbatches: int = 1) -> Sharding:
     """Plan the split of every node of ``gm`` (requires meta['val']) over one axis of ``n`` ranks.
 
     Args:
@@ -130,6 +133,10 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
             split (on them or otherwise): sequence parallelism's tokens, split wherever an op allows.
         price_vals: node name -> value to price the candidates with (``priced_at``); default: the
             graph's own shapes.
+        grid: the axis is one of 2D's (strategies.py ``Enumerator.grid``).
+        microbatches: per step (a whole weight's partial gradient is summed once per step).
+        memory_budget: bytes one rank may keep (parameters with their gradients and Adam moments,
+            saved activations); None: no limit.  A budget no plan meets is noted and dropped.
         must_split_weights: require a split of every Linear weight that some strategy splits.
     """
     f = Factors()
@@ -142,17 +149,17 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
             raise rule_failure("the sharding engine's op rules", node, exc) from exc
         if r.out is not None:
             rules.layouts[node] = r.out
-    sh = Sharding(gm, n, f, {})
+    sh = Sharding(gm, n, f, {}, price_vals=price_vals)
     allowed = allowed_fn(sh, table) if allowed_fn is not None else None
     padded = padded_fn(sh, table) if padded_fn is not None else ()
-    sh.enum = enum = Enumerator(gm, f, table, n, profile, allowed, padded)
+    sh.enum = enum = Enumerator(gm, f, table, n, profile, allowed, padded, grid, microbatches)
     order = [v for v in gm.graph.nodes if table[v].out is not None]
-    with _vals(gm, price_vals):
-        return _choose(sh, enum, table, order, must_split_weights, must_split_fn)
+    with priced(gm, price_vals):
+        return _choose(sh, enum, table, order, must_split_weights, must_split_fn, memory_budget)
 
 
 def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split_weights: bool,
-            must_split_fn) -> Sharding:
+            must_split_fn, memory_budget: float | None) -> Sharding:
     gm = sh.gm
     for v in order:
         try:
@@ -195,7 +202,18 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
             opts = sh.nodes[v].options
             if any(s.cls in classes and isinstance(s.out, tuple) for s in opts):
                 must.append([(index[v], i) for i, s in enumerate(opts) if s.out != R])
-    picks = solve(costs, edges, must)
+    memory = None
+    if memory_budget is not None:
+        memory = ([sh.nodes[v].memory for v in order] + [[0.0]] * (len(costs) - len(order)), memory_budget)
+    try:
+        picks = solve(costs, edges, must, memory)
+    except Infeasible:
+        least = sum(min(sh.nodes[v].memory) for v in order)
+        sh.notes.append(f"no layout fits the memory budget of {memory_budget / 2**30:.2f} GiB per rank (the "
+                        f"least this model keeps split as far as the engine can is {least / 2**30:.2f} GiB); "
+                        f"planned for time alone")
+        picks = solve(costs, edges, must)
+    sh.memory = sum(sh.nodes[v].memory[picks[index[v]]] for v in order)
     for v in order:
         sh.chosen[v] = sh.nodes[v].options[picks[index[v]]]
         sh.cost += sh.nodes[v].compute[picks[index[v]]]
@@ -222,6 +240,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
                     continue                # a sum still without its bias cannot flow on as Partial
                 if writes and k == 0 and alias and (sa.out != sb.ins[0] or (sa.out == R and sb.sharded)):
                     continue                # the write must reach p's other readers: no redistributed copy
+                # (with no other reader, the lowering makes the op out of place on the redistributed copy)
                 t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded)
                 if t is not None:
                     pairs[(a, b)] = t
@@ -248,10 +267,12 @@ def _weight_groups(sh: Sharding, order, index) -> list:
         elif ns.rule.kind == "mha":
             opts = [(index[v], i) for i, s in enumerate(ns.options) if s.out != R]
             numel = sh.gm.get_submodule(v.target).in_proj_weight.numel()
-        elif ns.rule.kind == "param" and any(u.op == "call_function" and getattr(u.target, "__name__", "") == "linear"
-                                             and len(u.args) > 1 and u.args[1] is v for u in v.users):
-            opts = [(index[v], i) for i, s in enumerate(ns.options) if s.out != R]
-            numel = v.meta["val"].numel()
+        elif ns.rule.kind == "op" and op_name(v, sh.gm) == "linear" and len(ns.rule.operands) > 1 and \
+                ns.rule.operands[1][0].op == "get_attr":
+            # F.linear of a parameter: split where it is used (a weight stored split, then gathered
+            # for a whole GEMM, splits nothing)
+            opts = [(index[v], i) for i, s in enumerate(ns.options) if isinstance(s.ins[1], tuple)]
+            numel = ns.rule.operands[1][0].meta["val"].numel()
         else:
             continue
         found.append((numel, opts))

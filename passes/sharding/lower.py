@@ -37,16 +37,33 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autosplit.errors import PlanError, at_node
 from autosplit.passes import op_dims as D
-from autosplit.passes.op_names import op_name
+from autosplit.passes.op_dims import shape_index, whole_shape
+from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.sharding.factors import index_set
 from autosplit.passes.sharding.strategies import P, R
 from autosplit.passes.sharding.tp_plan import fetch
-from autosplit.passes.tp_region_reads import shape_index, whole_shape
 from autosplit.tp import ops as C
 from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
 from autosplit.tp.shards import ShardedParam
 
 _VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
+_WEIGHTED = ("linear", "conv1d", "conv2d", "conv3d")
+
+
+def out_of_place(node: fx.Node) -> None:
+    """Turn the in-place op ``node`` into the op it computes (``y.mul_(g)`` -> ``y.mul(g)``).  Only where
+    nothing else reads the written tensor (the engine's edges allow a redistributed operand only then)."""
+    base = inplace_base(node)
+    if node.op == "call_method":
+        node.target = base
+    elif node.kwargs.get("inplace") is True:
+        node.kwargs = {**node.kwargs, "inplace": False}
+    elif getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        node.target = getattr(operator, base)
+    else:
+        module = torch.nn.functional if hasattr(torch.nn.functional, base) and \
+            getattr(node.target, "__module__", "").startswith("torch.nn.functional") else torch
+        node.target = getattr(module, base)
 
 
 class Lowering:
@@ -96,6 +113,12 @@ class Lowering:
 
     # -- the pass -------------------------------------------------------------------------------
     def run(self) -> None:
+        for node in self.graph.nodes:        # F.linear(input=x, weight=w) -> F.linear(x, w, None)
+            if op_name(node, self.gm) in _WEIGHTED and node.op == "call_function":
+                names = ("input", "weight", "bias")
+                head = tuple(D.arg(node, i, k) for i, k in enumerate(names))
+                node.args = head + tuple(node.args[3:])
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k not in names}
         self.plan_storage()
         for node in list(self.graph.nodes):
             if node not in self.first.nodes:
@@ -127,7 +150,7 @@ class Lowering:
     def lower_node(self, node: fx.Node) -> None:
         chosen = {axis: self.sh[axis].chosen[node] for axis in self.axes}
         rule = self.first.nodes[node].rule
-        grid2d = self.grid is not None and self._linear_2d(node)
+        grid2d = self.grid is not None and self._linear_2d(node) and rule.operands[1][0] in self.stored
         for k, (p, _lay) in enumerate(rule.operands):
             if p not in self.first.nodes:
                 continue
@@ -148,9 +171,10 @@ class Lowering:
             self.mha(node, s)
         elif rule.kind == "param" and (any(isinstance(c.out, tuple) for c in chosen.values()) or node in self.stored):
             self.param(node, chosen)
-        if any(c.pending_bias for c in chosen.values()) and rule.kind == "op":   # F.linear(x, w, b): b after the sum
-            node.args = node.args[:2]
-            node.kwargs = {}
+        if any(c.pending_bias for c in chosen.values()) and op_name(node, self.gm) in _WEIGHTED:
+            node.args = node.args[:2] + (None,) + node.args[3:]       # F.linear(x, w, b): b after the sum
+        if inplace_base(node, self.gm) is not None and node.args and node.args[0] is not rule.operands[0][0]:
+            out_of_place(node)   # its operand was redistributed: the write would land on a copy no one reads
         name = op_name(node, self.gm)
         if name in _VIEW_SIZE_ARGS:
             self.spell_sizes(node)
@@ -211,6 +235,10 @@ class Lowering:
 
     def _reduce(self, axis, p: fx.Node, src: fx.Node, need) -> fx.Node:
         if need == R:
+            if len(src.users) > 1:
+                # the all-reduce sums in place (no copy, as Megatron's): another reader of the partial
+                # sum (a view of it taken for a second consumer) would see it reduced twice
+                src = self._new(src, torch.clone, (src,), p, axis, Partial())
             return self._new(src, C.all_reduce, (src, axis), p, axis, Replicate())
         d = self.sh[axis].enum.where(self.layout(axis, p), need[1])[0]
         return self._new(src, C.reduce_scatter, (src, d, axis, self.n(axis)), p, axis, Shard(d))
@@ -378,14 +406,17 @@ class Lowering:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         weight = self.first.nodes[node].rule.operands[1][0]
         chosen = form(node, node.args[0].meta["val"], tuple(weight.meta["val"].shape))
-        node.target, node.args, node.kwargs = C.linear_2d, (x, w, row, col, self.n(col), chosen), {}
         self.plan.forms.append((node.meta.get("module_path") or node.name, chosen))
-        if bias is not None:
-            with self.graph.inserting_after(node):
-                added = self.graph.call_function(operator.add, (node, bias))
-            added.meta.update(module_path=node.meta.get("module_path", ""), val=node.meta.get("val"))
-            node.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
-            self.spec[added] = {a: self._place(a, node) for a in self.axes}
+        args = (x, w, row, col, self.n(col), chosen)
+        if bias is None:
+            node.target, node.args, node.kwargs = C.linear_2d, args, {}
+            return
+        # the node itself becomes the bias add, so it stays the one the engine's tables name
+        with self.graph.inserting_before(node):
+            product = self.graph.call_function(C.linear_2d, args)
+        product.meta.update(module_path=node.meta.get("module_path", ""), val=node.meta.get("val"))
+        self.spec[product] = {a: self._place(a, node) for a in self.axes}
+        node.target, node.args, node.kwargs = operator.add, (product, bias), {}
 
     def _place(self, axis, node):
         s = self.sh[axis].chosen[node].out

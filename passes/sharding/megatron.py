@@ -1,4 +1,5 @@
-"""1D tensor parallelism (Megatron's layouts) as the sharding engine over one axis ``tp``.
+"""1D tensor parallelism (Megatron's layouts, and the free choice of "auto") as the sharding engine
+over one axis ``tp``.
 
 Terms (engine: engine.py; lowering: lower.py; plan: tp_plan.py):
   feature class -- a class (factors.py) that a Linear's weight carries (its output or input features,
@@ -9,8 +10,13 @@ Terms (engine: engine.py; lowering: lower.py; plan: tp_plan.py):
                    blocks tensors stay replicated, as in Megatron; the token and batch dims are never
                    weight classes (sequence parallelism is its own option).
   must split    -- every Linear weight that any strategy splits is split (Megatron's contract: tensor
-                   parallelism exists to split parameters); the cost picks how (by rows or columns,
-                   which factor, where the collectives go).
+                   parallelism exists to split parameters), and every op that can run on a part of a
+                   feature class does (the attention on its rank's heads, the MLP's activation on its
+                   hidden features); the cost picks how (by rows or columns, which factor, where the
+                   collectives go).
+  auto          -- ``tp_mode="auto"``: every weight and token class is a candidate and nothing must be
+                   split; the plan of least predicted time whose kept bytes fit the memory budget
+                   (a layer kept whole where its split costs more than it saves: "not profitable").
 """
 from __future__ import annotations
 
@@ -26,7 +32,13 @@ AXIS = "tp"
 
 
 def feature_classes(sh: Sharding, table: dict) -> set[int]:
-    """The classes of Linear weights and attention heads (see the module docstring)."""
+    """The classes of Linear weights and attention heads that no op needs whole (module docstring)."""
+    f = sh.factors
+    return _weights(sh, table) - {f.find(leaf) for rule in table.values() for leaf in rule.forbid}
+
+
+def _weights(sh: Sharding, table: dict) -> set[int]:
+    """The classes of Linear weights and attention heads."""
     f, out = sh.factors, set()
     for node, rule in table.items():
         dims = []
@@ -35,7 +47,7 @@ def feature_classes(sh: Sharding, table: dict) -> set[int]:
         elif rule.kind == "op" and getattr(node.target, "__name__", "") == "linear" and len(rule.operands) > 1:
             dims = rule.operands[1][1]
         out |= {f.find(leaf) for d in dims for leaf in f.flat(d)}
-    return out - {f.find(leaf) for rule in table.values() for leaf in rule.forbid}
+    return out
 
 
 def token_classes(sh: Sharding, table: dict) -> set[int]:
@@ -50,7 +62,8 @@ def token_classes(sh: Sharding, table: dict) -> set[int]:
 
 
 def shard_1d(gm: fx.GraphModule, tp: int, profile, sequence_parallel: bool = False,
-             price_vals: dict | None = None) -> TensorParallelPlan:
+             price_vals: dict | None = None, auto: bool = False, memory_budget: float | None = None,
+             microbatches: int = 1) -> TensorParallelPlan:
     """Rewrite ``gm`` (requires meta['val'], global shapes) for ``tp`` ranks on one axis.
 
     Args:
@@ -59,16 +72,25 @@ def shard_1d(gm: fx.GraphModule, tp: int, profile, sequence_parallel: bool = Fal
         profile: the DeviceProfile that prices the candidates.
         sequence_parallel: the token dims may be split too (padded where tp does not divide them).
         price_vals: the values to price candidates with (engine.py ``priced_at``); default gm's own.
+        auto: tp_mode="auto": any feature or token class may be split, nothing must be; the least
+            predicted time whose kept bytes fit ``memory_budget`` per rank.
+        memory_budget: bytes per rank for ``auto`` (None: no limit).
+        microbatches: per step (prices the once-a-step sums of partial gradients).
     """
-    if sequence_parallel:
+    if auto:
+        anything = lambda sh, table: _weights(sh, table) | token_classes(sh, table)   # noqa: E731
+        sh = analyse(gm, tp, profile, allowed_fn=anything, padded_fn=token_classes, price_vals=price_vals,
+                     memory_budget=memory_budget, microbatches=microbatches)
+    elif sequence_parallel:
         allowed = lambda sh, table: feature_classes(sh, table) | token_classes(sh, table)   # noqa: E731
         sh = analyse(gm, tp, profile, allowed_fn=allowed, must_split_weights=True, padded_fn=token_classes,
-                     must_split_fn=token_classes, price_vals=price_vals)
+                     must_split_fn=allowed, price_vals=price_vals, microbatches=microbatches)
     else:
-        sh = analyse(gm, tp, profile, allowed_fn=feature_classes, must_split_weights=True, price_vals=price_vals)
+        sh = analyse(gm, tp, profile, allowed_fn=feature_classes, must_split_weights=True, price_vals=price_vals,
+                     must_split_fn=feature_classes, microbatches=microbatches)
     plan = TensorParallelPlan(tp=tp, root=gm, sharding=sh, sequence_parallel=sequence_parallel)
     plan.regions = layer_lines(sh)
-    plan.notes = list(sh.notes) + opaque_notes(sh)
+    plan.notes = list(sh.notes) + opaque_notes({AXIS: sh})
     Lowering({AXIS: sh}, plan).run()
     gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)   # fx calls x.add_(y) pure
     gm.graph.lint()

@@ -12,6 +12,8 @@ Terms (factors, classes, layouts: passes/sharding/factors.py):
                engine still plans around it (the redistribution before it is priced) and the summary
                names it.
   params    -- for a call_module node, its own parameters' layouts (the Linear's weight is [out, in]).
+  stats     -- a layer norm's normalized dim: needed whole, except under 2D, whose layer_norm_2d sums
+               the statistics over the split features (``sum_stats``).
   rowwise   -- every index of the dims the op keeps is computed from the same index alone (pointwise
                ops, norms over trailing dims, linears over their leading dims): a dim padded to a
                multiple of the ranks (sequence parallelism's 17 tokens on 2 ranks) may stay split
@@ -45,6 +47,7 @@ VIEWS = ("reshape", "view", "flatten", "unflatten")
 REDUCE_PARTIAL = {"sum"}
 REDUCE_WHOLE = {"mean", "amax", "amin", "prod", "max", "min", "var", "std", "logsumexp", "norm", "any", "all",
                 "argmax", "argmin"}
+SCANS = {"cumsum", "cumprod", "logcumsumexp"}
 NORMS = {"layer_norm": 1, "rms_norm": 1, "LayerNorm": None, "RMSNorm": None}
 
 
@@ -59,6 +62,7 @@ class OpRule:
     params: dict = field(default_factory=dict)    # call_module: param name -> layout
     why: str = ""                                 # opaque: why no rule applies
     rowwise: bool = False                         # each index of a kept dim is computed alone (padding-safe)
+    stats: set = field(default_factory=set)       # forbidden leaves a grid may split with partial statistics
 
 
 def is_tensor(n) -> bool:
@@ -134,6 +138,8 @@ class Rules:
             return r
         if isinstance(module, nn.MultiheadAttention):
             return self._mha(n, x, module)
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or name in ("conv1d", "conv2d", "conv3d"):
+            return self._conv(n, x, module)
         if name in NORMS:
             return self._norm(n, x, nd, name, module)
         if name in UNARY or (module is None and name in ("dropout", "identity")):
@@ -173,6 +179,9 @@ class Rules:
             return self._getitem(n, x, nd)
         if name in ("cat", "concat", "stack"):
             return self._cat(n, name, val)
+        if name in SCANS:                            # a running sum / product along one dim
+            return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.dim(n, 1, "dim", nd)]]),
+                          linear="first" if name == "cumsum" else "")
         if name in D.SOFTMAX_LIKE:
             return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
         if name in REDUCE_PARTIAL | REDUCE_WHOLE:
@@ -210,6 +219,32 @@ class Rules:
         return OpRule(out, [(n.args[0], x)], contract=self._leaves([x[-1]]), linear="one" if not bias else "",
                       kind=kind, params=params if kind == "linear" else {}, rowwise=True)
 
+    def _conv(self, n, x, module) -> OpRule:
+        """(B, Cin, *spatial) -> (B, Cout, *spatial'): the batch passes, Cin is summed over (one group),
+        the output channels are the weight's; spatial dims are new (a window mixes them)."""
+        groups = module.groups if module is not None else D.arg(n, 6, "groups", 1)
+        if x is None or groups != 1:
+            raise _NoRule("a grouped convolution")
+        w = self.fresh(module.weight.shape) if module is not None else self.lay(D.arg(n, 1, "weight"))
+        self._align(x[1], w[1])
+        val = n.meta["val"]
+        out = [x[0], w[0]] + [[self.f.new(s)] for s in val.shape[2:]]
+        ops = [(n.args[0], x)]
+        params = {}
+        if module is None:
+            ops.append((n.args[1], w))
+            b = D.arg(n, 2, "bias")
+            if is_tensor(b):
+                self._align(self.lay(b)[0], w[0])
+                ops.append((b, self.lay(b)))
+        else:
+            params = {"weight": w, **({"bias": [w[0]]} if module.bias is not None else {})}
+        if module is not None:          # a module's weight is no graph value: the layout only (2D functionalizes)
+            return OpRule(out, ops, forbid=self._leaves(x[1:]), params=params, kind="opaque",
+                          why="a convolution module runs whole (its batch and output channels still pair with "
+                              "the model's dims)")
+        return OpRule(out, ops, contract=self._leaves([x[1]]), forbid=self._leaves(x[2:]), rowwise=True)
+
     def _mha(self, n, x, m: nn.MultiheadAttention) -> OpRule:
         """The module as one op: heads are sharded inside it (autosplit/tp/local_modules.py)."""
         q, k, v = (list(n.args) + [None, None, None])[:3]
@@ -238,7 +273,8 @@ class Rules:
             for key in ("weight", "bias"):
                 if getattr(module, key, None) is not None:
                     params[key] = x[nd - k:]
-        return OpRule(x, ops, forbid=self._leaves(x[nd - k:]), params=params, rowwise=True)
+        stats = self._leaves(x[nd - 1:]) if name == "layer_norm" and k == 1 else set()
+        return OpRule(x, ops, forbid=self._leaves(x[nd - k:]), params=params, rowwise=True, stats=stats)
 
     def _align_trailing(self, a, out) -> None:
         for j in range(1, len(a) + 1):

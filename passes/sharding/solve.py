@@ -6,6 +6,7 @@ Terms (strategy, transition: strategies.py):
                equalities below make it the product x[p, a] * x[c, b] at any integer x).  Only pairs
                with a possible transition exist, so an impossible pair is excluded, not penalised.
   objective -- sum of compute(v, s) x[v, s] + sum of transition(e, a, b) z[e, a, b].
+  memory    -- optionally, sum of bytes(v, s) x[v, s] <= budget: what a rank keeps (tp_mode="auto").
   must      -- options the caller requires one of (tp_mode="1d": a Linear's weight is split when any
                rule can split it; Megatron's contract): a penalty above any plan's time on the others,
                so a requirement no plan can meet (a split no consumer can take) is given up alone,
@@ -26,7 +27,7 @@ from scipy.sparse import coo_matrix
 from autosplit.errors import PlanError
 
 
-def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = ()) -> list[int]:
+def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memory: tuple | None = None) -> list[int]:
     """Chosen option index per node.
 
     Args:
@@ -35,6 +36,8 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = ()) -> l
             missing from the dict are impossible.
         must: groups of (node index, option index); one of each group's options is chosen wherever
             some plan allows it.
+        memory: (per node, the bytes each option keeps on a rank; the budget), or None.  Raises
+            Infeasible when no plan fits.
     """
     offset, nvar = [], 0
     for costs in nodes:
@@ -63,6 +66,10 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = ()) -> l
             for s in range(len(nodes[v])):
                 if (v, s) not in allowed:
                     cost[offset[v] + s] += penalty
+    if memory is not None:
+        per_node, budget = memory
+        add([(offset[v] + k, float(b)) for v, opts in enumerate(per_node) for k, b in enumerate(opts) if b],
+            -np.inf, float(budget))
     z_first = nvar
     for p, c, pairs in edges:
         by_a: dict[int, list[int]] = {a: [] for a in range(len(nodes[p]))}

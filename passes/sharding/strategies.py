@@ -26,12 +26,13 @@ import torch.fx as fx
 from autosplit.cost_model.comm import all_gather_time, all_reduce_time, reduce_scatter_time
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.roofline import op_time, output_dtype
-from autosplit.passes.op_names import inplace_base
+from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import OpRule
 
 R, P = "R", "P"
+_WEIGHTED = ("linear", "conv1d", "conv2d", "conv3d")
 
 
 @dataclass(frozen=True)
@@ -53,16 +54,23 @@ class NodeStrategies:
     rule: OpRule
     options: list[Strategy] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)      # seconds, forward + backward, per option
+    memory: list[float] = field(default_factory=list)       # bytes a rank keeps, per option
     why_whole: str = ""                                      # why no split option exists
 
 
 class Enumerator:
     """Strategies and transition costs over one axis of ``n`` ranks."""
 
-    def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=()):
+    def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=(),
+                 grid: bool = False, microbatches: int = 1):
         self.gm, self.f, self.rules, self.n, self.profile = gm, f, rules, n, profile
+        self.microbatches = microbatches       # partial gradients are summed once per step: priced / m
         self.allowed = allowed                 # class roots that may be split (None: any)
         self.padded = set(padded)              # classes split even when n does not divide them (padded)
+        # 2D: layer norms over split features (partial statistics); modules holding parameters run
+        # whole (their parameters are not graph values a collective can reach); linears never give a
+        # Partial sum (every linear is linear_2d's)
+        self.grid = grid
 
     # -- classes and leaves ---------------------------------------------------------------------
     def classes(self, layout) -> dict[int, tuple[int, int]]:
@@ -102,7 +110,10 @@ class Enumerator:
                 if self._ok(c) and not self.uneven(c):
                     ns.options.append(Strategy(c, ("S", c), ()))
             return self._priced(ns)
-        forbid = {self.f.find(x) for x in r.forbid}
+        if self.grid and n.op == "call_module" and any(True for _ in self.gm.get_submodule(n.target).parameters()):
+            ns.why_whole = "a module holding parameters runs whole under 2D"
+            return self._priced(ns)
+        forbid = {self.f.find(x) for x in r.forbid - (r.stats if self.grid else set())}
         contract = {self.f.find(x) for x in r.contract}
         cands = set()
         for lay in [x for _, x in ops] + (list(r.out) if isinstance(r.out, tuple) else [r.out]):
@@ -120,6 +131,10 @@ class Enumerator:
                 continue
             if self.uneven(c) and (out == P or not r.rowwise):
                 continue                       # padding rows must never be summed nor reshaped in
+            if self.grid and out == P and op_name(n, self.gm) in _WEIGHTED:
+                continue
+            if c in {self.f.find(x) for x in r.stats} and not self._leads(r.out, c):
+                continue                       # layer_norm_2d splits its features in contiguous blocks
             ins = tuple(("S", c) if self._has(lay, c) else R for _, lay in ops)
             if r.kind == "mha" and (out != P or self._weights_used(n)):
                 continue
@@ -130,7 +145,7 @@ class Enumerator:
             bias_operand = r.kind == "op" and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
             pending = out == P and (r.kind == "mha" or "bias" in r.params or bias_operand)
             ns.options.append(Strategy(c, out, ins, params, pending))
-        if r.linear and not isinstance(r.out, tuple):
+        if r.linear and not isinstance(r.out, tuple) and not (self.grid and op_name(n, self.gm) in _WEIGHTED):
             for i in ({"all": [None], "one": range(len(ops)), "first": [0]}[r.linear]):
                 ins = tuple(P if (i is None or j == i) else R for j in range(len(ops)))
                 if r.kind == "linear" and "bias" in r.params:
@@ -170,12 +185,29 @@ class Enumerator:
         return f"it needs whole the dims it reduces over ({sorted(set(sizes))})" if sizes else "no split pays"
 
     def _priced(self, ns: NodeStrategies) -> NodeStrategies:
+        """Compute seconds and kept bytes per option: the op's forward + backward time (split ops 1/n of
+        it) and its saved activation (split: 1/n), plus, for a parameter or a module holding some,
+        4 x its bytes (value, gradient, two Adam moments; split: 1/n)."""
         n = ns.node
-        base = 0.0
+        base, saved, params = 0.0, 0.0, 0.0
         if ns.rule.kind not in ("input", "param") and isinstance(n.meta.get("val"), torch.Tensor):
             cost = node_cost(n, self.gm)
-            base = sum(op_time(cost, output_dtype(n), self.profile))
+            base, saved = sum(op_time(cost, output_dtype(n), self.profile)), float(cost.saved_bytes)
+        if ns.rule.kind == "param" and _is_parameter(self.gm, n):
+            params = 4.0 * operand_bytes(n)
+        elif n.op == "call_module":
+            params = 4.0 * sum(p.numel() * p.element_size() for p in self.gm.get_submodule(n.target).parameters())
         ns.compute = [base / self.n if s.sharded else base for s in ns.options]
+        if n.op == "call_module" and params:     # a split op on whole module weights: their gradient is summed
+            whole = all_reduce_time(params / 4.0, self.n, self.profile) / self.microbatches
+            ns.compute = [c + (whole if s.sharded and not any(d is not None for _, d in s.params) and
+                               not (ns.rule.kind == "mha" and s.out == P) else 0.0)
+                          for c, s in zip(ns.compute, ns.options)]
+        ns.memory = [saved / (self.n if s.sharded else 1) +
+                     params / (self.n if (isinstance(s.out, tuple) and ns.rule.kind == "param") or
+                               any(d is not None for _, d in s.params) or (ns.rule.kind == "mha" and s.out == P)
+                               else 1)
+                     for s in ns.options]
         return ns
 
     # -- transitions ----------------------------------------------------------------------------
@@ -183,7 +215,9 @@ class Enumerator:
         """Seconds (forward + backward) to turn ``have`` into ``need`` for one consumer; None if impossible."""
         n, prof = self.n, self.profile
         if have == need:
-            if need == R and consumer_sharded and producer.op not in ("get_attr", "placeholder"):
+            if need == R and consumer_sharded and producer.op == "get_attr":
+                return all_reduce_time(nbytes, n, prof) / self.microbatches   # its partial gradient, once a step
+            if need == R and consumer_sharded and producer.op != "placeholder":
                 return all_reduce_time(nbytes, n, prof)        # copy: the gradient is partial
             return 0.0
         if need == P:
@@ -205,6 +239,13 @@ class Enumerator:
     def _leads(self, layout, cls) -> bool:
         w = self.where(layout, cls)
         return w is not None and w[2]
+
+
+def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
+    obj = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, torch.nn.Parameter)
 
 
 def operand_bytes(node: fx.Node) -> float:

@@ -1,0 +1,129 @@
+"""The sharding engine (passes/sharding/): its pieces alone, and what it does on real timm models.
+
+Terms:
+  attention split -- under 1D, the attention's input projections (fused qkv, separate q/k/v, or an
+                     ``F.linear`` of a fused weight) column-parallel and its output projection
+                     row-parallel, read from ``plan.tp_plan.regions`` (one line per layer).
+  brute force     -- every assignment of options to the nodes of a small problem, priced the way
+                     solve.py's objective prices them: the integer program must find the same optimum.
+"""
+import itertools
+import random
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.passes.sharding.factors import Factors, index_set
+from autosplit.passes.sharding.solve import solve
+from tests import checks_zoo as C
+from tests.models_zoo import IMAGE, build
+
+TOL = 1e-5
+REAL = ["beit", "eva02", "vit_relpos", "cait"]
+
+
+def test_refining_a_factor_refines_its_whole_class():
+    f = Factors()
+    a, b = f.new(12), f.new(12)
+    assert f.align([a], [b])                       # one logical dim
+    f.split(a, [3, 4])                             # a reshape of a: (3, 4)
+    assert [f.size[x] for x in f.flat([b])] == [3, 4]
+    assert f.find(f.flat([a])[1]) == f.find(f.flat([b])[1])
+    c = f.new(6)
+    assert f.align([c], [f.flat([a])[0], f.new(2)])   # 6 pairs with (3, 2): c is refined to match
+    assert [f.size[x] for x in f.flat([c])] == [3, 2]
+
+
+def test_index_set_of_a_strided_factor():
+    f = Factors()
+    qkv = f.new(24)                                 # (3, heads 4, head_dim 2) after a reshape
+    f.split(qkv, [3, 8])
+    f.split(f.children[qkv][1], [4, 2])
+    heads = f.flat([qkv])[1]
+    got = index_set(f, [qkv], heads, 2, 1)          # rank 1 of 2 holds heads 2, 3 of each of q, k, v
+    assert got.tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+def _brute(nodes, edges, must):
+    best = None
+    for picks in itertools.product(*[range(len(c)) for c in nodes]):
+        if any(not any(picks[v] == s for v, s in g) for g in must):
+            continue
+        total = sum(nodes[v][s] for v, s in enumerate(picks))
+        for p, c, pairs in edges:
+            if (picks[p], picks[c]) not in pairs:
+                break
+            total += pairs[(picks[p], picks[c])]
+        else:
+            best = total if best is None else min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_solver_finds_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    nodes = [[rng.uniform(0, 5) for _ in range(rng.randint(1, 3))] for _ in range(n)]
+    edges = []
+    for c in range(1, n):
+        for p in rng.sample(range(c), rng.randint(1, min(2, c))):
+            pairs = {(a, b): rng.uniform(0, 3) for a in range(len(nodes[p])) for b in range(len(nodes[c]))
+                     if rng.random() < 0.8}
+            pairs.setdefault((0, 0), 1.0)       # always one way through
+            edges.append((p, c, pairs))
+    must = [[(n - 1, len(nodes[n - 1]) - 1)]] if rng.random() < 0.5 else []
+    picks = solve(nodes, edges, must)
+    total = sum(nodes[v][s] for v, s in enumerate(picks)) + sum(pairs[(picks[p], picks[c])] for p, c, pairs in edges)
+    assert total == pytest.approx(_brute(nodes, edges, must) if _brute(nodes, edges, must) is not None
+                                  else _brute(nodes, edges, []), rel=1e-6, abs=1e-9)
+
+
+def _plan(name, mesh=(1, 2, 1), **kw):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, IMAGE[name], IMAGE[name])
+    return autosplit.compile(build(name), mesh=mesh, example_input=x, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_1d_splits_the_attention_of_real_models(name):
+    """beit (relative position bias, q/v biases concatenated), eva02 (rotary q/k), vit_relpos (a bias
+    MLP) and cait (talking heads, class attention): every block's attention input projections are
+    column-parallel and its output projection row-parallel."""
+    plan = _plan(name)
+    lines = plan.tp_plan.regions
+    blocks = {line.split(".attn")[0] for line in lines if ".attn" in line and line.startswith("blocks")}
+    assert blocks, lines
+    for block in blocks:
+        attn = [line for line in lines if line.startswith(block + ".attn")]
+        entries = [line for line in attn if ("qkv" in line or ".q:" in line or ".k:" in line or ".v:" in line
+                                             or line.startswith(block + ".attn:") or " [linear" in line)]
+        exits = [line for line in attn if ".attn.proj:" in line]
+        assert entries and all(": column" in line for line in entries), attn
+        assert exits and all(": row" in line for line in exits), attn
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_2d_plans_real_models(name):
+    plan = _plan(name, mesh=(1, 4, 1), tp_mode="2d", num_microbatches=1)
+    assert plan.tp_plan.forms and all(form == "allgather" for _, form in plan.tp_plan.forms)
+
+
+def test_real_models_train_like_one_device_with_pipeline_and_tp(pool4):
+    """(2, 2, 1): pipeline stages of tensor-parallel blocks, 3 SGD steps against one device."""
+    results = pool4.run(C.train_zoo, REAL, (2, 2, 1), "1d", timeout=400)
+    for rank, per_model in enumerate(results):
+        for name in REAL:
+            r = per_model[name]
+            assert "error" not in r and "refused" not in r, (rank, name, r)
+            assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, (rank, name, r)
+
+
+def test_explain_lists_every_candidate_with_its_cost():
+    plan = _plan("beit")
+    text = plan.explain("blocks.0.attn.proj")
+    lines = [line for line in text.splitlines() if line.startswith("  ")]
+    assert len(lines) >= 2 and sum("<- chosen" in line for line in lines) == 1, text
+    assert "Partial from (Shard[" in text and "compute" in text and "redistribution" in text
+    with pytest.raises(KeyError, match="no node or module path"):
+        plan.explain("blocks.0.nothing")
