@@ -127,3 +127,24 @@ def test_explain_lists_every_candidate_with_its_cost():
     assert "Partial from (Shard[" in text and "compute" in text and "redistribution" in text
     with pytest.raises(KeyError, match="no node or module path"):
         plan.explain("blocks.0.nothing")
+
+
+def test_auto_fits_the_memory_budget():
+    """tp_mode="auto" (the engine alone): what a rank keeps (parameters x 4, saved activations) within
+    the budget; a tighter budget keeps less; an impossible one is said, and planned for time alone."""
+    from autosplit.cost_model import get_profile
+    from autosplit.passes.shape_prop import MetaShapeProp
+    from autosplit.passes.sharding.megatron import shard_1d
+    from autosplit.trace import trace
+    from tests.models import VARIANTS
+
+    def engine(budget):
+        torch.manual_seed(0)
+        gm = trace(VARIANTS["tp_timm"]())
+        MetaShapeProp((torch.empty(2, 3, 32, 32, device="meta"),))(gm)
+        return shard_1d(gm, 2, get_profile("h100"), auto=True, memory_budget=budget)
+    free = engine(None).sharding
+    tight = engine(0.99 * free.memory)        # the free plan is near this tiny model's floor already
+    assert tight.sharding.memory <= 0.99 * free.memory and not tight.notes
+    none = engine(1000)
+    assert any("no layout fits the memory budget" in n for n in none.notes), none.notes

@@ -177,6 +177,7 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
         if len(keep) < len(ns.options):
             ns.options = [ns.options[i] for i in keep]
             ns.compute = [ns.compute[i] for i in keep]
+            ns.memory = [ns.memory[i] for i in keep]
             ns.why_whole = whole or "; ".join(sliced.values())
     index = {v: i for i, v in enumerate(order)}
     costs = [sh.nodes[v].compute for v in order]
@@ -190,11 +191,9 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
     for p in out_node.all_input_nodes:  # the model's output is whole on every rank
         if p in index:
             costs.append([0.0])
-            edges.append((index[p], len(costs) - 1, {(a, 0): enum.transition(p, s.out, R, sh.nodes[p].rule.out,
-                                                                                operand_bytes(p), False)
-                                                      for a, s in enumerate(sh.nodes[p].options)
-                                                      if enum.transition(p, s.out, R, sh.nodes[p].rule.out,
-                                                                         operand_bytes(p), False) is not None}))
+            moves = {a: enum.transition(p, s.out, R, sh.nodes[p].rule.out, operand_bytes(p), False)
+                     for a, s in enumerate(sh.nodes[p].options)}
+            edges.append((index[p], len(costs) - 1, {(a, 0): t for a, t in moves.items() if t is not None}))
     must = _weight_groups(sh, order, index) if must_split_weights else []
     if must_split_fn is not None:
         classes = must_split_fn(sh, table)
@@ -208,16 +207,22 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
     try:
         picks = solve(costs, edges, must, memory)
     except Infeasible:
+        if memory is None:
+            raise
         least = sum(min(sh.nodes[v].memory) for v in order)
-        sh.notes.append(f"no layout fits the memory budget of {memory_budget / 2**30:.2f} GiB per rank (the "
-                        f"least this model keeps split as far as the engine can is {least / 2**30:.2f} GiB); "
-                        f"planned for time alone")
+        sh.notes.append(f"no layout fits the memory budget of {_mib(memory_budget)} per rank (the least this "
+                        f"model keeps, every node split as far as it can be, is {_mib(least)}); planned for time "
+                        f"alone")
         picks = solve(costs, edges, must)
     sh.memory = sum(sh.nodes[v].memory[picks[index[v]]] for v in order)
     for v in order:
         sh.chosen[v] = sh.nodes[v].options[picks[index[v]]]
         sh.cost += sh.nodes[v].compute[picks[index[v]]]
     return sh
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:

@@ -89,10 +89,12 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
     res = milp(np.asarray(cost) * 1e6, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
                bounds=Bounds(0, 1))          # microseconds: HiGHS's tolerances suit O(1) coefficients
     if res.x is None:
-        raise Infeasible(res.message)
+        raise Infeasible(f"the sharding engine's program has no solution ({res.message}); this is an autosplit "
+                         f"bug unless a memory budget was given")
     x = res.x
     return [int(np.argmax(x[offset[v]:offset[v] + len(costs)])) for v, costs in enumerate(nodes)]
 
 
 class Infeasible(PlanError):
-    """No assignment meets the constraints (a required split that no consumer can take)."""
+    """No assignment meets the constraints: the memory budget (the requirements are penalties, and every
+    node keeps a Replicate option whose edges are always possible)."""
