@@ -148,3 +148,12 @@ def test_auto_fits_the_memory_budget():
     assert tight.sharding.memory <= 0.99 * free.memory and not tight.notes
     none = engine(1000)
     assert any("no layout fits the memory budget" in n for n in none.notes), none.notes
+
+
+@pytest.mark.parametrize("name", ["tp_timm", "tp_torchvision", "tp_hand"])
+def test_auto_trains_like_one_device(pool2, name):
+    """tp_mode="auto": whatever the engine picks (layers whole, split by tokens or by features), 3 steps
+    equal single-device training."""
+    from tests.dist_checks import train_matches_single_device
+    for r in pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, tp_mode="auto"):
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
