@@ -157,3 +157,18 @@ def test_auto_trains_like_one_device(pool2, name):
     from tests.dist_checks import train_matches_single_device
     for r in pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, tp_mode="auto"):
         assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
+def _train_many(names, mesh):
+    import tests.models_review  # noqa: F401  (registers the models in the worker)
+    from tests.dist_checks import train_matches_single_device
+    return {n: train_matches_single_device(n, mesh, "1f1b", 1) for n in names}
+
+
+def test_lowering_edge_cases_train_like_one_device(pool2):
+    """The review's models (tests/models_review.py): each split where a lowering mistake would change
+    the numbers; 3 SGD steps equal single-device training on both ranks."""
+    from tests.models_review import REVIEW
+    for per_rank in pool2.run(_train_many, list(REVIEW), (1, 2, 1), timeout=400):
+        for name, r in per_rank.items():
+            assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, (name, r)

@@ -8,8 +8,8 @@ Terms:
                      own placement per axis, and the lowering can gather or copy it on one axis only
                      (2D stores a weight split over both axes and gathers it over ``tp_row`` at its use).
   module params   -- parameters a ``call_module`` node reads inside the module: one placement for all
-                     of them, the module's; a module whose parameters stay whole on an axis runs whole
-                     on it (strategies.py ``whole_modules``).
+                     of them, the module's; under 2D a module holding parameters runs whole
+                     (strategies.py ``Enumerator.grid``).
 
 The module path stays on every node (``meta['module_path']``), so stages, dumps and the per-block
 summary still name ``blocks.0.attn.qkv``.  Requires meta['val']; the new get_attr nodes get theirs.

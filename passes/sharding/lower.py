@@ -87,6 +87,10 @@ class Lowering:
         self.made: dict = {}              # (axis, source, have, need, kind) -> transition node
         self.spec: dict = {}              # node -> {axis: torch placement}
         self.stored: dict = {}            # param node -> (dim, gather node or None)
+        # whole parameters read by split and by whole ops alike: the runtime's once-a-step sum of a
+        # partial gradient would count the whole ops' part n times, so their split reads get copies
+        self.mixed = {v for v in self.graph.nodes if v.op == "get_attr" and any(
+            len({self.sh[a].chosen[u].sharded for u in v.users if u in self.sh[a].chosen}) > 1 for a in self.axes)}
 
     # -- helpers --------------------------------------------------------------------------------
     def n(self, axis) -> int:
@@ -182,6 +186,8 @@ class Lowering:
             d = self.split_dim(axis, node) if isinstance(c.out, tuple) else None
             if d is not None and name in _VIEW_SIZE_ARGS:
                 self.local_view(axis, node, d)
+            elif d is not None and name == "unflatten":
+                self.local_unflatten(axis, node, d)
             if isinstance(c.out, tuple) and name == "split" and isinstance(D.arg(node, 1, "split_size"), int):
                 src_d = self.sh[axis].where(node.args[0]) if node.args[0] in self.sh[axis].nodes else None
                 if src_d is not None and src_d[0] == D.dim(node, 2, "dim", node.args[0].meta["val"].dim()):
@@ -194,8 +200,12 @@ class Lowering:
     def _whole_params(self, axis, node, s) -> list[str]:
         """Whole parameters a split strategy reads: their gradient is partial over the axis."""
         sh = self.sh[axis]
-        names = [a.target for k, (a, _) in enumerate(sh.nodes[node].rule.operands)
-                 if a.op == "get_attr" and s.ins[k] == R and a in sh.chosen and sh.chosen[a].out == R]
+        ops = sh.nodes[node].rule.operands
+        after = s.pending_bias and len(ops) > 2 and op_name(node, self.gm) in _WEIGHTED   # its bias: after the sum
+        names = [a.target for k, (a, _) in enumerate(ops)
+                 if a.op == "get_attr" and s.ins[k] == R and a in sh.chosen and sh.chosen[a].out == R
+                 and isinstance(fetch(self.gm, a.target), nn.Parameter) and not (after and k == 2)
+                 and a not in self.mixed]
         if node.op == "call_module":
             split = {k for k, d in s.params if d is not None}
             module = self.gm.get_submodule(node.target)
@@ -212,7 +222,7 @@ class Lowering:
             return self._stored_gather(p, src)
         sh = self.sh[axis]
         have = sh.place(p)
-        grads = p.op != "placeholder" and (p.op != "get_attr" or self.param_copies)
+        grads = p.op != "placeholder" and (p.op != "get_attr" or self.param_copies or p in self.mixed)
         if have == need and not (need == R and consumer_sharded and grads):
             return src
         key = (axis, src, have, need, consumer_sharded if need == R else None)
@@ -223,6 +233,8 @@ class Lowering:
             node = self._new(src, C.copy_to_axis, (src, axis), p, axis, Replicate())
         elif have == P:
             node = self._add_bias(axis, p, self._reduce(axis, p, src, need))
+            if need == R and consumer_sharded:     # a split consumer's input gradient is a part: sum it
+                node = self._new(node, C.copy_to_axis, (node, axis), p, axis, Replicate())
         elif have == R:
             d = sh.enum.where(self.layout(axis, p), need[1])[0]
             node = self._new(src, C.local_slice, (src, d, axis, n), p, axis, Shard(d))
@@ -262,10 +274,10 @@ class Lowering:
                 bias = self.graph.get_attr(target)
             bias.meta.update(module_path=p.meta.get("module_path", ""), val=None)
             self.spec[bias] = {axis: Replicate()}
+            at = bias                          # created right after the reduced sum
         else:
-            bias = rule.operands[2][0]
+            bias, at = rule.operands[2][0], reduced
         place, last = self.spec[reduced][axis], reduced.meta["val"].dim() - 1
-        at = bias if bias.op == "get_attr" else reduced
         if isinstance(place, Shard) and place.dim == last:
             bias = self._new(at, C.local_slice, (bias, 0, axis, self.n(axis)), bias, axis, Shard(0))
             at = bias
@@ -380,7 +392,9 @@ class Lowering:
         if mha.in_proj_bias is not None:
             self._record(f"{node.target}.in_proj_bias", 0, (3 * E,), rows)
         self._record(f"{node.target}.out_proj.weight", 1, (E, E), cols)
-        node.args = (node.args[0], node.args[0], node.args[0], *node.args[3:])
+        x = D.arg(node, 0, "query")                       # q is k is v (the rule's condition)
+        node.args = (x, x, x, *node.args[3:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("query", "key", "value")}
         node.meta["tp_random"] = mha.dropout > 0          # its attention dropout sees this rank's heads only
 
     # -- 2D grid forms --------------------------------------------------------------------------
@@ -462,6 +476,16 @@ class Lowering:
                 sizes[d] = self.graph.call_function(operator.floordiv, (s, self.n(axis)))
             sizes[d].meta.update(module_path=node.meta.get("module_path", ""))
         node.args = (node.args[0], tuple(sizes)) if packed else (node.args[0], *sizes)
+
+    def local_unflatten(self, axis, node: fx.Node, d: int) -> None:
+        """``x.unflatten(dim, sizes)``: the size of the split dim among the new ones, divided."""
+        ndim = node.args[0].meta["val"].dim()
+        at = D.dim(node, 1, "dim", ndim)
+        sizes = list(D.arg(node, 2, "sizes"))
+        if at <= d < at + len(sizes) and isinstance(sizes[d - at], int) and sizes[d - at] != -1:
+            sizes[d - at] //= self.n(axis)
+            node.args = (node.args[0], D.arg(node, 1, "dim"), tuple(sizes))
+            node.kwargs = {}
 
     def size_reads(self, axis, node: fx.Node) -> None:
         """Sizes read off a split dim are local at run time: make them global where they are read."""

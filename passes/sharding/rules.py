@@ -48,7 +48,6 @@ REDUCE_PARTIAL = {"sum"}
 REDUCE_WHOLE = {"mean", "amax", "amin", "prod", "max", "min", "var", "std", "logsumexp", "norm", "any", "all",
                 "argmax", "argmin"}
 SCANS = {"cumsum", "cumprod", "logcumsumexp"}
-NORMS = {"layer_norm": 1, "rms_norm": 1, "LayerNorm": None, "RMSNorm": None}
 
 
 @dataclass
@@ -125,7 +124,7 @@ class Rules:
         x = self.lay(n.args[0]) if n.args else None
         nd = len(x) if isinstance(x, list) else 0
         val = n.meta["val"]
-        if isinstance(module, nn.Linear):
+        if type(module) is nn.Linear:          # a subclass may have its own forward: opaque
             return self._linear(n, x, module.out_features, module.bias is not None, kind="linear")
         if name == "linear":
             w, b = D.arg(n, 1, "weight"), D.arg(n, 2, "bias")
@@ -140,7 +139,8 @@ class Rules:
             return self._mha(n, x, module)
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or name in ("conv1d", "conv2d", "conv3d"):
             return self._conv(n, x, module)
-        if name in NORMS:
+        if (module is None and name in ("layer_norm", "rms_norm")) or \
+                (module is not None and isinstance(module, (nn.LayerNorm, nn.RMSNorm))):
             return self._norm(n, x, nd, name, module)
         if name in UNARY or (module is None and name in ("dropout", "identity")):
             return OpRule(x, [(n.args[0], x)], linear="first" if name in UNARY_LINEAR else "", rowwise=True)
@@ -247,9 +247,11 @@ class Rules:
 
     def _mha(self, n, x, m: nn.MultiheadAttention) -> OpRule:
         """The module as one op: heads are sharded inside it (autosplit/tp/local_modules.py)."""
-        q, k, v = (list(n.args) + [None, None, None])[:3]
-        if not (q is k is v) or not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn or \
-                any(n.kwargs.get(a) is not None for a in ("attn_mask", "key_padding_mask")):
+        q, k, v = D.arg(n, 0, "query"), D.arg(n, 1, "key"), D.arg(n, 2, "value")
+        x = self.lay(q)
+        masks = [D.arg(n, 3, "key_padding_mask"), D.arg(n, 5, "attn_mask")]
+        if x is None or not (q is k is v) or not m._qkv_same_embed_dim or m.bias_k is not None or \
+                m.add_zero_attn or any(a is not None for a in masks) or D.arg(n, 7, "is_causal", False):
             raise _NoRule("MultiheadAttention that is not plain self-attention (q, k, v differ, a mask, "
                           "bias_k or add_zero_attn)")
         heads = self.f.new(m.num_heads)
@@ -301,6 +303,8 @@ class Rules:
         linear = BINARY[name]
         if name == "truediv" and is_tensor(D.arg(n, 1, "other")) and not is_tensor(n.args[0]):
             linear = ""
+        if linear == "all" and any(not is_tensor(a) and a != 0 for a in (D.arg(n, 0, "input"), D.arg(n, 1, "other"))):
+            linear = ""                        # P + 1: every rank would add the 1
         return OpRule(out, [(a, self.lay(a)) for a in tensors], linear=linear, rowwise=True)
 
     def _chunk(self, n, x, nd, name) -> OpRule:

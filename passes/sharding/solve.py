@@ -59,7 +59,8 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
 
     for v, costs in enumerate(nodes):
         add([(offset[v] + s, 1.0) for s in range(len(costs))], 1.0, 1.0)
-    penalty = 1e3 * (sum(max(c) for c in nodes) + 1.0)     # above any plan's time: a violation never pays
+    moves = sum(max(pairs.values(), default=0.0) for _, _, pairs in edges)
+    penalty = 1e3 * (sum(max(c) for c in nodes) + moves + 1.0)   # above any plan's time: a violation never pays
     for group in must:
         allowed = {(v, s) for v, s in group}
         for v in {v for v, _ in group}:

@@ -153,6 +153,12 @@ class Enumerator:
                 ns.options.append(Strategy(None, P, ins, tuple((k, None) for k in r.params)))
         if inplace:
             ns.options = [s for s in ns.options if s.ins[0] == s.out]
+        dup = [[k for k, (a, _) in enumerate(ops) if a is b] for b in {a for a, _ in ops}]
+        dup = [ks for ks in dup if len(ks) > 1]
+        if dup:                                # y * y: one operand, one place (the lowering feeds it once)
+            ns.options = [s for s in ns.options if all(len({s.ins[k] for k in ks}) == 1 for ks in dup)]
+        if op_name(n, self.gm).startswith("conv"):
+            ns.options = [s for s in ns.options if s.out != P]   # a channel bias would broadcast wrongly
         if ops and isinstance(ops[0][0].meta.get("val"), (tuple, list)) and self.rules[ops[0][0]].kind == "mha":
             # the attention's output, a Partial sum still without out_proj's bias (added once reduced)
             ns.options = [Strategy(s.cls, s.out, s.ins, s.params, s.out == P) for s in ns.options]
@@ -216,6 +222,8 @@ class Enumerator:
         n, prof = self.n, self.profile
         if have == need:
             if need == R and consumer_sharded and producer.op == "get_attr":
+                if not _is_parameter(self.gm, producer):
+                    return 0.0                                  # a buffer: no gradient
                 return all_reduce_time(nbytes, n, prof) / self.microbatches   # its partial gradient, once a step
             if need == R and consumer_sharded and producer.op != "placeholder":
                 return all_reduce_time(nbytes, n, prof)        # copy: the gradient is partial
@@ -224,7 +232,7 @@ class Enumerator:
             return None
         if have == P:
             if need == R:
-                return all_reduce_time(nbytes, n, prof)
+                return all_reduce_time(nbytes, n, prof) * (2 if consumer_sharded else 1)
             return reduce_scatter_time(nbytes, n, prof) + all_gather_time(nbytes, n, prof) \
                 if self._leads(layout, need[1]) else None
         if have == R:                                          # this rank's slice; backward all-gathers
