@@ -29,7 +29,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from common import cpu_name, mode_rows, rotate, spawn_ranks, step_args, train_step, write_section
+from common import cpu_name, mode_rows, spawn_ranks, step_args, tp_mode_steps, write_section
 
 START, END = "<!-- bench_engine:start -->", "<!-- bench_engine:end -->"
 REPO = Path(__file__).resolve().parent.parent
@@ -97,19 +97,8 @@ def _short(layer: str, lines: dict) -> str:
 
 # ---- measured ------------------------------------------------------------------------------------
 def run_rank(rank: int, args) -> dict:
-    import torch
     from timm.models import VisionTransformer
-
-    import autosplit
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-    steps = {}
-    for mode in ("1d", "auto"):
-        torch.manual_seed(0)
-        pm = autosplit.parallelize(VisionTransformer(**VIT), mesh=(1, WORLD, 1), num_microbatches=1,
-                                   tp_mode=mode, example_input=x)
-        steps[mode] = train_step(lambda pm=pm: pm.step(x, y), torch.optim.SGD(pm.parameters(), lr=LR))
-    return rotate(steps, list(steps), args.warmup, args.steps)
+    return tp_mode_steps(lambda: VisionTransformer(**VIT), (1, WORLD, 1), ("1d", "auto"), args, BATCH, LR)
 
 
 def measured_rows(args) -> list[str]:

@@ -22,7 +22,7 @@ import datetime
 import os
 from pathlib import Path
 
-from common import cpu_name, mode_rows, rotate, spawn_ranks, step_args, train_step, write_section
+from common import cpu_name, mode_rows, spawn_ranks, step_args, tp_mode_steps, write_section
 
 START, END = "<!-- bench_tp2d:start -->", "<!-- bench_tp2d:end -->"
 REPO = Path(__file__).resolve().parent.parent
@@ -111,19 +111,8 @@ def memory_rows() -> list[str]:
 
 # ---- step time ------------------------------------------------------------------------------------
 def run_rank(rank: int, args) -> dict:
-    import torch
     from timm.models import VisionTransformer
-
-    import autosplit
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-    steps = {}
-    for mode in ("1d", "2d"):
-        torch.manual_seed(0)
-        pm = autosplit.parallelize(VisionTransformer(**VIT), mesh=(1, 4, 1), num_microbatches=1, tp_mode=mode,
-                                   example_input=x)
-        steps[mode] = train_step(lambda pm=pm: pm.step(x, y), torch.optim.SGD(pm.parameters(), lr=LR))
-    return rotate(steps, list(steps), args.warmup, args.steps)
+    return tp_mode_steps(lambda: VisionTransformer(**VIT), (1, 4, 1), ("1d", "2d"), args, BATCH, LR)
 
 
 def time_rows(args) -> list[str]:

@@ -313,3 +313,19 @@ def mode_rows(per_rank: list[dict], modes: tuple[str, ...]) -> list[str]:
     base = stats[modes[0]]["median"]
     return [f"| tp_mode=\"{m}\" | {s['median'] * 1e3:.0f} | {s['p10'] * 1e3:.0f} | {s['p90'] * 1e3:.0f} | "
             f"{s['median'] / base:.3f} |" for m, s in stats.items()]
+
+
+def tp_mode_steps(model_fn, mesh, modes: tuple[str, ...], args, batch: int, lr: float) -> dict:
+    """One rank's interleaved step times of ``model_fn()`` parallelized with each ``tp_mode`` (SGD, one
+    microbatch of ``batch`` 32 px images, the same seeds for every mode)."""
+    import torch
+
+    import autosplit
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    steps = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        pm = autosplit.parallelize(model_fn(), mesh=mesh, num_microbatches=1, tp_mode=mode, example_input=x)
+        steps[mode] = train_step(lambda pm=pm: pm.step(x, y), torch.optim.SGD(pm.parameters(), lr=lr))
+    return rotate(steps, list(steps), args.warmup, args.steps)

@@ -125,7 +125,7 @@ def test_explain_lists_every_candidate_with_its_cost():
     lines = [line for line in text.splitlines() if line.startswith("  ")]
     assert len(lines) >= 2 and sum("<- chosen" in line for line in lines) == 1, text
     assert "Partial from (Shard[" in text and "compute" in text and "redistribution" in text
-    with pytest.raises(KeyError, match="no node or module path"):
+    with pytest.raises(autosplit.AutosplitError, match="no node or module path"):
         plan.explain("blocks.0.nothing")
 
 

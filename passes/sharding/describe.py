@@ -16,9 +16,10 @@ import re
 
 import torch.fx as fx
 
+from autosplit.errors import AutosplitError
 from autosplit.passes.op_names import op_name
 from autosplit.passes.sharding.engine import priced
-from autosplit.passes.sharding.strategies import P, R
+from autosplit.passes.sharding.strategies import P, R, edge_bytes
 
 
 def _is_layer(sh, v: fx.Node) -> bool:
@@ -180,7 +181,8 @@ def explain(sh, target: str) -> str:
     nodes = [v for v in sh.nodes if v.name == target] or \
         [v for v in sh.nodes if v.meta.get("module_path") == target]
     if not nodes:
-        raise KeyError(f"no node or module path '{target}' in the planned graph")
+        raise AutosplitError(f"explain('{target}'): no node or module path '{target}' in the planned graph "
+                             f"(names as plan.dump() and plan.tp_plan.regions show them)")
     with priced(sh.gm, sh.price_vals):
         return "\n".join(_candidates(sh, v) for v in nodes)
 
@@ -192,7 +194,7 @@ def _candidates(sh, v: fx.Node) -> str:
         moves = 0.0
         for k, (p, lay) in enumerate(ns.rule.operands):
             if p in sh.chosen:
-                t = sh.enum.transition(p, sh.chosen[p].out, s.ins[k], lay, _nbytes(p, v), s.sharded)
+                t = sh.enum.transition(p, sh.chosen[p].out, s.ins[k], lay, edge_bytes(p, v), s.sharded)
                 moves += float("inf") if t is None else t
         mark = "  <- chosen" if s == sh.chosen.get(v) else ""
         own = "".join(f", {k} split on dim {d}" for k, d in s.params if d is not None)
@@ -201,11 +203,6 @@ def _candidates(sh, v: fx.Node) -> str:
     if len(ns.options) == 1:
         out.append(f"  (one option: {ns.why_whole})")
     return "\n".join(out)
-
-
-def _nbytes(p, v) -> float:
-    from autosplit.passes.sharding.strategies import operand_bytes
-    return operand_bytes(v if isinstance(p.meta.get("val"), (tuple, list)) else p)
 
 
 def _place(sh, v, place) -> str:

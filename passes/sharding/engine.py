@@ -27,7 +27,7 @@ from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import Rules, tensorish
 from autosplit.passes.sharding.solve import Infeasible, solve
-from autosplit.passes.sharding.strategies import R, Enumerator, NodeStrategies, Strategy, operand_bytes
+from autosplit.passes.sharding.strategies import R, Enumerator, NodeStrategies, Strategy, edge_bytes, operand_bytes
 
 _SIZE_READS = {"size", "numel", "dim", "ndimension"}
 _VIEW_SIZE_ARGS = ("reshape", "view", "expand")
@@ -171,9 +171,9 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
         if whole is None and not sliced:
             continue
         ns = sh.nodes[v]
+        split_dim = lambda s: (sh.enum.where(ns.rule.out, s.out[1]) or (None,))[0]   # noqa: E731
         keep = [i for i, s in enumerate(ns.options)
-                if not isinstance(s.out, tuple) or (whole is None and sh.enum.where(ns.rule.out, s.out[1]) is not None
-                                                    and sh.enum.where(ns.rule.out, s.out[1])[0] not in sliced)]
+                if not isinstance(s.out, tuple) or (whole is None and split_dim(s) not in (None, *sliced))]
         if len(keep) < len(ns.options):
             ns.options = [ns.options[i] for i in keep]
             ns.compute = [ns.compute[i] for i in keep]
@@ -235,7 +235,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
             continue
         element = isinstance(p.meta.get("val"), (tuple, list))
         alias = any(u is not v for u in p.users)
-        nbytes = operand_bytes(v if element else p)
+        nbytes = edge_bytes(p, v)
         pairs = {}
         for a, sa in enumerate(sh.nodes[p].options):
             for b, sb in enumerate(ns.options):

@@ -40,14 +40,13 @@ from autosplit.passes import op_dims as D
 from autosplit.passes.op_dims import shape_index, whole_shape
 from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.sharding.factors import index_set
-from autosplit.passes.sharding.strategies import P, R
+from autosplit.passes.sharding.strategies import WEIGHTED, P, R
 from autosplit.passes.sharding.tp_plan import fetch
 from autosplit.tp import ops as C
 from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
 from autosplit.tp.shards import ShardedParam
 
 _VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
-_WEIGHTED = ("linear", "conv1d", "conv2d", "conv3d")
 
 
 def out_of_place(node: fx.Node) -> None:
@@ -118,7 +117,7 @@ class Lowering:
     # -- the pass -------------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.graph.nodes:        # F.linear(input=x, weight=w) -> F.linear(x, w, None)
-            if op_name(node, self.gm) in _WEIGHTED and node.op == "call_function":
+            if op_name(node, self.gm) in WEIGHTED and node.op == "call_function":
                 names = ("input", "weight", "bias")
                 head = tuple(D.arg(node, i, k) for i, k in enumerate(names))
                 node.args = head + tuple(node.args[3:])
@@ -175,7 +174,7 @@ class Lowering:
             self.mha(node, s)
         elif rule.kind == "param" and (any(isinstance(c.out, tuple) for c in chosen.values()) or node in self.stored):
             self.param(node, chosen)
-        if any(c.pending_bias for c in chosen.values()) and op_name(node, self.gm) in _WEIGHTED:
+        if any(c.pending_bias for c in chosen.values()) and op_name(node, self.gm) in WEIGHTED:
             node.args = node.args[:2] + (None,) + node.args[3:]       # F.linear(x, w, b): b after the sum
         if inplace_base(node, self.gm) is not None and node.args and node.args[0] is not rule.operands[0][0]:
             out_of_place(node)   # its operand was redistributed: the write would land on a copy no one reads
@@ -201,7 +200,7 @@ class Lowering:
         """Whole parameters a split strategy reads: their gradient is partial over the axis."""
         sh = self.sh[axis]
         ops = sh.nodes[node].rule.operands
-        after = s.pending_bias and len(ops) > 2 and op_name(node, self.gm) in _WEIGHTED   # its bias: after the sum
+        after = s.pending_bias and len(ops) > 2 and op_name(node, self.gm) in WEIGHTED   # its bias: after the sum
         names = [a.target for k, (a, _) in enumerate(ops)
                  if a.op == "get_attr" and s.ins[k] == R and a in sh.chosen and sh.chosen[a].out == R
                  and isinstance(fetch(self.gm, a.target), nn.Parameter) and not (after and k == 2)

@@ -30,9 +30,10 @@ from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import OpRule
+from autosplit.passes.sharding.tp_plan import fetch
 
 R, P = "R", "P"
-_WEIGHTED = ("linear", "conv1d", "conv2d", "conv3d")
+WEIGHTED = ("linear", "conv1d", "conv2d", "conv3d")
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Enumerator:
                 continue
             if self.uneven(c) and (out == P or not r.rowwise):
                 continue                       # padding rows must never be summed nor reshaped in
-            if self.grid and out == P and op_name(n, self.gm) in _WEIGHTED:
+            if self.grid and out == P and op_name(n, self.gm) in WEIGHTED:
                 continue
             if c in {self.f.find(x) for x in r.stats} and not self._leads(r.out, c):
                 continue                       # layer_norm_2d splits its features in contiguous blocks
@@ -145,7 +146,7 @@ class Enumerator:
             bias_operand = r.kind == "op" and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
             pending = out == P and (r.kind == "mha" or "bias" in r.params or bias_operand)
             ns.options.append(Strategy(c, out, ins, params, pending))
-        if r.linear and not isinstance(r.out, tuple) and not (self.grid and op_name(n, self.gm) in _WEIGHTED):
+        if r.linear and not isinstance(r.out, tuple) and not (self.grid and op_name(n, self.gm) in WEIGHTED):
             for i in ({"all": [None], "one": range(len(ops)), "first": [0]}[r.linear]):
                 ins = tuple(P if (i is None or j == i) else R for j in range(len(ops)))
                 if r.kind == "linear" and "bias" in r.params:
@@ -250,12 +251,15 @@ class Enumerator:
 
 
 def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
-    obj = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return isinstance(obj, torch.nn.Parameter)
+    return isinstance(fetch(gm, node.target), torch.nn.Parameter)
 
 
 def operand_bytes(node: fx.Node) -> float:
     val = node.meta.get("val")
     return float(tensor_bytes(val)) if isinstance(val, torch.Tensor) else 0.0
+
+
+def edge_bytes(producer: fx.Node, consumer: fx.Node) -> float:
+    """The bytes an edge carries: the producer's tensor, or for a tuple (chunk, MultiheadAttention) the
+    element its ``getitem`` consumer takes."""
+    return operand_bytes(consumer if isinstance(producer.meta.get("val"), (tuple, list)) else producer)
