@@ -33,9 +33,20 @@ Terms:
                      pipeline of the host pays (the scheduler, the other ranks' threads and caches) that the
                      parts measured one at a time miss; fitted so that the step predictor reproduces a
                      reference pipeline measured on a CPU host (cost_model/pipeline_fit.py), 0 on GPUs.
-  measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind and group
-                     size) fits from a measured profile (measured.py); without them the roofline and
-                     the link's alpha-beta price everything, as for the datasheet GPUs.
+  measured fits   -- optional ``compute`` (per op class) and ``comm`` (per collective kind, group
+                     size and node span) fits from a measured profile (measured.py); without them the
+                     kernel model (kernels.py) and the topology's collectives (comm.py) price everything.
+  kernel model    -- how far real kernels fall short of the peaks (kernels.py): ``gemm_efficiency`` (the
+                     fraction of peak a large GEMM reaches), ``gemm_half_dim`` (a GEMM dimension of this
+                     size halves the rate: tile and wave quantization of small and skinny matmuls),
+                     ``attention_efficiency`` (a fused attention kernel's rate relative to a GEMM of the
+                     same shape), ``bandwidth_efficiency`` (the fraction of ``mem_bandwidth`` memory-bound
+                     kernels reach).  Defaults 1 / 0: the plain roofline.
+  topology        -- ``gpus_per_node`` (None: every rank of the job on one node), the intra-node link
+                     (``link_bandwidth``: bus bandwidth of ring collectives, per direction; ``link_latency``;
+                     ``allreduce_bandwidth``: the all-reduce bus bandwidth where the switch reduces (NVLink
+                     SHARP), else the link's) and the inter-node network (``network_bandwidth``: bytes per
+                     second per GPU, one direction; ``network_latency``).
 
 Built-in profiles come from the vendor datasheets (dense figures, i.e. without 2:4 sparsity):
   H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/):
@@ -80,6 +91,16 @@ class DeviceProfile:
     resume: tuple = (1.0, 1.0)    # measured (CPU, resume_bench.py): (forward, backward) time of a pass that starts
                                   # after an idle wait over its time back to back; 1: not measured / no such effect
     pass_overhead: float = 0.0    # fitted (CPU, pipeline_fit.py): seconds more such a pass takes; 0: not measured
+    # kernel model (kernels.py); the defaults are the plain roofline
+    gemm_efficiency: float = 1.0      # fraction of peak_flops a large GEMM reaches
+    gemm_half_dim: float = 0.0        # GEMM dim at which the rate halves (per dim: d / (d + half)); 0: none
+    attention_efficiency: float = 1.0  # fused attention's rate over a GEMM of the same shape
+    bandwidth_efficiency: float = 1.0  # fraction of mem_bandwidth memory-bound kernels reach
+    # topology (comm.py)
+    gpus_per_node: int | None = None  # ranks per node; None: the whole job on one node
+    allreduce_bandwidth: float = 0.0  # B/s intra-node all-reduce bus bandwidth (NVLS); 0: link_bandwidth
+    network_bandwidth: float = 0.0    # B/s per GPU, one direction, between nodes; 0: not stated
+    network_latency: float = 0.0      # s per message between nodes
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``, with fallbacks for dtypes the profile does not list.
@@ -115,3 +136,7 @@ H200 = DeviceProfile(
     name="h200",
     peak_flops={torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     mem_bandwidth=4.8e12, link_bandwidth=450e9, link_latency=3e-6, memory_bytes=141 * 10**9)
+
+
+# every built-in profile by its name (profiles.py looks names up here)
+BUILTIN = {p.name: p for p in (H100, H200, A100)}

@@ -16,9 +16,10 @@ Terms:
                relative error (sizes span orders of magnitude), forward and backward separately.
   compute   -- ``DeviceProfile.compute``: op class -> (forward fit, backward fit), measured in float32;
                other dtypes scale the rate by the profile's ``flops_for(dtype) / flops_for(float32)``.
-  comm      -- ``DeviceProfile.comm``: "kind/n" -> (alpha s, beta s/B) for kind in all_reduce,
-               all_gather, reduce_scatter, broadcast, send_recv and a group of n ranks, with nbytes the
-               FULL tensor (comm.py's convention): seconds = alpha + beta * nbytes.
+  comm      -- ``DeviceProfile.comm``: "kind/n" (a group of n ranks on one node) or "kind/n@k" (n ranks
+               spread evenly over k nodes) -> (alpha s, beta s/B) for kind in all_reduce, all_gather,
+               reduce_scatter, broadcast, send_recv, with nbytes the FULL tensor (comm.py's convention):
+               seconds = alpha + beta * nbytes.
 """
 from __future__ import annotations
 
@@ -110,14 +111,15 @@ def fit_alpha_beta(samples: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, (0.0 if math.isinf(rate) else 1 / rate)
 
 
-def comm_key(kind: str, n: int) -> str:
-    return f"{kind}/{n}"
+def comm_key(kind: str, n: int, nodes: int = 1) -> str:
+    return f"{kind}/{n}" if nodes <= 1 else f"{kind}/{n}@{nodes}"
 
 
-def measured_comm_time(profile, kind: str, nbytes: float, n: int) -> float | None:
-    """Seconds of collective ``kind`` over ``n`` ranks from the profile's fits; None when not measured."""
+def measured_comm_time(profile, kind: str, nbytes: float, n: int, nodes: int = 1) -> float | None:
+    """Seconds of collective ``kind`` over ``n`` ranks on ``nodes`` nodes from the profile's fits; None
+    when not measured."""
     table = profile.comm or {}
-    fit = table.get(comm_key(kind, n))
+    fit = table.get(comm_key(kind, n, nodes))
     if fit is None:
         return None
     alpha, beta = fit

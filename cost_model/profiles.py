@@ -8,10 +8,10 @@ from __future__ import annotations
 import functools
 
 from autosplit.cost_model.calibrate import calibrate
-from autosplit.cost_model.device import A100, H100, H200, DeviceProfile
+from autosplit.cost_model.device import BUILTIN, DeviceProfile
 from autosplit.errors import AutosplitError
 
-_BUILTIN = {"h100": H100, "h200": H200, "a100": A100}
+_BUILTIN = BUILTIN
 NAMES = tuple(_BUILTIN) + ("cpu",)
 
 
