@@ -5,6 +5,7 @@ Public API (see README.md and the API contract):
   autosplit.parallelize(model, mesh=(pp, tp, dp), loss_fn=..., ...)              (inside torchrun)
   autosplit.materialize(meta_model, seed=0, init_fn=None)   (a meta model's initial values, one device)
   autosplit.latest_checkpoint(directory) -> the committed checkpoint's path, or None
+  autosplit.measure_profile(path=None)  (in a job: this job's devices and network measured, every rank)
 
 The public names load on first use (PEP 562): ``import autosplit.cost_model`` or
 ``import autosplit.passes`` must not pull in the compiler, let alone the runtime and its process
@@ -21,6 +22,8 @@ _PUBLIC = {
     "materialize": "autosplit.meta_init",      # not autosplit/materialize.py: a submodule of that name
                                                # would replace the function once imported
     "latest_checkpoint": "autosplit.runtime.checkpoint_files",
+    "measure_profile": "autosplit.profiling.job",   # not autosplit.profiling.measure_profile: that module's
+                                                   # own function measures inside an existing World
     "Plan": "autosplit.plan",
     "PlanOptions": "autosplit.options",
     "MeshShape": "autosplit.mesh",

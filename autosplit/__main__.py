@@ -7,6 +7,10 @@ lists them.
 ``autosplit export CKPT_DIR model.pt`` turns a sharded checkpoint (``pm.save_checkpoint``)
 into a plain state dict that ``model.load_state_dict`` of the unchanged model accepts.
 
+``autosplit profile --out profile.json [--seconds S]`` measures this device (under torchrun: every rank's
+devices and the network between them) into a profile file that ``--device profile.json`` and
+``device="profile.json"`` read (autosplit/profiling/cli.py).
+
 MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
 returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
 allocates no weights.  The plan's summary is printed and the readable dump written to DIR; the last
@@ -29,6 +33,7 @@ from autosplit.cost_model.profiles import get_profile
 from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.profiling.cli import add_profile_parser, run_profile
 
 
 def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
@@ -63,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                                         "state dict of the unchanged model.")
     export.add_argument("checkpoint", help="the directory given to pm.save_checkpoint")
     export.add_argument("out", help="the file to write (torch.save of the state dict)")
+    add_profile_parser(sub)
     return p
 
 
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "search":
             return run_search(args, build_model)
+        if args.command == "profile":
+            return run_profile(args)
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)

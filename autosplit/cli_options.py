@@ -8,6 +8,7 @@ has a flag.  Flags take text; the converters below turn it into the option's val
   --stage-bounds 3,7            [3, 7] (another plan's ``plan.bounds``)
   --leaf-modules A,B            ["A", "B"] (class names or package.module.ClassName)
   --concrete-args JSON          a JSON object, e.g. '{"attn_mask": null}'
+  --device NAME|FILE.json       a profile name, or a profile file (python -m autosplit profile --out FILE.json)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 
 import torch
 
+from autosplit.cost_model.profile_file import is_path
 from autosplit.cost_model.profiles import NAMES
 from autosplit.options import TP_2D_FORMS, TP_MODES, PlanOptions
 from autosplit.schedule import SCHEDULES
@@ -45,6 +47,23 @@ def _json_object(text: str) -> dict:
     return value
 
 
+class DeviceChoices(tuple):
+    """``--device``'s choices: the profile names (what ``--help`` and the flag's ``choices`` list), and
+    ``in`` also admits a profile file's path."""
+
+    def __contains__(self, value) -> bool:
+        return (isinstance(value, str) and tuple.__contains__(self, value.lower())) or is_path(value)
+
+
+def device_arg(text: str, extra: tuple = ()) -> str:
+    """``--device``: a profile name (or one of ``extra``), or a profile file's path (ending in .json); the
+    file itself is read, and its errors reported, by cost_model.get_profile."""
+    if text.lower() in NAMES + extra or is_path(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a profile name ({', '.join(NAMES + extra)}) or a "
+                                     f"profile file ending in .json (python -m autosplit profile --out FILE.json)")
+
+
 def add_plan_options(parser: argparse.ArgumentParser) -> None:
     """Add one flag per PlanOptions field (defaults: PlanOptions' own), each with help text."""
     d = PlanOptions()
@@ -57,8 +76,10 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                    help="model chunks per pipeline rank (>= 2 for interleaved, 2 for zb-v; default %(default)s)")
     g.add_argument("--num-microbatches", "--microbatches", dest="num_microbatches", type=int,
                    default=d.num_microbatches, help="microbatches per step (default 2 * pp)")
-    g.add_argument("--device", dest="device", default=d.device, choices=NAMES,
-                   help="cost-model profile (default %(default)s; cpu is measured on this machine)")
+    g.add_argument("--device", dest="device", default=d.device, type=device_arg, choices=DeviceChoices(NAMES),
+                   metavar="NAME|FILE.json",
+                   help=f"cost-model profile: {', '.join(NAMES)} or a profile file (default %(default)s; cpu is "
+                        f"measured on this machine; a file: python -m autosplit profile --out FILE.json)")
     g.add_argument("--memory-budget", dest="memory_budget", default=d.memory_budget,
                    help="bytes per stage the cut must respect, e.g. 8GiB, 512MiB, 1.5GB (default: no limit)")
     g.add_argument("--leaf-modules", dest="leaf_modules", type=_names, default=d.leaf_modules,

@@ -5,10 +5,11 @@ memory of the fullest rank) and how many configurations were rejected, by reason
 ``plan`` (a timm name or ``package.module:factory``, built on the meta device).
 
 ``--device measured`` plans with this machine's measured profile for ``--world`` ranks on it with
-``OMP_NUM_THREADS`` threads each (default 1; the one ``python -m autosplit.runtime.measure_profile --ranks N
+``OMP_NUM_THREADS`` threads each (default 1; the one ``python -m autosplit.profiling.measure_profile --ranks N
 --threads T`` cached); ``--fit`` then rescales it to the model
 (cost_model/model_fit.py: runs the model's forward and backward at microbatch 2 and 8 here, on random
-values, so it costs what those passes cost on this CPU).
+values, so it costs what those passes cost on this CPU).  ``--device profile.json`` plans with a profile
+file (``python -m autosplit profile --out profile.json``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import sys
 
 import torch
 
-from autosplit.cost_model.profiles import NAMES
+from autosplit.cli_options import DeviceChoices, device_arg
+from autosplit.cost_model.profile_file import is_path
+from autosplit.cost_model.profiles import NAMES, get_profile
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 
@@ -26,6 +29,12 @@ MEASURED = "measured"
 
 def _profile(args, model, x):
     """The profile ``--device`` (and ``--fit``) name, and how to say it in the header."""
+    if is_path(args.device):                     # a profile file: what it says, named in the header
+        profile = get_profile(args.device)
+        if args.fit:
+            from autosplit.cost_model import fit_to_model
+            profile, _ = fit_to_model(profile, model, x)
+        return profile, f"{profile.name} (from {args.device})"
     if args.device != MEASURED:
         if args.fit:
             raise AutosplitError(f"--fit rescales a measured profile; --device {args.device} is a datasheet one "
@@ -38,7 +47,7 @@ def _profile(args, model, x):
     profile = profile_cache.load(key)
     if profile is None:
         raise AutosplitError(f"no measured profile for {args.world} ranks x {key['threads']} threads on this machine "
-                             f"in {profile_cache.cache_dir()}: run python -m autosplit.runtime.measure_profile "
+                             f"in {profile_cache.cache_dir()}: run python -m autosplit.profiling.measure_profile "
                              f"--ranks {args.world} --threads {key['threads']}")
     if args.fit:
         profile, _ = fit_to_model(profile, model, x)
@@ -50,9 +59,11 @@ def add_search_parser(sub) -> None:
     p.add_argument("model", help="timm model name or package.module:factory")
     p.add_argument("--world", type=int, required=True, help="number of devices")
     p.add_argument("--batch", type=int, required=True, help="global batch: samples per optimizer step")
-    p.add_argument("--device", default="h100", choices=(*NAMES, MEASURED),
-                   help="cost-model profile (default h100); 'measured': this machine's cached measured profile")
-    p.add_argument("--fit", action="store_true", help="with --device measured: fit the profile to the model "
+    p.add_argument("--device", default="h100", type=lambda text: device_arg(text, (MEASURED,)),
+                   choices=DeviceChoices((*NAMES, MEASURED)), metavar="NAME|FILE.json",
+                   help=f"cost-model profile: {', '.join(NAMES)}, a profile file (python -m autosplit profile "
+                        f"--out FILE.json) or 'measured': this machine's cached measured profile (default h100)")
+    p.add_argument("--fit", action="store_true", help="with --device measured or a file: fit the profile to the model "
                                                         "(runs it at microbatch 2 and 8 on this CPU)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB (default: none)")
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")

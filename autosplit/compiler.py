@@ -30,6 +30,7 @@ Nothing here allocates a weight: parameters may live on the meta device.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 
 from autosplit import validate
 from autosplit.cost_model import AnnotateCosts, get_profile
-from autosplit.mesh import MeshShape
+from autosplit.mesh import MeshShape, node_layout_note
 from autosplit.model_layers import layer_paths
 from autosplit.options import AUTOCAST, LINEAR_2D_FORMS, TP_MODES, PlanOptions   # noqa: F401 (re-exported)
 from autosplit.passes.assign_stages import AssignStages
@@ -140,4 +141,7 @@ def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions, wa
                 profile=state.profile, batch_norms=find_batch_norms(gm))
     if warn:
         warn_batch_norm(plan.batch_norm_note(), stacklevel=4)   # at compile's caller
+        note = node_layout_note(state.mesh, state.profile.gpus_per_node)
+        if note:                                                # the layout cannot keep tp inside a node
+            warnings.warn(f"autosplit: {note}", stacklevel=3)
     return plan

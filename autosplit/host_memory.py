@@ -25,8 +25,12 @@ need the job relaunched under ``LD_PRELOAD``; ``mallopt`` changes the running pr
 allocation made afterwards.  The cost: up to ``TRIM_THRESHOLD`` of freed memory stays in the process
 (its RSS stays near the step's peak), which a training process wants anyway.  GPU runs are not
 touched (the CUDA caching allocator already keeps device memory).  ``AUTOSPLIT_HOST_MALLOC=0`` turns
-it off.  The cost model's CPU measurements (runtime/measure_profile.py, cost_model/model_fit.py) run
+it off.  The cost model's CPU measurements (profiling/measure_profile.py, cost_model/model_fit.py) run
 under the same settings, so that they time what training runs.
+
+Why here, at the top of the package, and not in autosplit/profiling with the measurements: training applies
+it (runtime/parallelize.py), and the runtime never imports the profiling package; cost_model/model_fit.py
+applies it too, and the cost model never imports the runtime.  It imports nothing of autosplit's.
 """
 from __future__ import annotations
 

@@ -81,3 +81,22 @@ class MeshShape:
 
     def __str__(self) -> str:
         return f"(pp={self.pp}, tp={self.tp}, dp={self.dp})"
+
+
+def node_layout_note(mesh: MeshShape, gpus_per_node: int | None) -> str | None:
+    """Why the rank layout cannot keep each tensor-parallel group inside one node, or None when it does.
+
+    Args:
+        mesh: the mesh; its tp groups are blocks of tp consecutive ranks (see *layout*).
+        gpus_per_node: ranks per node (torchrun's LOCAL_WORLD_SIZE, or the profile's); None: one node.
+    """
+    if not gpus_per_node or mesh.tp <= 1 or mesh.size <= gpus_per_node:
+        return None
+    if mesh.tp > gpus_per_node:
+        return (f"tp={mesh.tp} > {gpus_per_node} GPUs per node: each tensor-parallel group spans "
+                f"{-(-mesh.tp // gpus_per_node)} nodes, and its collectives run over the network (priced so)")
+    if gpus_per_node % mesh.tp:
+        return (f"{gpus_per_node} GPUs per node is not a multiple of tp={mesh.tp}: some tensor-parallel groups "
+                f"straddle two nodes (ranks k*{mesh.tp} .. k*{mesh.tp}+{mesh.tp - 1}); pick tp dividing {gpus_per_node}")
+    return None
+

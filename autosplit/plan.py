@@ -98,6 +98,21 @@ class Plan:
     def summary(self) -> str:
         return "\n".join([summary_table(self), *self.batch_norm_note()])
 
+    def predicted_step(self, device=None):
+        """The predicted seconds of one training step (``pm.step``: forward and backward of every
+        microbatch, tp, pp and dp communication), the number ``autosplit.search`` ranks by.
+
+        Returns a ``cost_model.step_time.StepPrediction`` of the slowest pipeline rank: ``.total`` =
+        ``.compute`` + ``.tp_comm`` + ``.pp_comm`` + ``.dp_comm`` + ``.bubble`` (exposed seconds of each;
+        ``.dp_comm`` includes the step's own world collectives), with ``.rank`` and ``.line()``.
+
+        Args:
+            device: the profile to price with (a name, a profile file or a DeviceProfile); default the
+                profile the plan was compiled with (``plan.profile``), which states the node size.
+        """
+        from autosplit.cost_model.step_time import predict_plan
+        return predict_plan(self, device)
+
     def explain(self, target: str) -> str:
         """How the sharding engine priced one op: each candidate strategy (its output's and operands'
         placements on the tp axis), its compute and the redistribution from its producers' chosen

@@ -36,8 +36,10 @@ class SegmentCosts:
     """Per segment: time (fwd + bwd + recompute, tp communication), boundary transfer, memory."""
 
     def __init__(self, segments, cuts, tp: int, profile, in_flight: list[int], *,
-                 checkpoint: str | None = None, layers: Sequence[str] = (), input_bytes: int = 0):
+                 checkpoint: str | None = None, layers: Sequence[str] = (), input_bytes: int = 0,
+                 cross_node: bool = False):
         self.segments, self.cuts, self.tp, self.profile, self.in_flight = segments, cuts, tp, profile, in_flight
+        self.cross_node = cross_node        # pipeline transfers go over the network (comm.pipeline_crosses_nodes)
         self.checkpoint, self.layers, self.input_bytes = checkpoint, list(layers), input_bytes
         self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s)
                      for s in segments]
@@ -48,7 +50,7 @@ class SegmentCosts:
 
     def boundary_time(self, k: int) -> float:
         """Sending segment k's outputs forward and their gradients back (0 after the last)."""
-        return 2 * p2p_time(self.cuts[k].nbytes, self.profile) if k < len(self.cuts) else 0.0
+        return 2 * p2p_time(self.cuts[k].nbytes, self.profile, self.cross_node) if k < len(self.cuts) else 0.0
 
     def recompute_time(self, nodes: Sequence[fx.Node]) -> float:
         """Forward time spent again in backward: all of a stage's nodes, or those inside layers."""

@@ -38,6 +38,7 @@ class StageInfo:
     w_time: float = 0.0           # the part of bwd_time a split backward defers to W (zb-h1, zb-v)
     dp_bytes: int = 0             # data-parallel traffic per step and rank (cost_model/sharding.py)
     dp_time: float = 0.0          # its predicted seconds per step (not part of ``time``)
+    dp_buckets: int = 1           # the pieces it is sent in while the final backward runs (step_time.py)
 
     @property
     def time(self) -> float:

@@ -1,6 +1,6 @@
 """What one gloo all-reduce costs as a training step meets it, not back to back (issue 14's comm fits).
 
-The profile's comm fits (autosplit/runtime/comm_bench.py) time each collective in a loop of calls back
+The profile's comm fits (autosplit/profiling/comm_bench.py) time each collective in a loop of calls back
 to back.  Inside a step every collective follows compute, and on this CPU that changes its price.  Two
 gloo ranks, one thread each, all-reduce one tensor (default: 400 KB, a microbatch-8 activation of the
 width-192 ViT) after each of these, ``--calls`` times each, and report the median and mean seconds of

@@ -13,7 +13,7 @@ microbatches, chunks, sequence parallelism):
                state of training, which repeats one configuration).
   predicted -- ``predict_plan(pm.plan, device=profile)`` (cost_model/step_time.py, the same model
                ``plan.summary()`` prints), with the profile measured on this machine for that many
-               ranks (runtime/measure_profile.py; measured first unless cached) fitted to the model
+               ranks (profiling/measure_profile.py; measured first unless cached) fitted to the model
                (cost_model/model_fit.py: its forward and backward timed at two microbatch sizes in this
                process, alone, right before that world's ranks start; ``--no-fit`` skips it), passed to
                every rank as ``device=``; for comparison the same profile unfitted, and the quick built-in CPU
@@ -320,7 +320,7 @@ def run_world(world: int, rounds: int, warmup: int, profiles: dict, only: tuple 
 
 def ensure_profiles(worlds, remeasure: bool) -> dict:
     from autosplit.cost_model import profile_cache
-    from autosplit.runtime.measure_profile import measure_here
+    from autosplit.profiling.measure_profile import measure_here
     profiles = {}
     for w in worlds:
         key = profile_cache.machine_key("cpu", w)

@@ -157,7 +157,7 @@ def main() -> None:
     import timm
     from autosplit.cost_model import profile_cache
     from autosplit.cost_model.model_fit import fit_to_model
-    from autosplit.runtime.measure_profile import measure_here
+    from autosplit.profiling.measure_profile import measure_here
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)

@@ -1,71 +1,133 @@
-"""Communication times from the alpha-beta model.
+"""Communication times: collectives priced by the nodes their group spans.
 
 Terms:
-  alpha (latency)  -- fixed seconds per message: ``profile.link_latency``.
-  beta (1 / bw)    -- seconds per byte on one link direction: ``1 / profile.link_bandwidth``.
-  nbytes           -- size of the FULL tensor a collective works on (the unsharded one), in bytes.
-  n                -- number of ranks in the group (the size of one mesh axis).
-
-Ring algorithms, each of the n - 1 steps moving nbytes / n per rank:
-  all_gather, reduce_scatter: (n - 1) * alpha + (n - 1) / n * nbytes * beta
-  all_reduce = reduce_scatter + all_gather: 2 (n - 1) * alpha + 2 (n - 1) / n * nbytes * beta
+  nbytes  -- size of the FULL tensor a collective works on (the unsharded one), in bytes.
+  n       -- number of ranks in the group (the size of one mesh axis).
+  span    -- the nodes a group's ranks sit on: ``nodes`` = k, ``r`` = n / k ranks on each.  Groups of
+             consecutive ranks (tensor parallelism, mesh.py's layout) span ceil(n / gpus_per_node) nodes;
+             a strided group (data parallelism: stride tp) ``group_nodes``.  ``gpus_per_node`` None: one node.
+  bus time -- the seconds the bytes take on the slowest path, with the phases of NCCL's hierarchical
+             algorithms pipelined against each other (chunks flow through one phase while the next chunk
+             is in the other), so the slower phase decides:
+               all_reduce:     max(2 (r-1)/r * nbytes / B_ar,  2 (k-1)/k * nbytes / (r * B_net))
+               all_gather, reduce_scatter: max((n-1)/n * nbytes / B_link, (k-1)/k * nbytes / (r * B_net))
+             B_ar: ``allreduce_bandwidth`` (NVLink SHARP reduces in the switch) or else ``link_bandwidth``;
+             B_link: the intra-node ring bus bandwidth; B_net: ``network_bandwidth`` per GPU (each of the r
+             GPUs of a node drives its own NIC with 1/r of the data: rail-optimized rings and trees).
+  latency -- alpha = steps x per-step latency: 2 (r-1) link + 2 (k-1) network latencies for all_reduce,
+             half that for all_gather / reduce_scatter.
+  time    -- (sqrt(alpha) + sqrt(bus time))^2: a transfer cut into chunks that pipeline through the
+             algorithm's steps, with the chunk size that minimizes alpha x chunks + bus time x (1 + 1 /
+             chunks).  Between the alpha-beta sum (small messages) and the bus time (large ones), it follows
+             the slow ramp of nccl-tests' bus bandwidth over 1 MiB-8 GiB (benchmarks/bench_nccl_tables.py:
+             within 15 % of every published row there; a plain alpha + beta x nbytes misses by up to 36 %).
+  p2p     -- one send to a peer: latency + nbytes / bandwidth of the link, or of the network where the
+             peer is on another node.
 A group of one rank communicates nothing: 0 s.
-Measured (``profile.comm``, measured.py): a collective kind measured on groups of n ranks is priced by
-its own fit, alpha(kind, n) + beta(kind, n) * nbytes, which holds whatever the backend really does
-(gloo has no reduce-scatter: the runtime all-reduces and slices, and that is what was timed); a kind
-or group size not measured falls back to the formulas above.
+Measured (``profile.comm``, measured.py): a collective kind measured on groups of n ranks over k nodes is
+priced by its own fit, alpha(kind, n, k) + beta(kind, n, k) * nbytes, which holds whatever the backend
+really does (gloo has no reduce-scatter: the runtime all-reduces and slices, and that is what was timed);
+a kind, size or span not measured falls back to the formulas above.
 """
 from __future__ import annotations
+
+import math
 
 from autosplit.cost_model.measured import measured_comm_time
 from autosplit.cost_model.profiles import get_profile
 from autosplit.passes.shape_prop import tensor_bytes
 
 
-def p2p_time(nbytes: float, profile) -> float:
-    """Seconds to send ``nbytes`` to one peer: latency + nbytes / bandwidth (0 if nothing is sent)."""
+def consecutive_nodes(profile, n: int) -> int:
+    """Nodes a group of ``n`` consecutive ranks spans (a tensor-parallel group)."""
+    gpn = get_profile(profile).gpus_per_node
+    return 1 if not gpn else max(1, math.ceil(n / gpn))
+
+
+def group_nodes(profile, n: int, stride: int) -> int:
+    """Nodes the group {0, stride, ..., (n-1) stride} spans (a data-parallel group: stride tp)."""
+    gpn = get_profile(profile).gpus_per_node
+    return 1 if not gpn else len({(i * stride) // gpn for i in range(n)})
+
+
+def pipeline_crosses_nodes(profile, pp: int, ranks_per_stage: int) -> bool:
+    """Whether pipeline transfers go over the network: the pp ranks of a pipeline sit ``ranks_per_stage``
+    (tp * dp) apart, so once pp * ranks_per_stage exceeds a node, boundaries cross it.  Every boundary is
+    then priced over the network: exact where ranks_per_stage is a multiple of the node size, an upper
+    bound for the boundaries that stay inside a node otherwise."""
+    gpn = get_profile(profile).gpus_per_node
+    return bool(gpn) and pp > 1 and pp * ranks_per_stage > gpn
+
+
+def _pipelined(alpha: float, bus: float) -> float:
+    return (math.sqrt(alpha) + math.sqrt(bus)) ** 2
+
+
+def p2p_time(nbytes: float, profile, cross_node: bool = False) -> float:
+    """Seconds to send ``nbytes`` to one peer (0 if nothing is sent); over the network when
+    ``cross_node`` and the profile states one."""
     if nbytes <= 0:
         return 0.0
     p = get_profile(profile)
-    measured = measured_comm_time(p, "send_recv", nbytes, 2)
-    return measured if measured is not None else p.link_latency + nbytes / p.link_bandwidth
+    measured = measured_comm_time(p, "send_recv", nbytes, 2, 2 if cross_node else 1)
+    if measured is None and cross_node:
+        measured = measured_comm_time(p, "send_recv", nbytes, 2)
+    if measured is not None:
+        return measured
+    if cross_node and p.network_bandwidth > 0:
+        return p.network_latency + nbytes / p.network_bandwidth
+    return p.link_latency + nbytes / p.link_bandwidth
 
 
-def _ring(phases: int, nbytes: float, n: int, profile, kind: str) -> float:
+def _collective(kind: str, nbytes: float, n: int, profile, nodes: int | None) -> float:
     if n <= 1:
         return 0.0
     p = get_profile(profile)
-    measured = measured_comm_time(p, kind, nbytes, n)
+    k = consecutive_nodes(p, n) if nodes is None else max(1, min(nodes, n))
+    measured = measured_comm_time(p, kind, nbytes, n, k)
     if measured is not None:
         return measured
-    return phases * ((n - 1) * p.link_latency + (n - 1) / n * nbytes / p.link_bandwidth)
+    phases = 2 if kind == "all_reduce" else 1
+    r = n / k
+    intra_bw = (p.allreduce_bandwidth or p.link_bandwidth) if kind == "all_reduce" else p.link_bandwidth
+    if k == 1:
+        bus = phases * (n - 1) / n * nbytes / intra_bw
+        alpha = phases * (n - 1) * p.link_latency
+    else:
+        net_bw = p.network_bandwidth or p.link_bandwidth
+        intra = phases * (r - 1) / r * nbytes / intra_bw if kind == "all_reduce" else (n - 1) / n * nbytes / intra_bw
+        bus = max(intra, phases * (k - 1) / k * nbytes / (r * net_bw))
+        alpha = phases * ((r - 1) * p.link_latency + (k - 1) * (p.network_latency or p.link_latency))
+    return _pipelined(alpha, bus)
 
 
-def all_reduce_time(nbytes: float, n: int, profile) -> float:
-    """Ring all-reduce of an ``nbytes`` tensor over ``n`` ranks."""
-    return _ring(2, nbytes, n, profile, "all_reduce")
+def all_reduce_time(nbytes: float, n: int, profile, nodes: int | None = None) -> float:
+    """All-reduce of an ``nbytes`` tensor over ``n`` ranks on ``nodes`` nodes (None: consecutive ranks)."""
+    return _collective("all_reduce", nbytes, n, profile, nodes)
 
 
-def all_gather_time(nbytes: float, n: int, profile) -> float:
-    """Ring all-gather producing an ``nbytes`` tensor on each of ``n`` ranks."""
-    return _ring(1, nbytes, n, profile, "all_gather")
+def all_gather_time(nbytes: float, n: int, profile, nodes: int | None = None) -> float:
+    """All-gather producing an ``nbytes`` tensor on each of ``n`` ranks (``nodes`` as all_reduce_time)."""
+    return _collective("all_gather", nbytes, n, profile, nodes)
 
 
-def reduce_scatter_time(nbytes: float, n: int, profile) -> float:
-    """Ring reduce-scatter of an ``nbytes`` tensor over ``n`` ranks (each keeps nbytes / n)."""
-    return _ring(1, nbytes, n, profile, "reduce_scatter")
+def reduce_scatter_time(nbytes: float, n: int, profile, nodes: int | None = None) -> float:
+    """Reduce-scatter of an ``nbytes`` tensor over ``n`` ranks, each keeping nbytes / n (``nodes`` as
+    all_reduce_time)."""
+    return _collective("reduce_scatter", nbytes, n, profile, nodes)
 
 
 def broadcast_time(nbytes: float, n: int, profile) -> float:
-    """Binomial-tree broadcast (or reduce) of ``nbytes`` over ``n`` ranks, pipelined: latency per
-    level, the bytes once."""
+    """Binomial-tree broadcast (or reduce) of ``nbytes`` over ``n`` consecutive ranks, pipelined:
+    latency per level, the bytes once (over the network when the group spans nodes)."""
     if n <= 1:
         return 0.0
     p = get_profile(profile)
     measured = measured_comm_time(p, "broadcast", nbytes, n)
     if measured is not None:
         return measured
-    return (n - 1).bit_length() * p.link_latency + nbytes / p.link_bandwidth
+    bw = p.network_bandwidth if consecutive_nodes(p, n) > 1 and p.network_bandwidth else p.link_bandwidth
+    return _pipelined((n - 1).bit_length() * p.link_latency, nbytes / bw)
 
 
 def linear_2d_time(x_bytes: float, w_bytes: float, q: int, form: str, profile) -> tuple[float, float]:

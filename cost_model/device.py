@@ -16,18 +16,18 @@ Terms:
   sharing         -- on a CPU host running several ranks: ``sharing[n-1]`` is how much slower each compute
                      runs while n processes of the job compute at once (cores, caches and memory
                      bandwidth are shared; 1.0 for n = 1), measured in the live world
-                     (runtime/sharing_bench.py); the step predictor stretches computes by it.  Its length
+                     (profiling/sharing_bench.py); the step predictor stretches computes by it.  Its length
                      is the ranks per host.  None: each device is its own (GPUs).
-  p2p post        -- host seconds to post one group of pipeline transfers (runtime/comm_bench.py): on a
+  p2p post        -- host seconds to post one group of pipeline transfers (profiling/comm_bench.py): on a
                      CPU the host that posts is the one that computes, so the step predictor puts it on
                      the rank's timeline; 0 where the host posts while a device computes (GPUs).
   p2p wake        -- extra seconds a transfer takes to reach a rank that waits for it while the host's other
-                     ranks compute (runtime/sharing_bench.py's *wake*: the waiting rank must win a core
+                     ranks compute (profiling/sharing_bench.py's *wake*: the waiting rank must win a core
                      back); the step predictor adds it to such a rank's next compute.  0 on GPUs and
                      with fewer than 3 ranks per host.
   resume          -- (forward, backward) factors: how much longer a pass takes when it starts after its
                      rank sat idle (a pipeline rank waiting for a transfer) than back to back; measured on
-                     a CPU in the live world (runtime/resume_bench.py), 1.0 on GPUs.  The step predictor
+                     a CPU in the live world (profiling/resume_bench.py), 1.0 on GPUs.  The step predictor
                      stretches such computes by it.
   pass overhead   -- seconds a pass takes beyond that when it starts after its rank sat idle: what a real
                      pipeline of the host pays (the scheduler, the other ranks' threads and caches) that the
@@ -57,8 +57,7 @@ Built-in profiles come from the vendor datasheets (dense figures, i.e. without 2
   A100 SXM4 80GB: NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100/):
              BF16/FP16 tensor core 312 TFLOPS dense, FP32 19.5 TFLOPS, HBM2e 2,039 GB/s,
              NVLink 600 GB/s total = 300 GB/s per direction, 80 GB.
-  Op overhead of ~4 us is the usual measured CUDA launch-plus-dispatch cost of a small PyTorch op.
-  Latency of ~3 us per NVLink message is the usual NCCL small-message figure, not a datasheet number.
+  Link, network and kernel-model numbers: fitted to published measurements (see the comments below).
 """
 from __future__ import annotations
 
@@ -122,21 +121,70 @@ class DeviceProfile:
         return table[torch.float32]
 
 
+# The data-center parts' collectives, fitted to the published nccl-tests all-reduce rows
+# (benchmarks/bench_nccl_tables.py; ../shared/reference/gpu-tables/nccl_busbw.csv): 8 GPUs per node; the
+# all-reduce bus bandwidth of NVLink SHARP (H100, H200) or of the ring (A100) and the per-step link latency
+# from the one-node rows; the network's per-GPU latency from the two-node rows, its bandwidth the stated
+# 400 Gb/s per GPU (H100 at OCI and AWS; H200 assumed the same class), 50 Gb/s per GPU for the A100 rows
+# (AWS p4de; a DGX A100 with 200 Gb/s per GPU needs its own profile: ``autosplit profile``).  Ring
+# collectives (all-gather, reduce-scatter) on H100 / H200 use the ~370 GB/s effective NVLink bandwidth
+# an NCCL maintainer gives (NVIDIA/nccl-tests #212).  No published ViT timing exists for these parts:
+# their kernel model is the consumer GPUs' fit carried over (``_DATACENTER_KERNELS``).
+# Carried over: large-GEMM efficiency at the fit's bound (0.85), the median half dim (23) and fused-attention
+# (1.15) and bandwidth (0.78) efficiencies of the four fitted GPUs, and the launch cost of the only training
+# rows (RTX 3090, 11.6 us: eager PyTorch's per-op host cost, which a GPU that outruns its host pays).
+_DATACENTER_KERNELS = dict(gemm_efficiency=0.85, gemm_half_dim=23.0, attention_efficiency=1.15,
+                           bandwidth_efficiency=0.78, op_overhead=11.6e-6)
+
 H100 = DeviceProfile(
     name="h100",
     peak_flops={torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    mem_bandwidth=3.35e12, link_bandwidth=450e9, link_latency=3e-6, memory_bytes=80 * GiB)
+    mem_bandwidth=3.35e12, link_bandwidth=370e9, link_latency=1.22e-6, memory_bytes=80 * GiB,
+    gpus_per_node=8, allreduce_bandwidth=543e9, network_bandwidth=50e9, network_latency=35.8e-6,
+    **_DATACENTER_KERNELS)
 
 A100 = DeviceProfile(
     name="a100",
     peak_flops={torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
-    mem_bandwidth=2.039e12, link_bandwidth=300e9, link_latency=3e-6, memory_bytes=80 * GiB)
+    mem_bandwidth=2.039e12, link_bandwidth=242e9, link_latency=1.51e-6, memory_bytes=80 * GiB,
+    gpus_per_node=8, network_bandwidth=6.25e9, network_latency=82.5e-6, **_DATACENTER_KERNELS)
 
 H200 = DeviceProfile(
     name="h200",
     peak_flops={torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    mem_bandwidth=4.8e12, link_bandwidth=450e9, link_latency=3e-6, memory_bytes=141 * 10**9)
+    mem_bandwidth=4.8e12, link_bandwidth=370e9, link_latency=1.02e-6, memory_bytes=141 * 10**9,
+    gpus_per_node=8, allreduce_bandwidth=536e9, network_bandwidth=50e9, network_latency=35.8e-6,
+    **_DATACENTER_KERNELS)
 
+# Consumer and workstation GPUs of the published timm tables (../shared/reference/gpu-tables/README.md):
+# datasheet tensor peaks (FP16 inputs, FP32 accumulate: what autocast matmuls use) and memory bandwidths;
+# FP32 is the non-tensor vector rate.  One GPU per machine in those runs: no link, no network.
+#   RTX 3090: GA102 whitepaper: 71 TFLOPS FP16 tensor (FP32 acc.), 35.6 TFLOPS FP32, 936 GB/s, 24 GB.
+#   RTX 4090: Ada whitepaper v2.1: 165.2 TFLOPS FP16 tensor (FP32 acc.), 82.6 TFLOPS FP32, 1008 GB/s, 24 GB.
+#   RTX 5090, RTX PRO 6000 Blackwell Max-Q: 1792 GB/s (spec listings); no verified tensor peak, so the
+#             kernel model's fit stands for it (bench_gpu_tables.py); 32 GB and 96 GB.
+_SINGLE = dict(link_bandwidth=32e9, link_latency=10e-6)     # PCIe 4.0 x16 per direction, if ever used
+
+
+def _consumer(name, fp16, fp32, bandwidth, memory, **kernel):
+    return DeviceProfile(name=name, peak_flops={torch.float16: fp16, torch.bfloat16: fp16, torch.float32: fp32},
+                         mem_bandwidth=bandwidth, memory_bytes=memory, **_SINGLE, **kernel)
+
+
+# The kernel model of each, fitted to its published rows by benchmarks/bench_gpu_tables.py --fit (2026-11-26;
+# soft-L1 least squares on log(predicted / published), large-GEMM efficiency bounded at 0.85 where the peak
+# is verified; 353 / 404 / 230 / 231 rows).  The RTX 3090 rows ran unfused attention (PyTorch 1.x), so its
+# attention_efficiency is not fitted: the 4090's is used.  The 5090 and Pro 6000 peaks are the fitted
+# large-GEMM rates (efficiency 1), not datasheet figures.
+RTX3090 = _consumer("rtx3090", 71e12, 35.6e12, 936e9, 24 * GiB, gemm_efficiency=0.85, gemm_half_dim=44.7,
+                    attention_efficiency=1.15, bandwidth_efficiency=0.609, op_overhead=11.6e-6)
+RTX4090 = _consumer("rtx4090", 165.2e12, 82.6e12, 1008e9, 24 * GiB, gemm_efficiency=0.85, gemm_half_dim=1.0,
+                    attention_efficiency=1.15, bandwidth_efficiency=1.0, op_overhead=61.6e-6)
+RTX5090 = _consumer("rtx5090", 177.2e12, 104.8e12, 1792e9, 32 * GiB, gemm_efficiency=1.0, gemm_half_dim=1.0,
+                    attention_efficiency=0.829, bandwidth_efficiency=0.742, op_overhead=18.7e-6)
+RTX_PRO6000_MAXQ = _consumer("rtx_pro6000_maxq", 247.2e12, 104.8e12, 1792e9, 96 * GiB, gemm_efficiency=1.0,
+                             gemm_half_dim=73.9, attention_efficiency=1.36, bandwidth_efficiency=0.826,
+                             op_overhead=80.4e-6)
 
 # every built-in profile by its name (profiles.py looks names up here)
-BUILTIN = {p.name: p for p in (H100, H200, A100)}
+BUILTIN = {p.name: p for p in (H100, H200, A100, RTX3090, RTX4090, RTX5090, RTX_PRO6000_MAXQ)}

@@ -21,7 +21,7 @@ Terms:
              copy (the user's model and its gradients are not touched; a meta model's copy gets small
              random values), under autosplit/host_memory.py's malloc settings and with the gradients
              accumulating from pass to pass, as training runs.
-  fits    -- a profile with measured compute fits (a CPU profile from runtime/measure_profile.py) has
+  fits    -- a profile with measured compute fits (a CPU profile from profiling/measure_profile.py) has
              each class's fit rescaled, forward and backward apart.  A roofline profile (a datasheet GPU,
              ``calibrate()``'s peaks) has one pair for the whole pass: ``op_overhead * k_alpha`` and
              every peak FLOP/s and the memory bandwidth divided by ``k_work`` (a roofline op's time is
@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model.measured import measured_op_parts, op_class
+from autosplit.cost_model.kernels import gemm_shape
 from autosplit.cost_model.roofline import output_dtype, roofline_op_parts
 from autosplit.errors import AutosplitError
 
@@ -94,7 +95,7 @@ def _predicted_parts(gm, profile) -> dict:
         if profile.compute is not None and cls in profile.compute:
             fwd, bwd = measured_op_parts(cost, cls, output_dtype(n), profile)
         else:
-            fwd, bwd = roofline_op_parts(cost, output_dtype(n), profile)
+            fwd, bwd = roofline_op_parts(cost, output_dtype(n), profile, cls, gemm_shape(n))
         for key, (alpha, work) in (("fwd", fwd), ("bwd", bwd)):
             sums[key][0] += alpha
             sums[key][1] += work

@@ -1,7 +1,7 @@
 """Fit a profile's ``pass_overhead`` to a reference pipeline measured on its host.
 
 Terms:
-  reference  -- one round of runtime/pipeline_bench.py's result: a 1F1B pipeline of ``microbatches`` over the host's
+  reference  -- one round of profiling/pipeline_bench.py's result: a 1F1B pipeline of ``microbatches`` over the host's
                 ``ranks`` (one identical stage each), its stage's forward and backward timed alone, the
                 slowest rank's step as measured, and the bytes of one activation (the boundary).
   priced     -- step_time.predict_step of that pipeline with the profile's own sharing, posting, wake and
@@ -11,7 +11,7 @@ Terms:
                 profile prices the reference at or above what it measured (then nothing is missing).
                 Capped at the alone forward + backward: a residual larger than a pass is not a per-pass
                 cost.  The profile's is the median over the rounds' fits (one round's is noise's too).
-Pure: no process group, no tensors (it prices; runtime/pipeline_bench.py measures).
+Pure: no process group, no tensors (it prices; profiling/pipeline_bench.py measures).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ Terms:
   directory -- ``$AUTOSPLIT_PROFILE_DIR``, else ``$XDG_CACHE_HOME/autosplit/profiles``, else
                ``~/.cache/autosplit/profiles``.  ``AUTOSPLIT_PROFILE_CACHE=0`` turns the cache off
                (nothing read, nothing written).
-  file      -- ``<key>.json``: the DeviceProfile's fields (dtypes by name) and the full key.
+  file      -- ``<key>.json``: a profile file (profile_file.py: the same layout ``device="x.json"`` reads)
+               plus the full ``key`` and ``cache_format`` (FORMAT: how the measurement was made; a file of
+               another one is ignored, as is one that does not parse).
 """
 from __future__ import annotations
 
@@ -17,16 +19,21 @@ import json
 import os
 import platform
 import socket
-from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
+from autosplit.cost_model import profile_file
 from autosplit.cost_model.device import DeviceProfile
-from autosplit.cost_model.measured import compute_from_json, compute_to_json
+from autosplit.errors import AutosplitError
 
-FORMAT = 9       # 9: collectives on a host with more ranks than cores fitted to their in-step times; 8: plus ``pass_overhead``; 7: ``p2p_post`` timed after compute (its mean) where each rank has a core; 6: plus ``resume``; 5: collectives timed in step (after compute) on CPU; 4: plus ``p2p_wake``; 3: plus ``p2p_post``; 2: compute fits of one process alone plus ``sharing`` (1: fits taken
-                 # under contention)
+# how the cached measurement was made; a file of another one is ignored.  10: the profile file's layout
+# (profile_file.py), the kernel model, node spans and topology measured; 9: collectives on a host with more
+# ranks than cores fitted to their in-step times; 8: plus ``pass_overhead``; 7: ``p2p_post`` timed after compute
+# (its mean) where each rank has a core; 6: plus ``resume``; 5: collectives timed in step (after compute) on
+# CPU; 4: plus ``p2p_wake``; 3: plus ``p2p_post``; 2: compute fits of one process alone plus ``sharing``
+# (1: fits taken under contention)
+FORMAT = 10
 
 
 def enabled() -> bool:
@@ -67,37 +74,31 @@ def key_name(key: dict) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in readable) + f"-{digest}"
 
 
-def to_dict(profile: DeviceProfile) -> dict:
-    d = asdict(profile)
-    d["peak_flops"] = {str(k).removeprefix("torch."): v for k, v in profile.peak_flops.items()}
-    d["compute"] = compute_to_json(profile.compute)
-    d["comm"] = None if profile.comm is None else {k: list(v) for k, v in profile.comm.items()}
-    return d
+# the profile as JSON values and back (the cache's entries, and what spawned measurements hand their parent)
+to_dict, from_dict = profile_file.to_dict, profile_file.from_dict
 
 
-def from_dict(d: dict) -> DeviceProfile:
-    known = {f.name for f in fields(DeviceProfile)}
-    d = {k: v for k, v in d.items() if k in known}
-    d["peak_flops"] = {getattr(torch, k): v for k, v in d["peak_flops"].items()}
-    d["compute"] = compute_from_json(d.get("compute"))
-    d["comm"] = None if d.get("comm") is None else {k: tuple(v) for k, v in d["comm"].items()}
-    d["sharing"] = None if d.get("sharing") is None else tuple(d["sharing"])
-    d["resume"] = tuple(d.get("resume", (1.0, 1.0)))
-    return DeviceProfile(**d)
+def path_for(key: dict) -> Path:
+    """Where the profile measured under ``key`` is cached."""
+    return cache_dir() / f"{key_name(key)}.json"
 
 
 def load(key: dict) -> DeviceProfile | None:
-    """The cached profile for ``key``, or None (no file, cache off, or a file of another format)."""
+    """The cached profile for ``key``, or None (no file, cache off, another measurement format or key, or a
+    file that does not parse)."""
     if not enabled():
         return None
-    path = cache_dir() / f"{key_name(key)}.json"
+    path = path_for(key)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if data.get("format") != FORMAT or data.get("key") != key:
+    if not isinstance(data, dict) or data.get("cache_format") != FORMAT or data.get("key") != key:
         return None
-    return from_dict(data["profile"])
+    try:
+        return profile_file.parse(data, f"cached profile {str(path)!r}", allow=("key", "cache_format"))[0]
+    except AutosplitError:
+        return None
 
 
 def save(key: dict, profile: DeviceProfile) -> Path | None:
@@ -106,8 +107,4 @@ def save(key: dict, profile: DeviceProfile) -> Path | None:
         return None
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{key_name(key)}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "key": key, "profile": to_dict(profile)}, indent=1))
-    os.replace(tmp, path)
-    return path
+    return profile_file.write(path_for(key), profile, extra={"key": key, "cache_format": FORMAT})

@@ -1,11 +1,11 @@
 """Roofline time of one op: it is limited by compute or by memory traffic, whichever is slower.
 
 Terms:
-  peak    -- ``profile.flops_for(dtype)``, dense FLOP/s for the op's dtype.
+  rate    -- what the op's kernels reach: a GEMM's FLOP/s by its shape and dtype, fused attention's,
+             the vector rate of other ops, the achievable memory bandwidth (kernels.py).
   traffic -- bytes the op reads and writes in main memory (``NodeCost.fwd_bytes`` / ``bwd_bytes``).
-  time    -- max(flops / peak, traffic / mem_bandwidth), separately for forward and backward.
-             plus ``profile.op_overhead`` per pass that does any work (a kernel launch); no overlap
-             between ops is modelled.
+  time    -- max(flops / rate, traffic / bandwidth), separately for forward and backward, plus
+             ``profile.op_overhead`` per kernel launched (kernels.py); no overlap between ops.
   measured -- a profile with measured fits (``profile.compute``, measured.py) prices each op by its
               class instead: alpha + work / rate, forward and backward.
 """
@@ -19,30 +19,44 @@ from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.flops import NodeCost, node_cost
+from autosplit.cost_model.kernels import gemm_shape, kernel_parts
 from autosplit.cost_model.measured import measured_op_time, op_class
 
 
-def op_time(cost: NodeCost, dtype: torch.dtype, profile, cls: str | None = None) -> tuple[float, float]:
+def op_time(cost: NodeCost, dtype: torch.dtype, profile, cls: str | None = None,
+            shape: tuple | None = None) -> tuple[float, float]:
     """(forward s, backward s) of one op in ``dtype`` on ``profile`` (a DeviceProfile or its name).
 
-    ``cls``: the op's class (measured.op_class); with a measured profile (``profile.compute``) the
-    class's fits price it instead of the roofline.
+    Args:
+        cost: the op's FLOPs and bytes.
+        dtype: its compute dtype.
+        profile: a DeviceProfile or a profile name.
+        cls: the op's class (measured.op_class): with a measured profile (``profile.compute``) the class's
+            fits price it; otherwise it picks the kernel rate (kernels.py).  None: a GEMM-class rate.
+        shape: its GEMM shape (kernels.gemm_shape), for the efficiency of small and skinny GEMMs.
     """
     p = get_profile(profile)
     if cls is not None and p.compute is not None and cls in p.compute:
         return measured_op_time(cost, cls, dtype, p)
-    (fa, fw), (ba, bw) = roofline_op_parts(cost, dtype, p)
+    (fa, fw), (ba, bw) = roofline_op_parts(cost, dtype, p, cls, shape)
     return fa + fw, ba + bw
 
 
-def roofline_op_parts(cost: NodeCost, dtype: torch.dtype, p) -> tuple[tuple, tuple]:
-    """The roofline's ((overhead s, forward work s), (overhead s, backward work s)) of one op on the
-    DeviceProfile ``p``: work is the larger of the FLOP and byte terms, and an op with work pays the
-    per-op overhead (model_fit.py scales the two terms apart)."""
-    peak = p.flops_for(dtype)
-    fwd = max(cost.fwd_flops / peak, cost.fwd_bytes / p.mem_bandwidth)
-    bwd = max(cost.bwd_flops / peak, cost.bwd_bytes / p.mem_bandwidth)
-    return (p.op_overhead if fwd else 0.0, fwd), (p.op_overhead if bwd else 0.0, bwd)
+def roofline_op_parts(cost: NodeCost, dtype: torch.dtype, p, cls: str | None = None,
+                      shape: tuple | None = None) -> tuple[tuple, tuple]:
+    """The roofline's ((launch s, forward work s), (launch s, backward work s)) of one op on the
+    DeviceProfile ``p`` (kernels.kernel_parts; model_fit.py scales the two terms apart)."""
+    if cls is None:                  # no class known: one kernel a pass at the GEMM rate (the old roofline)
+        (fa, fw), (_, bw) = kernel_parts(cost, dtype, p, "matmul", shape)
+        return (fa, fw), (p.op_overhead if bw else 0.0, bw)
+    return kernel_parts(cost, dtype, p, cls, shape)
+
+
+def node_time(n: fx.Node, p, cost: NodeCost | None = None) -> tuple[float, float]:
+    """(forward s, backward s) of graph node ``n`` on the DeviceProfile ``p``: its class and GEMM shape
+    decide the kernel rates (or the measured fits)."""
+    cost = cost or n.meta.get("cost") or node_cost(n, n.graph.owning_module)
+    return op_time(cost, output_dtype(n), p, op_class(n, cost), gemm_shape(n))
 
 
 def output_dtype(node: fx.Node) -> torch.dtype:
@@ -64,7 +78,6 @@ def graph_time(nodes: Iterable[fx.Node], profile) -> tuple[float, float]:
     for n in nodes:
         if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
             continue
-        cost = n.meta.get("cost") or node_cost(n, n.graph.owning_module)
-        f, b = op_time(cost, output_dtype(n), p, op_class(n, cost) if p.compute is not None else None)
+        f, b = node_time(n, p)
         fwd, bwd = fwd + f, bwd + b
     return fwd, bwd

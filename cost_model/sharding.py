@@ -18,11 +18,13 @@ Terms (runtime/fsdp.py runs what this predicts):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from autosplit.cost_model.comm import all_gather_time, all_reduce_time, reduce_scatter_time
+from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
 
 GRANULARITIES = ("stage", "layer")
+DP_BUCKET_BYTES = 25 * 2**20    # the runtime's default gradient bucket (runtime/data_parallel.py)
 STATE_FACTOR = 4            # parameter + gradient + two Adam moments
 
 
@@ -34,6 +36,7 @@ class DataParallelCost:
     step_bytes: float
     traffic_bytes: float
     time: float               # predicted seconds of dp collectives per step
+    buckets: int = 1          # pieces the sync is sent in as the final backward produces them (step_time.py)
 
     @property
     def memory_bytes(self) -> float:
@@ -41,7 +44,7 @@ class DataParallelCost:
 
 
 def dp_cost(param_bytes: float, largest_unit: float, dp: int, microbatches: int, sharding: str | None,
-            profile, gather_ratio: float = 1.0) -> DataParallelCost:
+            profile, gather_ratio: float = 1.0, nodes: int | None = None) -> DataParallelCost:
     """Args:
         param_bytes: P, the stage's float32 parameter bytes on this rank.
         largest_unit: bytes of the stage's largest FSDP unit under "layer" (its largest layer, or what
@@ -49,19 +52,30 @@ def dp_cost(param_bytes: float, largest_unit: float, dp: int, microbatches: int,
         dp: ranks in the dp group.  microbatches: m.  sharding: None, "stage" or "layer".
         profile: the cost model's DeviceProfile (link bandwidth and latency).
         gather_ratio: all-gather bytes per parameter byte (0.5 when FSDP gathers bfloat16 copies).
+        nodes: the nodes the dp group spans (comm.group_nodes); None: consecutive ranks.
     """
     if sharding is None or dp == 1:
         return DataParallelCost(None, STATE_FACTOR * param_bytes, 0.0, 2 * (dp - 1) / dp * param_bytes,
-                                all_reduce_time(param_bytes, dp, profile))
+                                all_reduce_time(param_bytes, dp, profile, nodes), dp_buckets(param_bytes, None))
     if sharding not in GRANULARITIES:
         raise ValueError(f"sharding={sharding!r}: expected None or one of {GRANULARITIES}")
     gathered = gather_ratio * param_bytes
     gathers = 1 if sharding == "stage" else 2 * microbatches
     unsharded = gathered if sharding == "stage" else 2 * gather_ratio * largest_unit
     traffic = (dp - 1) / dp * (gathers * gathered + param_bytes)
-    time = gathers * all_gather_time(gathered, dp, profile) + reduce_scatter_time(param_bytes, dp, profile)
+    time = gathers * all_gather_time(gathered, dp, profile, nodes) + reduce_scatter_time(param_bytes, dp, profile, nodes)
     return DataParallelCost(sharding, STATE_FACTOR * param_bytes / dp, param_bytes + min(unsharded, gathered),
-                            traffic, time)
+                            traffic, time, dp_buckets(param_bytes, sharding, largest_unit))
+
+
+def dp_buckets(param_bytes: float, sharding: str | None, largest_unit: float = 0.0) -> int:
+    """Pieces a stage's dp sync goes out in while its final backward runs: replicated, its 25 MiB
+    buckets (runtime/data_parallel.py); "layer", one reduce-scatter per layer unit (FSDP2 reduces a unit
+    as soon as its backward is done); "stage", one reduce-scatter after the whole backward."""
+    if sharding == "stage" or param_bytes <= 0:
+        return 1
+    size = largest_unit if sharding == "layer" and largest_unit > 0 else DP_BUCKET_BYTES
+    return max(1, math.ceil(param_bytes / size))
 
 
 def unit_bytes(nodes, layers) -> float:
@@ -88,9 +102,10 @@ class StageDataParallel:
     """``dp_cost`` of a stage spanning segments first..last (see segment_costs.SegmentCosts)."""
 
     def __init__(self, segments, params: list[float], layers, dp: int, microbatches: int, sharding: str | None,
-                 profile, gather_ratio: float = 1.0):
+                 profile, gather_ratio: float = 1.0, tp: int = 1):
         self.segments, self.params, self.layers = segments, params, list(layers)
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
+        self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
 
     def __call__(self, first: int, last: int, param_bytes: float | None = None) -> DataParallelCost:
         """``param_bytes``: the stage module's own count, where known (default: its segments' sum)."""
@@ -98,4 +113,4 @@ class StageDataParallel:
         unit = unit_bytes(nodes, self.layers) if self.sharding == "layer" else 0.0
         total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
         return dp_cost(total, unit, self.dp, self.m, self.sharding, self.profile,
-                       self.ratio)
+                       self.ratio, self.nodes)

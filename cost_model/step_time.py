@@ -16,44 +16,28 @@ Terms:
                   stream waits for the compute stream) and the rank's previous group is done (one queue
                   per rank, only its head runs); a transfer starts when both its groups are active and
                   lasts the producing boundary's ``send``; a group is done when all its transfers are.
+  dp sync    -- per rank one stream: a stage's ``dp`` seconds run in ``dp_buckets`` equal pieces; piece j
+                is ready j / k of the way through the stage's final backward (B, or W where W is deferred:
+                the runtime arms its buckets there, runtime/data_parallel.py), and pieces follow each other
+                and the rank's previous dp sync on one stream.  So the sync ends max(dp - b (k-1)/k, dp / k)
+                after that backward (b: its duration, k: the pieces): DDP's overlap of bucketed all-reduces
+                with the backward still running.  One piece (FSDP's "stage" reduce-scatter): all of it after.
+  host terms -- on a CPU host running several ranks, the measured sharing, wake, resume and post terms
+                stretch the run (host_contention.py); on GPUs they are absent and this run is plain.
   post       -- host seconds to post one group (``DeviceProfile.p2p_post``; 0 on GPUs, whose host posts
                 while the device computes).  When positive, posting is on the rank's own timeline: a
                 group is *posted* ``post`` after the rank's previous compute or post ended, becomes
                 active no earlier, and the rank's next compute starts no earlier than its last post.
-  dp sync    -- per rank one stream: a stage's ``dp`` starts once its last backward (B or W) ended and
-                the rank's previous dp sync is done (replicated dp all-reduces there; FSDP's all-gathers
-                are counted there too, an upper bound on what its prefetch exposes).
-  sharing    -- processes of the job that compute at once on one host share its cores (a CPU world runs
-                several ranks per machine): while n of them compute, each compute progresses at
-                1 / ``slowdown[n-1]`` of its own speed (``DeviceProfile.sharing``, measured on the machine;
-                None: devices are not shared).  Pipeline rank r stands for its ``group`` = tp * dp processes
-                (ranks r*group .. (r+1)*group - 1, mesh.py's layout), which compute in lockstep; a host
-                holds ``len(slowdown)`` consecutive ranks.  Only compute is shared: tp collectives,
-                transfers and dp sync take their own time.  With sharing the timed run is event-driven
-                (a compute's end depends on what else runs meanwhile); without it, a topological pass.
-  wake       -- (with sharing) a compute that waited for its input's transfer (the transfer's end is the
-                last thing it waited for) starts ``wake`` later (``DeviceProfile.p2p_wake``) if, when the
-                data arrives, at least as many of the host's other processes compute as did while it was
-                measured (all but the two relaying: the host's processes - 2): the rank must win a core
-                back (runtime/sharing_bench.py *wake*).  Part of the transfers' exposed time.
   fixed      -- seconds every rank spends per step outside the schedule, waiting in collectives over
                 the whole world: the call check's all-gather before its first action
                 (runtime/call_gate.py) and the loss all-reduce after its last (runtime/gradients.py);
-                ``step_collectives`` prices them.  Added to every rank's end and to exposed_comm.
-  resume     -- a compute that starts after its rank sat idle (it waited for a transfer, or for the other
-                end of the pipeline: it starts later than the rank's previous compute or post ended) runs
-                its compute part ``resume[0]`` (F) or ``resume[1]`` (B, I, W) times as long
-                (``DeviceProfile.resume``: measured on a CPU in the live world by runtime/resume_bench.py,
-                where a pass after an idle wait with two microbatches in flight ran 9-14 % slower than
-                back to back; 1 on GPUs), and then ``overhead`` seconds longer (``DeviceProfile.pass_overhead``:
-                fitted so that this timed run reproduces a reference pipeline measured on the host,
-                cost_model/pipeline_fit.py; 0 on GPUs).  Part of compute.
+                ``step_collectives`` prices them.  Added to every rank's end and to dp_comm.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
-                stretched by sharing),
-                ``exposed_comm`` (its blocking tp collectives, plus how much later it ends than with free
-                point-to-point transfers), ``dp_comm`` (dp sync past its last compute), ``bubble`` (the rest:
-                idle waiting for other ranks).
+                stretched by sharing), ``tp_comm`` (its blocking tp collectives), ``pp_comm`` (how much later
+                it ends than with free point-to-point transfers), ``dp_comm`` (dp sync past its last compute,
+                plus *fixed*), ``bubble`` (the rest: idle waiting for other ranks).  ``exposed_comm`` is
+                tp_comm + pp_comm.
 
 With every F = B = 1 and free communication the timed run ends at the unit simulator's step count,
 and 1F1B's bubble is (pp - 1)(F + B) (tests/test_step_time.py).
@@ -62,55 +46,40 @@ Pure: no process group, no torch; the lowered structure is cached per (schedule,
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.schedule import (SPLIT_BACKWARD, Action, Group, build_schedule, deferring_stages, lower,
                                 placement_of)
-from autosplit.schedule.actions import RECV_B, RECV_F, B, F, I, W
+from autosplit.schedule.actions import RECV_B, RECV_F, F, W
 from autosplit.schedule.timing import ScheduleDeadlock, dependencies
-
-
-@dataclass(frozen=True)
-class StageTimes:
-    """One global stage's durations (see the module docstring); seconds."""
-    fwd: float
-    bwd: float
-    w: float = 0.0
-    tp_fwd: float = 0.0
-    tp_bwd: float = 0.0
-    send: float = 0.0
-    dp: float = 0.0
+from autosplit.cost_model.host_contention import Sharing, resumed, run_shared, sharing_of  # noqa: F401 (re-exported)
+from autosplit.cost_model.step_events import StageTimes, _duration, _instant, _Node, _tp_part  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Seconds per step of the slowest rank: total = compute + bubble + exposed_comm + dp_comm."""
+    """Seconds per step of the slowest rank: total = compute + bubble + tp_comm + pp_comm + dp_comm
+    (``plan.predicted_step()``; see *parts*)."""
     total: float
     compute: float
     bubble: float
-    exposed_comm: float
+    tp_comm: float
+    pp_comm: float
     dp_comm: float
     rank: int                       # the slowest pipeline rank
     rank_ends: tuple[float, ...]    # per pipeline rank, when its step ends
 
+    @property
+    def exposed_comm(self) -> float:
+        """Exposed tensor- and pipeline-parallel communication: tp_comm + pp_comm."""
+        return self.tp_comm + self.pp_comm
+
     def line(self) -> str:
         dp = f" + dp sync {self.dp_comm * 1e3:.3f}" if self.dp_comm else ""
         return (f"predicted step: {self.total * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + bubble "
-                f"{self.bubble * 1e3:.3f} + exposed comm {self.exposed_comm * 1e3:.3f}{dp} (slowest rank, "
-                f"pp rank {self.rank})")
-
-
-@dataclass(frozen=True)
-class _Node:
-    """One value of the timed run: a compute's end, a group's activation, or a group's end."""
-    kind: str                 # "compute", "posted", "active", "done"
-    rank: int
-    deps: tuple[int, ...]     # node indices whose values it waits for
-    action: object = None     # the compute (kind "compute")
-    transfers: tuple = ()     # kind "done": ((peer active node, boundary stage), ...)
-    feed: int = -1            # kind "compute": the "done" node of the group bringing its input, or -1
+                f"{self.bubble * 1e3:.3f} + exposed comm {self.exposed_comm * 1e3:.3f} (tp {self.tp_comm * 1e3:.3f}, "
+                f"pp {self.pp_comm * 1e3:.3f}){dp} (slowest rank, pp rank {self.rank})")
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,170 +171,6 @@ def _topological(specs: dict[tuple, tuple]) -> list[tuple]:
     return order
 
 
-def _duration(a, t: StageTimes) -> float:
-    if a.kind is F:
-        return t.fwd + t.tp_fwd
-    if a.kind is B:
-        return t.bwd + t.tp_bwd
-    if a.kind is I:
-        return t.bwd - t.w + t.tp_bwd
-    return t.w
-
-
-def _tp_part(a, t: StageTimes) -> float:
-    """The blocking tp collectives inside compute ``a`` (not compute: sharing does not stretch them)."""
-    return t.tp_fwd if a.kind is F else 0.0 if a.kind is W else t.tp_bwd
-
-
-def _transfer_end(n: _Node, value: list, stages, p2p: bool) -> float:
-    mine = value[n.deps[0]]
-    return max((max(mine, value[peer]) + (stages[b].send if p2p else 0.0) for peer, b in n.transfers), default=mine)
-
-
-def _instant(n: _Node, value: list, stages, p2p: bool, post: float) -> float:
-    """The value of a non-compute node once its dependencies' values are known."""
-    start = max((value[d] for d in n.deps), default=0.0)
-    if n.kind == "active":
-        return start
-    if n.kind == "posted":
-        return start + (post if p2p else 0.0)
-    return _transfer_end(n, value, stages, p2p)
-
-
-def _resumed(a, part: float, resume: tuple[float, float], overhead: float) -> float:
-    """Compute ``a``'s compute part ``part`` when its rank sat idle before it (see *resume*)."""
-    return part * (resume[0] if a.kind is F else resume[1]) + overhead
-
-
-def _run_shared(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, sharing: "Sharing",
-                post: float = 0.0, wake: float = 0.0, resume: tuple[float, float] = (1.0, 1.0),
-                overhead: float = 0.0):
-    """The timed run with processor sharing (see *sharing*): (values, per rank seconds spent computing).
-
-    Events in time order: a compute whose dependencies have ended is *ready* at the latest of their
-    ends; from then its compute part runs at the host's current rate, which changes whenever a compute
-    on that host starts or finishes its compute part; its tp part follows at full duration.  Groups'
-    values are the same formulas as in ``_run`` once their dependencies are known.  A compute that
-    waited for its transfer is delayed by ``wake`` once, when it would start (see *wake*); one that starts
-    after its rank sat idle is stretched by ``resume`` (see *resume*)."""
-    n_nodes = len(nodes)
-    value: list = [None] * n_nodes
-    missing = [len(n.deps) for n in nodes]
-    users: list[list[int]] = [[] for _ in nodes]
-    for k, n in enumerate(nodes):
-        for d in n.deps:
-            users[d].append(k)
-    ready: list = []                     # heap of (ready time, node) for computes
-    tails: list = []                     # heap of (end time, node): computes in their tp part
-    running: dict[int, list] = {}        # rank -> [node, compute seconds left (unshared)]
-    busy = [0.0] * (max(n.rank for n in nodes) + 1)
-    woken: set[int] = set()              # computes already delayed by ``wake``
-    host_free = [0.0] * len(busy)        # per rank: when its last compute or post ended
-
-    def resolve(k: int, t: float) -> None:
-        stack = [(k, t)]
-        while stack:
-            k, t = stack.pop()
-            value[k] = t
-            if nodes[k].kind in ("compute", "posted"):
-                host_free[nodes[k].rank] = max(host_free[nodes[k].rank], t)
-            for u in users[k]:
-                missing[u] -= 1
-                if missing[u] == 0:
-                    n = nodes[u]
-                    if n.kind == "compute":
-                        heapq.heappush(ready, (max((value[d] for d in n.deps), default=0.0), u))
-                    else:
-                        stack.append((u, _instant(n, value, stages, p2p, post)))
-
-    for k, n in enumerate(nodes):
-        if not n.deps:         # (not ``missing[k] == 0``: resolving one node may zero its users' counts)
-            if n.kind == "compute":
-                heapq.heappush(ready, (0.0, k))
-            else:
-                resolve(k, _instant(n, value, stages, p2p, post))
-    now = 0.0
-    while ready or tails or running:
-        rates = sharing.rates(running)
-        finish = min(((now + left * rates[r], r) for r, (_, left) in running.items()), default=(float("inf"), -1))
-        t_next = min(finish[0], ready[0][0] if ready else float("inf"), tails[0][0] if tails else float("inf"))
-        for r, entry in running.items():                  # advance every running compute to t_next
-            entry[1] -= (t_next - now) / rates[r]
-            busy[r] += t_next - now
-        now = t_next
-        for r in [r for r, (_, left) in running.items() if left <= 1e-12 * max(1.0, now)]:
-            k = running.pop(r)[0]
-            n = nodes[k]
-            tail = _tp_part(n.action, stages[n.action.stage])
-            if tail > 0:
-                heapq.heappush(tails, (now + tail, k))
-            else:
-                resolve(k, now)
-        while tails and tails[0][0] <= now:
-            _, k = heapq.heappop(tails)
-            resolve(k, now)
-        while ready and ready[0][0] <= now:
-            _, k = heapq.heappop(ready)
-            n = nodes[k]
-            if wake and p2p and k not in woken and _waited_for_transfer(n, value) \
-                    and sharing.busy_others(running, n.rank) >= sharing.wake_busy():
-                woken.add(k)
-                heapq.heappush(ready, (now + wake, k))
-                continue
-            t = stages[n.action.stage]
-            part = _duration(n.action, t) - _tp_part(n.action, t)
-            if now > host_free[n.rank] + 1e-12 * max(1.0, now):     # the rank sat idle: see *resume*
-                part = _resumed(n.action, part, resume, overhead)
-            running[n.rank] = [k, part]
-    return value, busy
-
-
-def _waited_for_transfer(n: _Node, value: list) -> bool:
-    """Did compute ``n`` wait for its input's transfer (its group ended after everything else it waited for)?"""
-    if n.feed < 0:
-        return False
-    return value[n.feed] > max((value[d] for d in n.deps if d != n.feed), default=0.0)
-
-
-@dataclass(frozen=True)
-class Sharing:
-    """How pipeline ranks share hosts (see *sharing*): ``slowdown[n-1]`` with n processes computing."""
-    slowdown: tuple[float, ...]
-    group: int = 1
-
-    def rates(self, running) -> dict[int, float]:
-        """Per running pipeline rank, seconds of wall time per second of its own compute."""
-        per_host = len(self.slowdown)
-        ranks_per_host = max(1, per_host // self.group)
-        active: dict[int, int] = {}
-        for r in running:
-            active[r // ranks_per_host] = active.get(r // ranks_per_host, 0) + 1
-        out = {}
-        for r in running:
-            n = min(per_host, active[r // ranks_per_host] * self.group)
-            out[r] = self.slowdown[n - 1]
-        return out
-
-    def busy_others(self, running, rank: int) -> int:
-        """Processes computing on pipeline rank ``rank``'s host, not counting its own group."""
-        ranks_per_host = max(1, len(self.slowdown) // self.group)
-        host = rank // ranks_per_host
-        return sum(self.group for r in running if r != rank and r // ranks_per_host == host)
-
-    def wake_busy(self) -> int:
-        """How many other processes computing make a waiting rank pay ``wake``: as measured, the host's
-        processes but the two relaying (see *wake*)."""
-        return max(1, len(self.slowdown) - 2)
-
-
-def sharing_of(profile, group: int) -> "Sharing | None":
-    """The Sharing a profile implies for pipeline ranks of ``group`` processes; None where nothing is shared."""
-    slowdown = getattr(profile, "sharing", None)
-    if not slowdown or all(x <= 1.0 for x in slowdown):
-        return None
-    return Sharing(tuple(max(1.0, x) for x in slowdown), group)
-
-
 def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: float = 0.0,
          resume: tuple[float, float] = (1.0, 1.0), overhead: float = 0.0) -> tuple[list[float], list[float]]:
     """The timed run without sharing, in topological order: (values, per rank seconds spent computing)."""
@@ -378,7 +183,7 @@ def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: floa
             t = stages[n.action.stage]
             part = _duration(n.action, t) - _tp_part(n.action, t)
             if start > host_free[n.rank] + 1e-12 * max(1.0, start):   # the rank sat idle: see *resume*
-                part = _resumed(n.action, part, resume, overhead)
+                part = resumed(n.action, part, resume, overhead)
             value[k] = start + part + _tp_part(n.action, t)
             busy[n.rank] += part
         else:
@@ -419,30 +224,32 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
-    tp, last_bwd = [0.0] * pp, [0.0] * S
+    tp, last_bwd, last_dur = [0.0] * pp, [0.0] * S, [0.0] * S
     if sharing is None:
         timed, compute = _run(nodes, stages, p2p=True, post=post, resume=resume, overhead=overhead)
         free, _ = _run(nodes, stages, p2p=False, resume=resume, overhead=overhead)
     else:   # the free run: transfers and posting cost nothing
-        (timed, compute), (free, _) = (_run_shared(nodes, stages, p2p, sharing, post, wake, resume, overhead)
+        (timed, compute), (free, _) = (run_shared(nodes, stages, p2p, sharing, post, wake, resume, overhead)
                                        for p2p in (True, False))
     ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
     for k, n in enumerate(nodes):
         if n.kind == "compute":
             a, t = n.action, stages[n.action.stage]
             tp[n.rank] += _tp_part(a, t)
-            if a.kind is not F:
-                last_bwd[a.stage] = max(last_bwd[a.stage], timed[k])
+            if a.kind is not F and timed[k] >= last_bwd[a.stage]:
+                last_bwd[a.stage], last_dur[a.stage] = timed[k], _duration(a, t)
     totals = []
     for r in range(pp):
         clock = 0.0
         for s in sorted((s for s in range(S) if rank_of[s] == r), key=lambda s: last_bwd[s]):
-            clock = max(clock, last_bwd[s]) + stages[s].dp
+            t = stages[s]       # the buckets of the final backward's first (k-1)/k: see *dp sync*
+            hidden = min(last_dur[s], t.dp) * (t.dp_buckets - 1) / t.dp_buckets if t.dp_buckets > 1 else 0.0
+            clock = max(clock, last_bwd[s] - hidden) + t.dp
         totals.append(max(ends[r], clock) + fixed)
     r = max(range(pp), key=lambda q: (totals[q], -q))
-    exposed = tp[r] + max(0.0, ends[r] - free_ends[r]) + fixed
-    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] + fixed - compute[r] - exposed,
-                          exposed_comm=exposed, dp_comm=totals[r] - fixed - ends[r], rank=r, rank_ends=tuple(totals))
+    p2p = max(0.0, ends[r] - free_ends[r])
+    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] - compute[r] - tp[r] - p2p,
+                          tp_comm=tp[r], pp_comm=p2p, dp_comm=totals[r] - ends[r], rank=r, rank_ends=tuple(totals))
 
 
 def plan_stage_times(plan, device=None) -> list[StageTimes]:
@@ -467,7 +274,8 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
             tp[stage][1] += b
     split = plan_deferred_w_stages(plan, profile)
     return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f, tp_bwd=b,
-                       send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time)
+                       send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time,
+                       dp_buckets=getattr(s, "dp_buckets", 1))
             for k, (s, (f, b)) in enumerate(zip(plan.stages, tp))]
 
 

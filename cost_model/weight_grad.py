@@ -5,7 +5,7 @@ Terms:
                  caller passes them, from ``passes/split_backward.weight_gemm_nodes``).
   W           -- per weight GEMM, one GEMM with the forward's FLOPs (dW = dY^T X is as large as
                  Y = X W^T), reading the saved input and the output gradient and writing dW:
-                 roofline time of those FLOPs and bytes, plus one op overhead.
+                 kernel-model time of those FLOPs and bytes (kernels.py), plus one launch.
   I           -- the rest of the backward: every node's backward time minus its W.
 
 With the cost model's backward of 2 x forward for GEMMs, a weight GEMM's backward splits evenly
@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_leaves
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.profiles import get_profile
-from autosplit.cost_model.roofline import op_time, output_dtype
+from autosplit.cost_model.kernels import gemm_efficiency, gemm_shape
+from autosplit.cost_model.roofline import node_time, op_time, output_dtype
 
 
 def _bytes(val) -> int:
@@ -38,7 +39,9 @@ def weight_grad_time(node: fx.Node, profile) -> float:
         return bwd * cost.fwd_flops / cost.bwd_flops
     x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
     traffic = _bytes(x) + 2 * _bytes(node.meta.get("val")) + cost.param_bytes   # X, dY read; dW written
-    return max(cost.fwd_flops / p.flops_for(output_dtype(node)), traffic / p.mem_bandwidth) + p.op_overhead
+    shape = gemm_shape(node)
+    rate = p.flops_for(output_dtype(node)) * (gemm_efficiency(p, shape) if shape else p.gemm_efficiency)
+    return max(cost.fwd_flops / rate, traffic / (p.mem_bandwidth * p.bandwidth_efficiency)) + p.op_overhead
 
 
 def split_backward_time(nodes: Iterable[fx.Node], gemms: set[fx.Node], profile) -> tuple[float, float]:
@@ -47,9 +50,7 @@ def split_backward_time(nodes: Iterable[fx.Node], gemms: set[fx.Node], profile) 
     for n in nodes:
         if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
             continue
-        cost = n.meta.get("cost") or node_cost(n, n.graph.owning_module)
-        p = get_profile(profile)
-        bwd = op_time(cost, output_dtype(n), p, op_class(n, cost) if p.compute is not None else None)[1]
+        bwd = node_time(n, get_profile(profile))[1]
         w = min(weight_grad_time(n, profile), bwd) if n in gemms else 0.0
         i_time, w_time = i_time + bwd - w, w_time + w
     return i_time, w_time

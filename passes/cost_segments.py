@@ -9,6 +9,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
+from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.segment_costs import SegmentCosts
 
 
@@ -26,5 +27,6 @@ class CostSegments(MetaPass):
         s = self.state
         s.put(costs=SegmentCosts(s.segments, s.cuts, s.mesh.tp, s.profile, s.in_flight,
                                  checkpoint=s.options.checkpoint, layers=s.layers,
-                                 input_bytes=sum(tensor_bytes(x) for x in s.inputs)))
+                                 input_bytes=sum(tensor_bytes(x) for x in s.inputs),
+                                 cross_node=pipeline_crosses_nodes(s.profile, s.mesh.pp, s.mesh.tp * s.mesh.dp)))
         return PassResult(graph_module, False)

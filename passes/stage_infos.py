@@ -86,7 +86,7 @@ class BuildStageInfos(MetaPass):
                 comm_time=seg.boundary_time(bounds[st]) + comm_time(nodes, s.mesh.tp, seg.profile),
                 activation_bytes=kept, in_flight=seg.in_flight[st],
                 memory_bytes=int(dp.memory_bytes) + seg.in_flight[st] * kept + recompute,
-                dp_bytes=int(dp.traffic_bytes), dp_time=dp.time,
+                dp_bytes=int(dp.traffic_bytes), dp_time=dp.time, dp_buckets=dp.buckets,
                 inputs=tensor_infos([by_name[n] for n in s.split.inputs[st]]),
                 outputs=tensor_infos([by_name[n] for n in s.split.outputs[st]]),
                 recompute_bytes=recompute, w_time=w))

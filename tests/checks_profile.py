@@ -13,7 +13,7 @@ from tests.models import VARIANTS
 def measured_then_cached(directory: str) -> dict:
     os.environ["AUTOSPLIT_PROFILE_DIR"] = directory
     from autosplit.runtime.faults import Watchdog
-    from autosplit.runtime.measure_profile import measure_profile
+    from autosplit.profiling.measure_profile import measure_profile
     from autosplit.runtime.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
@@ -31,7 +31,7 @@ def measured_then_cached(directory: str) -> dict:
 def pipeline_measured() -> list:
     """pipeline_bench.measure_pipeline over this live world's ranks as one host."""
     from autosplit.runtime.faults import Watchdog
-    from autosplit.runtime.pipeline_bench import measure_pipeline
+    from autosplit.profiling.pipeline_bench import measure_pipeline
     from autosplit.runtime.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
@@ -41,7 +41,7 @@ def pipeline_measured() -> list:
 def wake_measured() -> float:
     """sharing_bench.measure_wake in this live world (every rank gets the host's figure)."""
     from autosplit.runtime.faults import Watchdog
-    from autosplit.runtime.sharing_bench import measure_wake
+    from autosplit.profiling.sharing_bench import measure_wake
     from autosplit.runtime.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)

@@ -34,7 +34,7 @@ CASES = [  # (id, compile overrides, exception type, regex the message must matc
     ("checkpoint_typo", dict(checkpoint="blocks"), AutosplitError, r"checkpoint='blocks': expected one of None, 'stage', 'block' \(did you mean 'block'\?\)"),
     ("autocast_float32", dict(autocast=torch.float32), AutosplitError, r"autocast=torch\.float32: expected None, torch\.bfloat16 or torch\.float16"),
     ("autocast_string", dict(autocast="bf16"), AutosplitError, r"autocast='bf16': expected None, torch\.bfloat16 or torch\.float16"),
-    ("device_unknown", dict(device="tpu-v5"), AutosplitError, r"device='tpu-v5': unknown device profile; valid names: h100, h200, a100, cpu"),
+    ("device_unknown", dict(device="tpu-v5"), AutosplitError, r"device='tpu-v5': unknown device profile; valid names: h100, h200, a100, rtx3090, rtx4090, rtx5090, rtx_pro6000_maxq, cpu"),
     ("device_wrong_type", dict(device=3), AutosplitError, r"device=3 is a int; expected a profile name"),
     ("example_missing", dict(example_input=None), AutosplitError, r"example_input is required"),
     ("example_not_tensor", dict(example_input=[[1.0, 2.0]]), AutosplitError, r"example_input\[0\] is a list; expected a tensor"),

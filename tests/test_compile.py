@@ -138,7 +138,8 @@ def test_every_plan_option_has_a_cli_flag_with_help():
     missing = [name for name in PlanOptions.names() if name not in flags]
     assert not missing, f"PlanOptions fields without an `autosplit plan` flag: {missing}"
     assert all(a.help for a in flags.values()), [d for d, a in flags.items() if not a.help]
-    assert set(flags["device"].choices) == {"h100", "h200", "a100", "cpu"}
+    from autosplit.cost_model.profiles import NAMES
+    assert set(flags["device"].choices) == set(NAMES) >= {"h100", "h200", "a100", "rtx4090", "cpu"}
     from autosplit.__main__ import _parser
     assert _parser().prog == "autosplit"
 

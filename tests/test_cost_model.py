@@ -1,4 +1,5 @@
 """Cost model against hand-computed numbers: FLOPs, bytes, roofline, comm, ViT-B/16 anchor, calibration."""
+import dataclasses
 import importlib
 import math
 
@@ -221,16 +222,27 @@ def test_vit_b16_macs_torchvision():
 
 # ----------------------------------------------------------------------------- roofline and comm
 
+ROOFLINE = dataclasses.replace(H100, gemm_efficiency=1.0, gemm_half_dim=0.0, attention_efficiency=1.0,
+                               bandwidth_efficiency=1.0, op_overhead=4e-6)    # the plain roofline of an H100
+
+
 def test_roofline_takes_the_max():
     compute = NodeCost(fwd_flops=int(2e12), bwd_flops=int(4e12), fwd_bytes=int(1e6), bwd_bytes=int(2e6))
-    launch = H100.op_overhead                                          # 4 us per op that does work
-    f, b = op_time(compute, torch.bfloat16, H100)
+    launch = ROOFLINE.op_overhead                                      # per kernel that does work
+    f, b = op_time(compute, torch.bfloat16, ROOFLINE)
     assert f == pytest.approx(2e12 / 989e12 + launch) and b == pytest.approx(4e12 / 989e12 + launch)
-    assert op_time(compute, torch.float32, "a100")[0] == pytest.approx(2e12 / 19.5e12 + launch)
+    a100 = dataclasses.replace(ROOFLINE, peak_flops=get_profile("a100").peak_flops)
+    assert op_time(compute, torch.float32, a100)[0] == pytest.approx(2e12 / 19.5e12 + launch)
     memory = NodeCost(fwd_flops=int(1e6), bwd_flops=int(2e6), fwd_bytes=int(3.35e9), bwd_bytes=int(6.7e9))
-    f, b = op_time(memory, torch.bfloat16, H100)
+    f, b = op_time(memory, torch.bfloat16, ROOFLINE)
     assert f == pytest.approx(1e-3 + launch) and b == pytest.approx(2e-3 + launch)  # 3.35 GB at 3.35 TB/s
-    assert op_time(NodeCost(0, 0, 0, 0), torch.float32, H100) == (0.0, 0.0)      # views launch nothing
+    assert op_time(NodeCost(0, 0, 0, 0), torch.float32, ROOFLINE) == (0.0, 0.0)  # views launch nothing
+    # the built-in H100 prices what kernels reach: the same GEMM at its large-GEMM efficiency, bytes at
+    # its achievable bandwidth
+    f, _ = op_time(compute, torch.bfloat16, H100)
+    assert f == pytest.approx(2e12 / (989e12 * H100.gemm_efficiency) + H100.op_overhead)
+    f, _ = op_time(memory, torch.bfloat16, H100, "pointwise")
+    assert f == pytest.approx(1e-3 / H100.bandwidth_efficiency + H100.op_overhead)
 
 
 def test_graph_time_sums_op_times():
@@ -238,24 +250,54 @@ def test_graph_time_sums_op_times():
     gm = trace(m)
     MetaShapeProp((torch.empty(4096, 1024, device="meta"),))(gm)
     AnnotateCosts()(gm)
-    f, b = graph_time(gm.graph.nodes, H100)
+    f, b = graph_time(gm.graph.nodes, ROOFLINE)
     f_math = 2 * 4096 * 1024 * 1024 / 67e12                         # fp32, compute-bound
-    assert f == pytest.approx(f_math + H100.op_overhead)
-    assert b == pytest.approx(2 * f_math + H100.op_overhead)
+    assert f == pytest.approx(f_math + ROOFLINE.op_overhead)
+    assert b == pytest.approx(2 * f_math + 2 * ROOFLINE.op_overhead)      # dX and dW: two launches
 
 
 LINK = DeviceProfile("test", {torch.float32: 1e12}, mem_bandwidth=1e12, link_bandwidth=100e9,
                      link_latency=1e-5, memory_bytes=1 << 30)
 
 
+def _pipelined(alpha, bus):
+    return (alpha ** 0.5 + bus ** 0.5) ** 2
+
+
 def test_comm_formulas():
     assert p2p_time(1e9, LINK) == pytest.approx(1e-5 + 1e9 / 100e9)                    # 0.01001
-    assert all_reduce_time(1e9, 4, LINK) == pytest.approx(2 * 3 * 1e-5 + 2 * 3 / 4 * 0.01)  # 0.01506
-    assert all_gather_time(1e9, 4, LINK) == pytest.approx(3 * 1e-5 + 3 / 4 * 0.01)        # 0.00753
+    assert all_reduce_time(1e9, 4, LINK) == pytest.approx(_pipelined(2 * 3 * 1e-5, 2 * 3 / 4 * 0.01))
+    assert all_gather_time(1e9, 4, LINK) == pytest.approx(_pipelined(3 * 1e-5, 3 / 4 * 0.01))
     assert reduce_scatter_time(1e9, 4, LINK) == all_gather_time(1e9, 4, LINK)
     for fn in (all_reduce_time, all_gather_time, reduce_scatter_time):
         assert fn(1e9, 1, LINK) == 0.0
     assert p2p_time(0, LINK) == 0.0
+    # the pipelined form lies between the bus time and the alpha-beta sum
+    assert 2 * 3 / 4 * 0.01 < all_reduce_time(1e9, 4, LINK) < 2 * 3 * 1e-5 + 2 * 3 / 4 * 0.01 + 2 * (6e-5 * 0.015) ** 0.5 + 1e-12
+
+
+NODES = dataclasses.replace(LINK, gpus_per_node=8, allreduce_bandwidth=200e9, network_bandwidth=10e9,
+                            network_latency=5e-5)
+
+
+def test_collectives_priced_by_the_nodes_they_span():
+    """A group inside a node rides the links (all-reduce at the switch's bandwidth); one over k nodes
+    with r ranks each is bound by the slower of its node phase and the network phase, each GPU sending
+    1/r of the bytes over its own NIC."""
+    from autosplit.cost_model.comm import consecutive_nodes, group_nodes, pipeline_crosses_nodes
+    assert all_reduce_time(1e9, 8, NODES) == pytest.approx(_pipelined(2 * 7 * 1e-5, 2 * 7 / 8 * 1e9 / 200e9))
+    intra, inter = 2 * 7 / 8 * 1e9 / 200e9, 2 * 1 / 2 * 1e9 / (8 * 10e9)
+    alpha = 2 * (7 * 1e-5 + 1 * 5e-5)
+    assert all_reduce_time(1e9, 16, NODES) == pytest.approx(_pipelined(alpha, max(intra, inter)))
+    # dp=4 with stride tp=8: one rank per node, all of it over the network
+    assert group_nodes(NODES, 4, 8) == 4 and group_nodes(NODES, 4, 2) == 1 and consecutive_nodes(NODES, 16) == 2
+    assert all_reduce_time(1e9, 4, NODES, nodes=4) == pytest.approx(_pipelined(2 * 3 * 5e-5, 2 * 3 / 4 * 1e9 / 10e9))
+    assert all_reduce_time(1e9, 4, NODES, nodes=4) > 10 * all_reduce_time(1e9, 4, NODES, nodes=1)
+    assert all_gather_time(1e9, 16, NODES) == pytest.approx(
+        _pipelined(7 * 1e-5 + 5e-5, max(15 / 16 * 1e9 / 100e9, 1 / 2 * 1e9 / (8 * 10e9))))
+    assert p2p_time(1e9, NODES, cross_node=True) == pytest.approx(5e-5 + 1e9 / 10e9)
+    assert pipeline_crosses_nodes(NODES, 2, 8) and not pipeline_crosses_nodes(NODES, 2, 4)
+    assert not pipeline_crosses_nodes(LINK, 64, 8)           # no node size: one node
 
 
 # ----------------------------------------------------------------------------- profiles and calibration
@@ -264,17 +306,22 @@ def test_profiles():
     assert get_profile("H100") is H100 and get_profile(A100) is A100
     assert H100.flops_for(torch.float64) == 67e12 / 2
     assert LINK.flops_for(torch.bfloat16) == 1e12            # no 16-bit entry: float32
-    with pytest.raises(AutosplitError, match="device='tpu': unknown device profile; valid names: h100, h200, a100, cpu"):
+    with pytest.raises(AutosplitError, match="device='tpu': unknown device profile; valid names: h100, h200, a100, "
+                                             "rtx3090, rtx4090, rtx5090, rtx_pro6000_maxq, cpu"):
         get_profile("tpu")
 
 
 @pytest.mark.parametrize("gpu,expected", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
-                                          ("NVIDIA H200", "h200")])
+                                          ("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+                                          ("NVIDIA GeForce RTX 3090", "rtx3090"), ("NVIDIA GeForce RTX 5090", "rtx5090"),
+                                          ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition",
+                                           "rtx_pro6000_maxq")])
 def test_known_gpu_names_get_their_profile(gpu, expected):
     assert profile_for_gpu(gpu).name == expected
 
 
-@pytest.mark.parametrize("gpu", ["NVIDIA L4", "NVIDIA GeForce RTX 4090", "NVIDIA H100 PCIe", "NVIDIA B200"])
+@pytest.mark.parametrize("gpu", ["NVIDIA L4", "NVIDIA GeForce RTX 4090 D", "NVIDIA H100 PCIe", "NVIDIA B200",
+                                 "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA GeForce RTX 3090 Ti"])
 def test_unknown_gpu_is_an_error_not_the_h100_profile(gpu):
     with pytest.raises(AutosplitError, match=rf"GPU '{gpu}' has no built-in cost-model profile.*pass device="):
         profile_for_gpu(gpu)

@@ -3,10 +3,14 @@
 Layers, bottom to top (an arrow: may import):
 
     errors, mesh  <-  schedule  <-  passes, cost_model, tp.ops  <-  compiler, plan (+ report, dump)
-                                                                        <-  runtime  <-  autosplit (lazy names)
+                                         <-  runtime  <-  profiling  <-  autosplit (lazy names)
 
 Planning is pure: nothing below the runtime loads ``autosplit.runtime``; the package's public names
-load on first use (PEP 562), so ``import autosplit.cost_model`` does not pull in the compiler.
+load on first use (PEP 562), so ``import autosplit.cost_model`` does not pull in the compiler.  The
+training runtime never loads ``autosplit.profiling`` (measuring a machine's profile): no module under
+autosplit/runtime/ imports it, anywhere in the file, nor through what it imports at module level
+(``test_runtime_never_imports_profiling``, a static scan of every runtime module, which
+``test_the_profiling_scan_finds_an_indirect_import`` shows can fail).
 """
 import ast
 import json
@@ -27,13 +31,15 @@ LAYERS = {
     "autosplit.errors": ["autosplit.runtime", "autosplit.compiler", "autosplit.passes", "autosplit.cost_model"],
     "autosplit.schedule": ["autosplit.runtime", "autosplit.compiler", "autosplit.passes", "autosplit.cost_model",
                            "autosplit.tp"],
-    "autosplit.cost_model": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan", "autosplit.schedule"],
+    "autosplit.cost_model": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan", "autosplit.schedule",
+                             "autosplit.profiling"],
     "autosplit.tp.ops": ["autosplit.runtime", "autosplit.compiler", "autosplit.passes", "autosplit.cost_model"],
     "autosplit.passes.sharding.megatron": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan"],
     "autosplit.passes.sharding.grid": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan"],
     "autosplit.passes.tp_random": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan"],
     "autosplit.plan": ["autosplit.runtime", "autosplit.compiler"],
     "autosplit.compiler": ["autosplit.runtime"],
+    "autosplit.runtime.parallelize": ["autosplit.profiling"],
 }
 
 
@@ -63,13 +69,16 @@ def _module_name(path: Path) -> str:
     raise ValueError(path)
 
 
-def _imports(tree: ast.AST, known: set[str], package: str) -> set[str]:
+def _imports(tree: ast.AST, known: set[str], package: str, module_level: bool = False) -> set[str]:
     """Our modules a file imports (``package``: the file's package, for relative imports), at any
-    depth, except under ``if TYPE_CHECKING:``."""
+    depth, except under ``if TYPE_CHECKING:``; ``module_level``: only those run when the module is
+    imported (not inside a function's body)."""
     found = set()
 
     def visit(node):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return
+        if module_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in known)
@@ -101,3 +110,95 @@ def test_no_import_cycles():
     cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles[:5]}"
     assert graph.number_of_edges() > 50          # the scan really saw the imports
+
+
+PROFILING = "autosplit.profiling"
+
+
+def _is_profiling(module: str) -> bool:
+    return module == PROFILING or module.startswith(PROFILING + ".")
+
+
+def _parents(module: str, known: set[str]) -> list[str]:
+    """The packages importing ``module`` runs first (their ``__init__``), those of ours."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in known]
+
+
+def profiling_imports_of_runtime(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Each runtime module that imports autosplit.profiling, as its import chain ("a -> b -> c"), from
+    ``sources``: module name -> (its source, whether it is a package's __init__).  Direct: an import
+    anywhere in a runtime module's file.  Transitive: through module-level imports (and the packages
+    each import runs first), from any module the runtime module imports at module level."""
+    known = set(sources)
+    trees = {name: ast.parse(src) for name, (src, _) in sources.items()}
+
+    def package(name):
+        return name if sources[name][1] else name.rsplit(".", 1)[0]
+
+    at_load = {name: _imports(tree, known, package(name), module_level=True) for name, tree in trees.items()}
+    for name in known:
+        at_load[name] |= {p for target in set(at_load[name]) for p in _parents(target, known)}
+        at_load[name].discard(name)
+    found = []
+    for name in sorted(n for n in known if n == "autosplit.runtime" or n.startswith("autosplit.runtime.")):
+        direct = sorted(m for m in _imports(trees[name], known, package(name)) if _is_profiling(m))
+        chain = [name, direct[0]] if direct else _chain_to_profiling(name, at_load)
+        if chain:
+            found.append(" -> ".join(chain))
+    return found
+
+
+def _chain_to_profiling(start: str, at_load: dict[str, set[str]]) -> list[str] | None:
+    """The shortest chain of module-level imports from ``start`` to a profiling module (breadth first,
+    in name order), or None."""
+    chains, frontier = {start: [start]}, [start]
+    while frontier:
+        nxt = []
+        for module in frontier:
+            for target in sorted(at_load[module] - set(chains)):
+                chains[target] = chains[module] + [target]
+                if _is_profiling(target):
+                    return chains[target]
+                nxt.append(target)
+        frontier = nxt
+    return None
+
+
+def _repo_sources() -> dict[str, tuple[str, bool]]:
+    files = [p for root in PACKAGES.values() for p in root.rglob("*.py")]
+    return {_module_name(p): (p.read_text(), p.name == "__init__.py") for p in files}
+
+
+def test_runtime_never_imports_profiling():
+    sources = _repo_sources()
+    assert "autosplit.runtime.parallelize" in sources and any(_is_profiling(m) for m in sources)
+    found = profiling_imports_of_runtime(sources)
+    assert not found, f"the training runtime imports autosplit.profiling: {found}"
+
+
+def test_the_profiling_scan_finds_an_indirect_import():
+    """The scan above, on made-up modules: a runtime module importing a helper at module level whose
+    package's __init__ imports the profiling package is found, with its chain; an import inside a function
+    of a non-runtime module is not followed; one inside a runtime module's function is still found."""
+    sources = {
+        "autosplit": ("", True),
+        "autosplit.runtime": ("", True),
+        "autosplit.runtime.ok": ("import torch\nfrom autosplit.helpers.lazy import f\n", False),
+        "autosplit.runtime.bad": ("from autosplit.helpers.tool import g\n", False),
+        "autosplit.runtime.inside": ("def f():\n    from autosplit.profiling import job\n", False),
+        "autosplit.helpers": ("from autosplit.helpers import deep\n", True),
+        "autosplit.helpers.deep": ("", False),
+        "autosplit.helpers.tool": ("", False),
+        "autosplit.helpers.lazy": ("def f():\n    import autosplit.profiling.comm_bench\n", False),
+        "autosplit.profiling": ("", True),
+        "autosplit.profiling.comm_bench": ("", False),
+        "autosplit.profiling.job": ("", False),
+    }
+    clean = dict(sources, **{"autosplit.runtime.inside": ("", False)})
+    assert profiling_imports_of_runtime(clean) == []
+    via_package = dict(clean, **{"autosplit.helpers": ("from autosplit.profiling import comm_bench\n", True)})
+    assert profiling_imports_of_runtime(via_package) == [
+        "autosplit.runtime.bad -> autosplit.helpers -> autosplit.profiling",       # its __init__ runs first
+        "autosplit.runtime.ok -> autosplit.helpers -> autosplit.profiling"]
+    assert profiling_imports_of_runtime(sources) == ["autosplit.runtime.inside -> autosplit.profiling.job"]

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from autosplit.cost_model import H100, all_gather_time, all_reduce_time, p2p_time, profile_cache
-from autosplit.cost_model.calibrate import calibrate
 from autosplit.cost_model.measured import fit_alpha_beta, fit_alpha_rate
 from autosplit.cost_model.roofline import graph_time
 from tests import checks_profile
@@ -73,18 +72,18 @@ def test_in_step_cost_is_one_constant_per_group_size_added_to_collectives_only()
     mean difference over kinds and sizes per group size, never below 0, on every collective kind's
     alpha of that size and not on send_recv."""
     from types import SimpleNamespace
-    from autosplit.runtime.measure_profile import _build, in_step_extra
-    times = {("all_reduce", 2, 4096): 1.0e-3, ("in_step/all_reduce", 2, 4096): 1.7e-3,
-             ("all_reduce", 2, 1 << 20): 2.0e-3, ("in_step/all_reduce", 2, 1 << 20): 2.5e-3,
-             ("all_gather", 2, 4096): 1.0e-3, ("in_step/all_gather", 2, 4096): 1.3e-3,
-             ("all_gather", 2, 1 << 20): 2.0e-3, ("in_step/all_gather", 2, 1 << 20): 2.3e-3,
-             ("all_reduce", 4, 4096): 3.0e-3, ("in_step/all_reduce", 4, 4096): 1.0e-3,
-             ("all_reduce", 4, 1 << 20): 4.0e-3, ("in_step/all_reduce", 4, 1 << 20): 3.0e-3,
-             ("send_recv", 2, 4096): 1.0e-4, ("send_recv", 2, 1 << 20): 6.0e-4}
+    from autosplit.profiling.measure_profile import _build, in_step_extra
+    times = {("all_reduce", 2, 1, 4096): 1.0e-3, ("in_step/all_reduce", 2, 1, 4096): 1.7e-3,
+             ("all_reduce", 2, 1, 1 << 20): 2.0e-3, ("in_step/all_reduce", 2, 1, 1 << 20): 2.5e-3,
+             ("all_gather", 2, 1, 4096): 1.0e-3, ("in_step/all_gather", 2, 1, 4096): 1.3e-3,
+             ("all_gather", 2, 1, 1 << 20): 2.0e-3, ("in_step/all_gather", 2, 1, 1 << 20): 2.3e-3,
+             ("all_reduce", 4, 1, 4096): 3.0e-3, ("in_step/all_reduce", 4, 1, 4096): 1.0e-3,
+             ("all_reduce", 4, 1, 1 << 20): 4.0e-3, ("in_step/all_reduce", 4, 1, 1 << 20): 3.0e-3,
+             ("send_recv", 2, 1, 4096): 1.0e-4, ("send_recv", 2, 1, 1 << 20): 6.0e-4}
     extra = in_step_extra(times)
     assert extra[2] == pytest.approx(0.45e-3) and extra[4] == 0.0        # (0.7 + 0.5 + 0.3 + 0.3) / 4; never < 0
     profile = _build(SimpleNamespace(device=torch.device("cpu"), size=4), CPU, CPU.compute, dict(times), (1.0,) * 4)
-    plain = {k: fit_alpha_beta([(b, t) for (kind, n, b), t in times.items() if f"{kind}/{n}" == k])
+    plain = {k: fit_alpha_beta([(b, t) for (kind, n, _, b), t in times.items() if f"{kind}/{n}" == k])
              for k in ("all_reduce/2", "all_gather/2", "all_reduce/4", "send_recv/2")}
     assert profile.comm["all_reduce/2"] == pytest.approx((plain["all_reduce/2"][0] + 0.45e-3, plain["all_reduce/2"][1]))
     assert profile.comm["all_gather/2"][0] == pytest.approx(plain["all_gather/2"][0] + 0.45e-3)
@@ -98,13 +97,13 @@ def test_a_shared_host_prices_every_kind_by_one_fit_to_all_kinds_in_step_times()
     all kinds' in-step times on n ranks (not its own back-to-back fit, nor the in-step constant on it);
     send_recv keeps its own."""
     from types import SimpleNamespace
-    from autosplit.runtime.measure_profile import _build, shared_host_fits
-    times = {("all_reduce", 2, 4096): 1.0e-3, ("in_step/all_reduce", 2, 4096): 2.6e-3,
-             ("all_reduce", 2, 1 << 20): 2.0e-3, ("in_step/all_reduce", 2, 1 << 20): 3.8e-3,
-             ("reduce_scatter", 2, 4096): 2.5e-3, ("in_step/reduce_scatter", 2, 4096): 2.8e-3,
-             ("reduce_scatter", 2, 1 << 20): 3.5e-3, ("in_step/reduce_scatter", 2, 1 << 20): 3.6e-3,
-             ("send_recv", 2, 4096): 1.0e-4, ("send_recv", 2, 1 << 20): 6.0e-4}
-    pooled = fit_alpha_beta([(b, t) for (kind, n, b), t in times.items() if kind.startswith("in_step/")])
+    from autosplit.profiling.measure_profile import _build, shared_host_fits
+    times = {("all_reduce", 2, 1, 4096): 1.0e-3, ("in_step/all_reduce", 2, 1, 4096): 2.6e-3,
+             ("all_reduce", 2, 1, 1 << 20): 2.0e-3, ("in_step/all_reduce", 2, 1, 1 << 20): 3.8e-3,
+             ("reduce_scatter", 2, 1, 4096): 2.5e-3, ("in_step/reduce_scatter", 2, 1, 4096): 2.8e-3,
+             ("reduce_scatter", 2, 1, 1 << 20): 3.5e-3, ("in_step/reduce_scatter", 2, 1, 1 << 20): 3.6e-3,
+             ("send_recv", 2, 1, 4096): 1.0e-4, ("send_recv", 2, 1, 1 << 20): 6.0e-4}
+    pooled = fit_alpha_beta([(b, t) for (kind, n, _, b), t in times.items() if kind.startswith("in_step/")])
     assert shared_host_fits(times) == {2: pytest.approx(pooled)}
     assert pooled[0] == pytest.approx(2.7e-3, rel=0.01) and pooled[1] > 0   # midway between the kinds
     world = SimpleNamespace(device=torch.device("cpu"), size=4)
@@ -119,9 +118,9 @@ def test_posting_is_priced_under_load_where_the_host_has_more_ranks():
     """p2p_post: comm_bench *post* (after compute, where each rank has a core) on a host of 2 ranks; the relay's
     posting while the others compute (sharing_bench *loaded post*) where it was measured (3+ ranks)."""
     from types import SimpleNamespace
-    from autosplit.runtime.comm_bench import POST_BYTES
-    from autosplit.runtime.measure_profile import _build
-    times = {("all_reduce", 2, 4096): 1e-3, ("all_reduce", 2, 1 << 20): 2e-3, ("post", 2, POST_BYTES): 1e-4}
+    from autosplit.profiling.comm_bench import POST_BYTES
+    from autosplit.profiling.measure_profile import _build
+    times = {("all_reduce", 2, 1, 4096): 1e-3, ("all_reduce", 2, 1, 1 << 20): 2e-3, ("post", 2, 1, POST_BYTES): 1e-4}
     world = SimpleNamespace(device=torch.device("cpu"), size=4)
     assert _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4).p2p_post == 1e-4
     assert _build(world, CPU, CPU.compute, dict(times), (1.0,) * 4, 3e-4, 1.5e-3).p2p_post == 1.5e-3
@@ -132,7 +131,7 @@ def test_posting_after_compute_is_priced_by_its_mean_with_groups_overlapping(mon
     posted one repetition before is waited only after it (two in flight, told apart by tag), and the
     time is the mean, stalls included (a step pays each post); idle, the median of posts waited at once."""
     from types import SimpleNamespace
-    from autosplit.runtime import comm_bench
+    from autosplit.profiling import comm_bench
     clock, log = [0.0], []
     stalls = iter([1e-4] * 11 + [5e-3] + [1e-4] * 100)     # the warm-up and ten posts, a stall of 5 ms, the rest
 
@@ -169,7 +168,7 @@ def test_posting_after_compute_is_priced_by_its_mean_with_groups_overlapping(mon
 
 
 def test_resume_factor_is_the_median_round_and_never_below_one():
-    from autosplit.runtime.resume_bench import factors
+    from autosplit.profiling.resume_bench import factors
     plain = [(0.010, 0.020)] * 3
     rounds = [(plain, [(0.011, 0.021)] * 3), (plain, [(0.012, 0.019)] * 3), (plain, [(0.030, 0.018)] * 3)]
     # forward: the median of 1.1, 1.2, 3.0; backward: of 1.05, 0.95, 0.9, raised to 1
@@ -182,7 +181,8 @@ def test_plan_and_prediction_use_the_measured_profile():
     from tests.models import VARIANTS
     x = torch.randn(2, 3, 32, 32)
     plan = autosplit.compile(VARIANTS["timm_cls"](), mesh=(2, 1, 1), example_input=x, device=CPU)
-    quick = dataclasses.replace(CPU, compute=None, comm=None)
+    quick = dataclasses.replace(CPU, compute=None, comm=None, op_overhead=4e-6, gemm_efficiency=1.0,   # the roofline
+                                gemm_half_dim=0.0, bandwidth_efficiency=1.0)
     other = autosplit.compile(VARIANTS["timm_cls"](), mesh=(2, 1, 1), example_input=x, device=quick)
     total = sum(s.fwd_time + s.bwd_time for s in plan.stages)
     assert total > 1.5 * sum(s.fwd_time + s.bwd_time for s in other.stages)   # alphas dominate tiny ops
@@ -203,7 +203,7 @@ def test_reference_pipeline_runs_on_every_rank_of_the_host(pool4):
     """4 ranks as a 1F1B pipeline of 8 microbatches (posting and waiting as the executor does, under the
     strict transport): every rank gets rank 0's rounds; each rank runs 8 forwards and backwards in turn,
     so a step lasts at least about 8 x (F + B) of the stage alone (half of it: the alone time is noisy)."""
-    from autosplit.runtime.pipeline_bench import MICROBATCHES, ROUNDS
+    from autosplit.profiling.pipeline_bench import MICROBATCHES, ROUNDS
     values = pool4.run(checks_profile.pipeline_measured)
     assert all(v == values[0] for v in values) and len(values[0]) == ROUNDS
     for fwd, bwd, measured, nbytes in values[0]:
@@ -234,7 +234,7 @@ def test_sharing_is_the_median_round_not_one_noisy_pass():
     rounds.  One round's lone pass ran 14.3 ms (a quiet moment) or one round's pair 40 ms (a stranger on
     the host): as a single pass, each would be the profile's figure (1.54, what a real profile once
     recorded, or 2.0); the median round gives 1.10 either way.  A level never falls below the one before."""
-    from autosplit.runtime.sharing_bench import slowdowns
+    from autosplit.profiling.sharing_bench import slowdowns
 
     def rounds(lone=0.020, pair=0.022):
         return [{**{(rnd, 1): lone for rnd in range(3)}, **{(rnd, 2): pair for rnd in range(3)}},
@@ -255,7 +255,7 @@ def test_measurement_workloads_leave_the_callers_random_streams_alone():
     """The op chains and the encoder-stack workload draw from a seeded private stream: a profile measured
     between a user's torch.manual_seed and their model's creation does not change that model."""
     from autosplit.cost_model.op_bench import measure_compute
-    from autosplit.runtime.cpu_workload import encoder_stack
+    from autosplit.profiling.cpu_workload import encoder_stack
     torch.manual_seed(5)
     state = torch.get_rng_state()
     measure_compute(budget=0.05)

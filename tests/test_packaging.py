@@ -24,8 +24,9 @@ def test_wheel_holds_every_package_and_no_stray_top_level(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     in_wheel = {n.rpartition("/")[0] for n in names if n.endswith("/__init__.py")}
     assert _source_packages() <= in_wheel, sorted(_source_packages() - in_wheel)
-    assert {"autosplit/tp", "autosplit/schedule", "autosplit/runtime", "autosplit/passes",
+    assert {"autosplit/tp", "autosplit/schedule", "autosplit/runtime", "autosplit/profiling", "autosplit/passes",
             "autosplit/cost_model"} <= in_wheel
+    assert "autosplit/profiling/device_bench.py" in names and "autosplit/cost_model/profile_file.py" in names
     assert {"autosplit/report_html.js", "autosplit/report_html.css"} <= set(names)   # report.html's assets
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"autosplit"}, tops

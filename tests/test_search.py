@@ -2,12 +2,14 @@
 
 Tiny models only: the searches here take about a second each.
 """
+import dataclasses
 import random
 
 import pytest
 import torch
 
 import autosplit
+from autosplit.cost_model import get_profile
 from autosplit.cost_model.step_time import predict_plan
 from autosplit.passes.partition import balanced_bounds
 from autosplit.strategy.cuts import CutSolver
@@ -74,13 +76,16 @@ def test_pruned_search_equals_brute_force(world, budget, measured):
         assert any(r.kind == "memory" for r in brute.rejected)
 
 
-@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.parametrize("measured", [False, True, "nodes"])
 def test_predictions_equal_compile(measured):
     """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a
-    sample), with a datasheet profile and with a measured one (per-class fits, sharing, posting: the search once
-    priced ops by the roofline while compile used the class fits)."""
+    sample), with a datasheet profile, with a measured one (per-class fits, sharing, posting: the search once
+    priced ops by the roofline while compile used the class fits), and on nodes of 2 GPUs (tp, dp and pipeline
+    transfers across nodes priced over the network, in the search as in compile)."""
     model, batch = tp_timm(), 32
-    device = _measured_cpu() if measured else "h100"
+    device = _measured_cpu() if measured is True else "h100"
+    if measured == "nodes":
+        device = dataclasses.replace(get_profile("h100"), name="h100_2pernode", gpus_per_node=2)
     every = autosplit.search(model, 8, X, global_batch=batch, memory_budget=400_000, top=10**6, prune=False,
                              device=device)
     picks = list(every[:3]) + random.Random(1).sample(list(every[3:]), 12 if not measured else 6)
@@ -89,6 +94,8 @@ def test_predictions_equal_compile(measured):
         pred = predict_plan(plan, device=device)
         assert pred.total == pytest.approx(c.step_time, rel=1e-9), c.label
         assert pred.compute == pytest.approx(c.parts["compute"], rel=1e-9)
+        assert (pred.tp_comm, pred.pp_comm, pred.dp_comm) == pytest.approx(
+            (c.parts["tp_comm"], c.parts["pp_comm"], c.parts["dp_comm"]), rel=1e-9, abs=1e-15)
         assert tuple(plan.bounds) == c.bounds
         ranks = [sum(plan.stages[s].memory_bytes for s in plan.placement.stages(r)) for r in range(c.mesh[0])]
         assert max(ranks) == c.memory <= 400_000
@@ -149,7 +156,7 @@ def test_cli_plans_with_the_measured_profile_fitted_to_the_model(capsys, tmp_pat
     try:
         args = ["search", "tests.models:tp_timm", "--world", "2", "--batch", "8", "--top", "2", "--device", "measured"]
         assert main(args) == 2
-        assert "python -m autosplit.runtime.measure_profile --ranks 2 --threads 1" in capsys.readouterr().err
+        assert "python -m autosplit.profiling.measure_profile --ranks 2 --threads 1" in capsys.readouterr().err
         torch.set_num_threads(1)
         profile_cache.save(profile_cache.machine_key("cpu", 2), _measured_cpu())
         assert main(args + ["--fit"]) == 0

@@ -52,12 +52,24 @@ def test_transfers_tp_and_dp_add_what_they_expose():
     dp = predict_step("1f1b", 2, 4, 1, [StageTimes(f, b, dp=0.5)] * 2)
     assert dp.dp_comm == pytest.approx(0.5) and dp.total == pytest.approx(free.total + 0.5)
     fixed = predict_step("1f1b", 2, 4, 1, [StageTimes(f, b, dp=0.5)] * 2, fixed=0.3)
-    # the step's own collectives (call check, loss all-reduce) end every rank 0.3 later, all of it exposed
-    assert fixed.total == pytest.approx(dp.total + 0.3) and fixed.exposed_comm == pytest.approx(dp.exposed_comm + 0.3)
-    assert (fixed.bubble, fixed.dp_comm) == pytest.approx((dp.bubble, dp.dp_comm))
+    # the step's own collectives (call check, loss all-reduce) end every rank 0.3 later, all of it exposed,
+    # counted with the dp sync (both are collectives over the replicas, after the schedule)
+    assert fixed.total == pytest.approx(dp.total + 0.3) and fixed.dp_comm == pytest.approx(dp.dp_comm + 0.3)
+    assert (fixed.bubble, fixed.exposed_comm) == pytest.approx((dp.bubble, dp.exposed_comm))
+    assert (tp.tp_comm, tp.pp_comm) == pytest.approx((4 * 0.3, 0.0)) and pred.tp_comm == 0
+    assert pred.pp_comm == pytest.approx(pred.exposed_comm)
     assert fixed.rank_ends == pytest.approx([e + 0.3 for e in dp.rank_ends])
     for p in (pred, tp, dp, fixed):
         assert p.total == pytest.approx(p.compute + p.bubble + p.exposed_comm + p.dp_comm)
+        assert p.total == pytest.approx(p.compute + p.bubble + p.tp_comm + p.pp_comm + p.dp_comm)
+
+
+@pytest.mark.parametrize("dp,buckets,exposed", [(1.0, 1, 1.0), (1.0, 4, 0.25), (4.0, 4, 2.5), (4.0, 1, 4.0)])
+def test_dp_sync_overlaps_the_final_backward_in_buckets(dp, buckets, exposed):
+    """One stage, one microbatch, B = 2: k buckets ready evenly through the final backward, sent one after
+    another: the sync ends max(dp - B (k-1)/k, dp / k) after it (DDP's overlap); one bucket, all of dp."""
+    pred = predict_step("1f1b", 1, 1, 1, [StageTimes(1.0, 2.0, dp=dp, dp_buckets=buckets)])
+    assert pred.dp_comm == pytest.approx(exposed) and pred.total == pytest.approx(3.0 + exposed)
 
 
 @pytest.mark.parametrize("shared", [False, True])

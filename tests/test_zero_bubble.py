@@ -297,7 +297,8 @@ def test_pp4_tp_dp_matches_single_device(pool4, name, schedule, mesh, m, kw):
 def test_cost_model_prices_i_and_w():
     """W of a weight GEMM is one GEMM of the forward's FLOPs; I is the rest of the backward; the summary
     shows W per stage for zero-bubble plans."""
-    from autosplit.cost_model.roofline import op_time
+    from autosplit.cost_model import get_profile
+    from autosplit.cost_model.roofline import node_time
     from autosplit.cost_model.weight_grad import split_backward_time
     from autosplit.passes.split_backward import weight_gemm_nodes
     plan = autosplit.compile(VARIANTS["timm_cls"](), mesh=(2, 1, 1), example_input=torch.randn(64, 3, 32, 32),
@@ -307,7 +308,7 @@ def test_cost_model_prices_i_and_w():
     assert "W ms per stage" in plan.summary()
     gm = plan.graph
     (fc,) = [n for n in weight_gemm_nodes(gm) if n.target == "blocks.0.mlp.fc1"]
-    fwd, bwd = op_time(fc.meta["cost"], torch.float32, "h100")
+    fwd, bwd = node_time(fc, get_profile("h100"))
     i_time, w_time = split_backward_time([fc], {fc}, "h100")
     assert i_time + w_time == pytest.approx(bwd) and w_time == pytest.approx(fwd, rel=0.5)
     assert split_backward_time([fc], set(), "h100") == (pytest.approx(bwd), 0.0)

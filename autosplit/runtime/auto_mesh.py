@@ -9,13 +9,14 @@ Terms: see autosplit/strategy (Candidate, options).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
 import torch.distributed as dist
 
-from autosplit.cost_model import profile_for_gpu
+from autosplit.cost_model import get_profile, profile_for_gpu
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 
@@ -48,6 +49,8 @@ def auto_arguments(model, example_input, global_batch, compile_options: dict, au
                                  "e.g. autosplit.cost_model.calibrate(), passed to every rank): each rank measuring "
                                  "its own CPU could choose a different configuration")
         device = profile_for_gpu(torch.cuda.get_device_name())
+    if torch.cuda.is_available() and os.environ.get("LOCAL_WORLD_SIZE"):     # the job's node size (profile.py)
+        device = dataclasses.replace(get_profile(device), gpus_per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
     world, rank = _world()
     if example_input is None:
         # one row: the search reads only the per-sample shape and dtype, and takes the fewest rows a

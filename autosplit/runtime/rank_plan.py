@@ -43,7 +43,7 @@ from autosplit.runtime.fsdp import StageSharding
 from autosplit.runtime.loss_check import checked_loss
 from autosplit.runtime.params import (adopt_parameters, graph_order_params, local_values, materialize_local,
                                       to_device)
-from autosplit.runtime.profile import agreed_profile
+from autosplit.runtime.profile import agreed_profile, with_node_size
 from autosplit.runtime.tp_collectives import bind_axis_groups, unbind_groups
 from autosplit.strategy.layout import fewest_microbatch_rows, trace_model
 
@@ -157,7 +157,9 @@ class RankPlanner:
         changes = {"stage_bounds": bounds} if bounds is not None else {}
         if opts.device is None:                 # measured (CPU) once, then reused for re-planning
             self.profile = self.profile or agreed_profile(world, self.watchdog)
-            changes["device"] = self.profile
+            changes["device"] = with_node_size(self.profile, world)
+        elif world.device.type == "cuda":       # the user's profile, with the job's node size
+            changes["device"] = with_node_size(opts.device, world)
         mesh = (world.mesh.pp, world.mesh.tp, world.mesh.dp)
         self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts),
                                  warn=False)          # the BatchNorm warning: _warn_batch_norm

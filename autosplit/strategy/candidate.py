@@ -73,11 +73,11 @@ class SearchResult(list):
         return Counter(r.kind for r in self.rejected)
 
     def table(self) -> str:
-        rows = [("rank", "configuration", "step ms", "compute", "bubble", "exp.comm", "dp sync", "memory")]
+        rows = [("rank", "configuration", "step ms", "compute", "bubble", "tp comm", "pp comm", "dp sync", "memory")]
         for i, c in enumerate(self, 1):
             p = c.parts
-            rows.append((str(i), c.label, f"{c.step_time * 1e3:.3f}", *(f"{p[k] * 1e3:.3f}" for k in
-                         ("compute", "bubble", "exposed_comm", "dp_comm")), _bytes(c.memory)))
+            rows.append((str(i), c.label, f"{c.step_time * 1e3:.3f}", *(f"{p.get(k, 0.0) * 1e3:.3f}" for k in
+                         ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")), _bytes(c.memory)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -1,8 +1,8 @@
 """Pricing one configuration with compile's own cost model, from one layout's rescaled graph.
 
 Terms:
-  group   -- (layout, microbatch size b, checkpoint): everything that does not depend on the stage cut,
-             the schedule, m or dp: ``SegmentCosts`` of the graph at b (per segment: fwd + bwd time with
+  group   -- (layout, microbatch size b, checkpoint, whether pipeline transfers cross nodes): everything
+             that does not depend on the stage cut, the schedule, m or dp: ``SegmentCosts`` of the graph at b (per segment: fwd + bwd time with
              tp collectives and recompute, boundary time, parameter and saved bytes), and per segment the
              parts the predictor needs (fwd, bwd, W, tp forward / backward seconds).
   cut     -- ``balanced_bounds``' cut (strategy/cuts.py ``CutSolver``, exact and shared by every stage count);
@@ -23,9 +23,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from autosplit.cost_model import collective_time, get_profile, op_time, p2p_time
-from autosplit.cost_model.measured import op_class
-from autosplit.cost_model.roofline import output_dtype
+from autosplit.cost_model import collective_time, get_profile, p2p_time
+from autosplit.cost_model.roofline import node_time
 from autosplit.cost_model.sharding import StageDataParallel
 from autosplit.cost_model.step_time import (StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of,
                                            step_collectives)
@@ -59,11 +58,11 @@ def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
 
 
 class Group:
-    """Cut-independent costs of (layout, b, checkpoint); see the module docstring."""
+    """Cut-independent costs of (layout, b, checkpoint, crossing); see the module docstring."""
 
-    def __init__(self, layout_graph, b: int, checkpoint, profile, layers, input_bytes: int):
+    def __init__(self, layout_graph, b: int, checkpoint, profile, layers, input_bytes: int, cross_node: bool = False):
         self.graph, self.b, self.checkpoint, self.profile, self.layers = layout_graph, b, checkpoint, profile, layers
-        self.input_bytes = input_bytes
+        self.input_bytes, self.cross_node = input_bytes, cross_node
         gm = layout_graph.at(b)
         nodes, cuts = list(gm.graph.nodes), layout_graph.cuts
         ends = [c.position for c in cuts] + [len(nodes) - 1]
@@ -76,7 +75,7 @@ class Group:
             rec = SegmentCosts([], [], 1, profile, [], checkpoint=checkpoint, layers=layers).recompute_time
             base[:, 1] += [rec([n]) if f else 0.0 for n, f in zip(nodes, base[:, 0])]
         self.node_parts = base
-        self.send = [p2p_time(c.nbytes, profile) for c in cuts] + [0.0]
+        self.send = [p2p_time(c.nbytes, profile, cross_node) for c in cuts] + [0.0]
         # the bounds' inputs, from the nodes (compile's SegmentCosts is built only when a configuration of
         # this group is priced): one microbatch through every stage, and the bytes the memory bound needs
         self.work = float(base[:, [0, 1, 3, 4]].sum())
@@ -90,7 +89,8 @@ class Group:
         if self._seg is None:
             self.graph.at(self.b)
             self._seg = SegmentCosts(self.segments, self.graph.cuts, self.graph.tp, self.profile, [],
-                                     checkpoint=self.checkpoint, layers=self.layers, input_bytes=self.input_bytes)
+                                     checkpoint=self.checkpoint, layers=self.layers, input_bytes=self.input_bytes,
+                                     cross_node=self.cross_node)
         return self._seg
 
     @property
@@ -130,14 +130,13 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
     cache = layout_graph.__dict__.setdefault("node_parts", {})
     if b not in cache:
         gemms, tp = layout_graph.gemms, layout_graph.tp
-        measured = get_profile(profile).compute is not None
+        prof = get_profile(profile)
         rows = []
         for n in layout_graph.nodes:
             if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
                 rows.append((0.0, 0.0, 0.0, *collective_time(n, tp, profile)))
                 continue
-            cost = n.meta["cost"]     # a measured profile prices by op class, as compile's graph_time does
-            f, bw = op_time(cost, output_dtype(n), profile, op_class(n, cost) if measured else None)
+            f, bw = node_time(n, prof, n.meta["cost"])      # as compile's graph_time prices it
             w = min(weight_grad_time(n, profile), bw) if n in gemms else 0.0
             rows.append((f, bw, w, *collective_time(n, tp, profile)))
         cache[b] = np.array(rows, dtype=float).reshape(-1, 5)
@@ -155,7 +154,7 @@ def _stage_times(group: Group, bounds, split: frozenset[int], dpc) -> tuple[list
         f, bw, w, tf, tb = (float(x) for x in sums[s])
         costs.append(dpc(a, b, param_bytes[s]))
         stages.append(StageTimes(fwd=f, bwd=bw, w=w if s in split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
-                                 dp=costs[-1].time))
+                                 dp=costs[-1].time, dp_buckets=costs[-1].buckets))
     return stages, costs
 
 
@@ -165,7 +164,8 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
     S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp,
                                                             group.profile.device_type)
-    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0)
+    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0,
+                            tp=group.graph.tp)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]
     bounds = group.bounds(S)

@@ -35,6 +35,7 @@ from autosplit.cost_model import get_profile
 from autosplit.errors import AutosplitError
 from autosplit.model_layers import layer_paths
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
+from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.strategy.costing import PRUNED, Group, price
 from autosplit.strategy.layout import LayoutGraph, fewest_microbatch_rows, trace_model
 from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
@@ -163,9 +164,10 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
-        if key not in groups:                 # priced once per (layout, b, checkpoint), when first needed
-            graph, b, checkpoint = key
-            groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes)
+        key = (*key, pipeline_crosses_nodes(profile, pp, key[0].tp * dp))
+        if key not in groups:                 # priced once per (layout, b, checkpoint, crossing), when first needed
+            graph, b, checkpoint, cross = key
+            groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes, cross)
         group = groups[key]
         mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
@@ -182,7 +184,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         pred, memory, bounds = result
         found.append(Candidate(mesh, options, pred.total, memory, {
             "compute": pred.compute, "bubble": pred.bubble, "exposed_comm": pred.exposed_comm,
-            "dp_comm": pred.dp_comm}, tuple(bounds)))
+            "tp_comm": pred.tp_comm, "pp_comm": pred.pp_comm, "dp_comm": pred.dp_comm}, tuple(bounds)))
         heapq.heappush(best, -pred.total)
         if len(best) > top:
             heapq.heappop(best)

@@ -3,21 +3,30 @@
 Terms:
   kinds     -- all_reduce, all_gather, reduce_scatter (tp_collectives' own functions: on gloo the
                reduce-scatter is an all-reduce and a slice, and that is what gets timed), broadcast, and
-               send_recv (one-way time of a point-to-point transfer: half a ping-pong between ranks
-               2i and 2i+1).
-  groups    -- for a size n dividing the world size, the world is cut into consecutive groups of n
-               ranks (``dist.new_subgroups``: tensor-parallel groups are consecutive ranks) and every
-               group runs the same collective at the same time, as tp or dp groups do in a step, so
-               the ranks compete for the machine's cores and links as they will in training.
+               send_recv (one-way time of a point-to-point transfer: half a ping-pong; within a node
+               between ranks 2i and 2i+1 of it, and with several nodes also between the ranks of equal
+               local rank on nodes 2j and 2j+1).
+  node      -- ``local`` consecutive ranks (torchrun's LOCAL_WORLD_SIZE: a node's ranks are consecutive);
+               the job has world size / local nodes.
+  span      -- (n, k): a group of n ranks spread evenly over k nodes, n / k consecutive ranks on each
+               (k = 1: within one node).  Every span the job can form is measured: n >= 2 dividing the
+               world size, k dividing both n and the node count, n / k dividing ``local``.  Its fits go
+               under ``comm_key(kind, n, k)`` (cost_model/measured.py).
+  groups    -- for a span (n, k), the world is cut into groups of that span that together hold every rank
+               (``dist.new_subgroups_by_enumeration``; on one node: consecutive groups of n ranks, as
+               tensor-parallel groups are) and every group runs the same collective at the same time, as
+               tp or dp groups do in a step, so the ranks compete for the machine's cores, links and
+               network as they will in training.
   nbytes    -- the FULL tensor of the collective (comm.py's convention): the gathered result of an
-               all_gather, the input of a reduce_scatter.
+               all_gather, the input of a reduce_scatter.  ``SIZES`` on CPU (gloo), ``CUDA_SIZES`` on GPUs
+               (up to 128 MiB: an NVLink ring reaches its bandwidth only for large messages).
   timing    -- per (kind, n, nbytes): a barrier over the world, one warm-up, then ``COMM_REPS`` calls back
                to back, each waited through the Watchdog; a rank's time is the mean per call.  On a
                GPU that is what a step pays (the host launches while the device computes).
-  in step   -- (CPU) a step's collective follows compute on every rank of its group, and on a CPU that
-               costs more than back to back: the ranks' equal work does not end at the same instant, so
-               each call waits out its peers' lateness, and the launch and the first read of the result
-               run on the rank's own core after the wait.  So on a CPU each call is also timed as a step
+  in step   -- (CPU, spans within one node) a step's collective follows compute on every rank of its group,
+               and on a CPU that costs more than back to back: the ranks' equal work does not end at the
+               same instant, so each call waits out its peers' lateness, and the launch and the first read
+               of the result run on the rank's own core after the wait.  So on a CPU each call is also timed as a step
                runs it: every rank runs a *burst* (GEMMs lasting about ``BURST_S`` alone: the compute
                between two tensor-parallel collectives of a small transformer layer on one CPU core),
                then the collective, then reads its result; the time is the mean of (burst + collective +
@@ -54,6 +63,7 @@ from autosplit.runtime import tp_collectives as T
 from autosplit.runtime.p2p import make_transport
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+CUDA_SIZES = (64 << 10, 1 << 20, 16 << 20, 128 << 20)
 BURST_S, BURST_DIM, IN_STEP_REPS = 2e-3, 192, 40
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 POST_BYTES, POST_REPS, POST_STEP_REPS = 64 << 10, 21, 120
@@ -64,6 +74,27 @@ COMM_REPS = 30
 
 def group_sizes(world_size: int) -> list[int]:
     return [n for n in range(2, world_size + 1) if world_size % n == 0]
+
+
+def node_count(world_size: int, local: int) -> int:
+    """Nodes of a job of ``world_size`` ranks, ``local`` per node (1 where that does not divide evenly)."""
+    return world_size // local if 0 < local <= world_size and world_size % local == 0 else 1
+
+
+def spans(world_size: int, local: int) -> list[tuple[int, int]]:
+    """Every (n, k) the job can form (see *span*), by n then k."""
+    nodes = node_count(world_size, local)
+    local = world_size // nodes
+    return [(n, k) for n in group_sizes(world_size) for k in range(1, nodes + 1)
+            if n % k == 0 and nodes % k == 0 and local % (n // k) == 0]
+
+
+def span_groups(world_size: int, local: int, n: int, k: int) -> list[list[int]]:
+    """The groups of span (n, k) that together hold every rank (see *groups*)."""
+    nodes = node_count(world_size, local)
+    local, per_node = world_size // nodes, n // k
+    return [[node * local + start + j for node in range(first, first + k) for j in range(per_node)]
+            for first in range(0, nodes, k) for start in range(0, local, per_node)]
 
 
 def world_barrier(world, watchdog) -> None:
@@ -85,16 +116,29 @@ def _collective(kind: str, axis: str, group, n: int, nbytes: int, device) -> cal
     return lambda: T._wait(dist.broadcast(full, src=src, group=group, async_op=True), f"broadcast over {axis}")
 
 
-def _ping_pong(world, watchdog, nbytes: int):
-    """Rank 2i sends ``nbytes`` to 2i+1 and gets them back; one call = one round trip (two transfers)."""
+def ping_pong_peer(rank: int, world_size: int, local: int, across: bool) -> int | None:
+    """This rank's send_recv partner (see *kinds*): within its node (``across`` False) rank 2i's is 2i+1 of
+    the same node, across nodes the rank of equal local rank on the paired node; None: it sits out."""
+    nodes = node_count(world_size, local)
+    local = world_size // nodes
+    node, index = divmod(rank, local)
+    if across:
+        other = node ^ 1
+        return other * local + index if other < nodes else None
+    other = index ^ 1
+    return node * local + other if other < local else None
+
+
+def _ping_pong(world, watchdog, nbytes: int, peer: int | None):
+    """This rank and ``peer`` send ``nbytes`` there and back, the lower rank first; one call = one round
+    trip (two transfers).  No peer: a call does nothing."""
     rank = world.rank
-    peer = rank ^ 1
     buf = torch.ones(max(1, nbytes // 4), device=world.device)
-    if peer >= world.size:
+    if peer is None:
         return lambda: None
 
     def call():
-        first, second = (dist.isend, dist.irecv) if rank % 2 == 0 else (dist.irecv, dist.isend)
+        first, second = (dist.isend, dist.irecv) if rank < peer else (dist.irecv, dist.isend)
         watchdog.wait(first(buf, peer), "profile measurement ping-pong")
         watchdog.wait(second(buf, peer), "profile measurement ping-pong")
     return call
@@ -175,39 +219,48 @@ def _in_step(call, burst, world, watchdog, reps: int = IN_STEP_REPS) -> float:
     return max(0.0, _timed(step_like, reps) - plain)
 
 
-def measure_comm(world, watchdog, reps: int = COMM_REPS, sizes=SIZES,
-                 in_step: bool = False) -> list[tuple[str, int, int, float]]:
-    """This rank's (kind, n, nbytes, seconds per call) for every kind, group size and size (see Terms).
+def measure_comm(world, watchdog, reps: int = COMM_REPS, sizes=None, in_step: bool = False,
+                 local: int | None = None) -> list[tuple[str, int, int, int, float]]:
+    """This rank's (kind, n, k, nbytes, seconds per call) for every kind, span (n ranks over k nodes) and
+    size (see Terms).
 
     Args:
         world: the runtime World (every rank of it calls this together).
         watchdog: bounds every wait.
         reps: timed calls per measurement.
-        sizes: the full-tensor sizes in bytes.
-        in_step: also time each collective *in step* (CPU only).
+        sizes: the full-tensor sizes in bytes; None: ``CUDA_SIZES`` on a GPU, else ``SIZES``.
+        in_step: also time each collective *in step* (CPU, spans within one node).
+        local: ranks per node (see *node*); None: the whole world on one node.
     """
     out = []
+    local = world.size if local is None else local
+    sizes = sizes or (CUDA_SIZES if world.device.type == "cuda" else SIZES)
     in_step = in_step and world.device.type == "cpu"
     burst = _burst(_burst_count(world, world.device), world.device) if in_step else None
-    for n in group_sizes(world.size):
-        group, _ = dist.new_subgroups(group_size=n)
-        axis = f"measure/{n}"
+    for n, k in spans(world.size, local):
+        group, _ = dist.new_subgroups_by_enumeration(span_groups(world.size, local, n, k))
+        axis = f"measure/{n}@{k}"
         T.bind_axis_groups({axis: group}, watchdog)
         for kind in KINDS:
             for nbytes in sizes:
                 call = _collective(kind, axis, group, n, nbytes, world.device)
                 world_barrier(world, watchdog)
-                out.append((kind, n, nbytes, _timed(call, reps)))
-                if in_step:
-                    out.append((f"in_step/{kind}", n, nbytes, _in_step(call, burst, world, watchdog)))
+                out.append((kind, n, k, nbytes, _timed(call, reps)))
+                if in_step and k == 1:
+                    out.append((f"in_step/{kind}", n, k, nbytes, _in_step(call, burst, world, watchdog)))
         world_barrier(world, watchdog)     # every rank is done with the group before it goes
         T.unbind_groups([group])
         dist.destroy_process_group(group)
-    for nbytes in sizes:                  # point to point, all pairs at once
-        call = _ping_pong(world, watchdog, nbytes)
-        world_barrier(world, watchdog)
-        out.append(("send_recv", 2, nbytes, _timed(call, reps) / 2))
+    nodes = node_count(world.size, local)
+    for k, across in ((1, False), (2, True)):     # point to point, all pairs at once
+        if (nodes if across else world.size // nodes) < 2:
+            continue                              # no pair: nothing to time
+        peer = ping_pong_peer(world.rank, world.size, local, across)
+        for nbytes in sizes:
+            call = _ping_pong(world, watchdog, nbytes, peer)
+            world_barrier(world, watchdog)
+            out.append(("send_recv", 2, k, nbytes, _timed(call, reps) / 2))
     if world.device.type == "cpu" and world.size > 1:
         world_barrier(world, watchdog)
-        out.append(("post", 2, POST_BYTES, measure_post(world, watchdog, burst=burst)))
+        out.append(("post", 2, 1, POST_BYTES, measure_post(world, watchdog, burst=burst)))
     return out

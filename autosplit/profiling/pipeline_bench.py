@@ -2,7 +2,7 @@
 
 Terms:
   reference pipeline -- the host's local ranks as the stages of a 1F1B pipeline of ``MICROBATCHES``
-               microbatches; every stage an encoder stack of ``LAYERS`` layer(s) (runtime/cpu_workload.py:
+               microbatches; every stage an encoder stack of ``LAYERS`` layer(s) (profiling/cpu_workload.py:
                a CPU benchmark ViT stage's op mix, no model in particular) on (4, 65, 192) tokens; each
                rank runs its lowered action list (schedule/lower.py) as the executor does: a transfer
                group is posted with the runtime's own transport (p2p.make_transport) where the list has
@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from autosplit.runtime.comm_bench import world_barrier
-from autosplit.runtime.cpu_workload import encoder_stack
+from autosplit.profiling.comm_bench import world_barrier
+from autosplit.profiling.cpu_workload import encoder_stack
 from autosplit.runtime.p2p import make_transport, tag
 from autosplit.schedule import Group, build_schedule, lower
 from autosplit.schedule.actions import F, RECV_F, SEND_F

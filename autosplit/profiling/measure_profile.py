@@ -1,19 +1,29 @@
 """Measure this machine's cost-model profile in a live world, agree on it, and cache it on disk.
 
 Terms:
-  measured profile -- a DeviceProfile with ``compute`` fits per op class (cost_model/op_bench.py),
-               ``comm`` alpha-beta fits per collective kind and group size (comm_bench.py; see
-               cost_model/measured.py) and, on CPU, ``sharing`` (sharing_bench.py) and ``p2p_post``
-               (comm_bench.py's *post*, the slowest rank's; with 3 or more ranks on the host,
+  measured profile -- a DeviceProfile with the device's kernel model (device_bench.py: GEMM efficiency
+               and half-rate dimension, attention efficiency, achievable bandwidth, per-kernel overhead;
+               rank 0's device), ``comm`` alpha-beta fits per collective kind, group size and node span
+               (comm_bench.py; see cost_model/measured.py), the topology (*topology*) and, on CPU,
+               ``compute`` fits per op class (cost_model/op_bench.py), ``sharing`` (sharing_bench.py) and
+               ``p2p_post`` (comm_bench.py's *post*, the slowest rank's; with 3 or more ranks on the host,
                sharing_bench.py's *loaded post*: a pipeline rank there posts while the others
                compute), ``p2p_wake`` (sharing_bench.py's *wake*: rank 0's host's) and ``resume``
                (resume_bench.py: rank 0's host's), and ``pass_overhead`` (cost_model/pipeline_fit.py, fitted
-               last, to pipeline_bench.py's reference pipeline on rank 0's host).  On a GPU the
-               compute numbers stay the datasheet's (the built-in profile) and only the communication
-               is measured.
+               last, to pipeline_bench.py's reference pipeline on rank 0's host).  On a known GPU the peaks
+               and memory bandwidth stay the datasheet's (its built-in profile) and the kernel model says how
+               much of them kernels reach; on an unknown GPU they are measured (device_bench.py *peak*).
+  topology   -- ``gpus_per_node``: the ranks per node (LOCAL_WORLD_SIZE) on GPUs or wherever the job spans
+               several nodes (a CPU job on one host leaves it None: one node).  On GPUs the intra-node link
+               is the ring bus bandwidth of an all-gather over a whole node (``link_bandwidth``; ``link_latency``:
+               the intra-node send_recv's alpha) and ``allreduce_bandwidth`` the all-reduce's bus bandwidth
+               over a whole node where it beats the link's by more than 10 % (a switch that reduces, NVLS;
+               else 0: the link's); on CPU the link is the send_recv fit, as before.  With several nodes the
+               network is the send_recv fit between nodes (``network_bandwidth`` = 1 / beta,
+               ``network_latency`` = alpha: per GPU, one direction, every pair sending at once).
   alone      -- the compute fits are rank 0's, measured while the other ranks wait in a barrier: one
                process's rates.  How ranks sharing a CPU host slow each other down is measured apart
-               (runtime/sharing_bench.py: the profile's ``sharing``) and applied by the step predictor
+               (profiling/sharing_bench.py: the profile's ``sharing``) and applied by the step predictor
                to whatever actually runs at once; fits taken with every rank measuring at its own pace
                mixed both and priced every configuration with the same, accidental, contention.
   in step    -- (CPU, where the host has no more ranks than cores) what a collective costs a step beyond
@@ -36,9 +46,9 @@ Terms:
                collective, the SLOWEST rank's time (a collective ends when its last rank does); every
                rank then reads that one profile back.  Every wait is bounded by the Watchdog.
   cache      -- rank 0 writes the profile under cost_model/profile_cache.py's key (host, processor,
-               cores, threads, ranks on this machine, torch version); ``parallelize`` on CPU uses it
-               when present (runtime/profile.py).
-  spawn      -- ``measure_here(ranks)`` (and ``python -m autosplit.runtime.measure_profile --ranks N``)
+               cores, threads, ranks on this machine, torch version); ``parallelize`` without ``device=``
+               uses it when present (runtime/profile.py).
+  spawn      -- ``measure_here(ranks)`` (and ``python -m autosplit.profiling.measure_profile --ranks N``)
                starts N gloo processes on this machine to do all of the above; nothing else spawns.
 """
 from __future__ import annotations
@@ -54,21 +64,21 @@ from autosplit.cost_model import calibrate, profile_cache, profile_for_gpu
 from autosplit.cost_model.measured import comm_key, fit_alpha_beta
 from autosplit.cost_model.op_bench import measure_compute
 from autosplit.cost_model.pipeline_fit import with_pass_overhead
+from autosplit.errors import AutosplitError
 from autosplit.host_memory import keep_freed_host_memory
-from autosplit.runtime.comm_bench import POST_BYTES, measure_comm, world_barrier
-from autosplit.runtime.pipeline_bench import MICROBATCHES, measure_pipeline
-from autosplit.runtime.resume_bench import measure_resume
-from autosplit.runtime.sharing_bench import measure_sharing, measure_wake
+from autosplit.profiling.comm_bench import POST_BYTES, measure_comm, node_count, world_barrier
+from autosplit.profiling.device_bench import measure_device
+from autosplit.profiling.pipeline_bench import MICROBATCHES, measure_pipeline
+from autosplit.profiling.resume_bench import measure_resume
+from autosplit.profiling.sharing_bench import measure_sharing, measure_wake
+from autosplit.runtime.profile import local_ranks
 
 _CALLS = [0]
+NVLS_MARGIN = 1.1       # allreduce_bandwidth is stated where the all-reduce's bus bandwidth beats the link's by this
 
 
-def local_ranks(world) -> int:
-    """Processes of the job on this machine (torchrun's LOCAL_WORLD_SIZE; else the whole world)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
-
-
-def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = True):
+def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = True,
+                    device_seconds: float | None = None):
     """The measured profile, the same on every rank (see *agreement*); rank 0 caches it when ``save``.
 
     Args:
@@ -76,24 +86,32 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
         watchdog: bounds every wait.
         compute_budget: seconds of timed repeats for the compute fits (CPU only).
         save: write the profile to the on-disk cache (rank 0).
+        device_seconds: seconds of timed repeats for the kernel model (device_bench.py); None: 5 s on a GPU,
+            ``compute_budget`` on CPU.
     """
     cuda = world.device.type == "cuda"
-    compute = base = sharing = loaded_post = None
+    device_seconds = device_seconds if device_seconds is not None else (5.0 if cuda else compute_budget)
+    compute = base = kernels = sharing = loaded_post = None
     wake, resume = 0.0, (1.0, 1.0)
     if not cuda:
         keep_freed_host_memory()                 # measure under the malloc settings training runs with
-        world_barrier(world, watchdog)
-        if world.rank == 0:                      # alone: the others wait in the barrier below
-            with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
+    world_barrier(world, watchdog)
+    if world.rank == 0:                          # alone: the others wait in the barrier below
+        with torch.random.fork_rng(devices=[world.device] if cuda else []):   # keep the default streams
+            kernels = measure_device(world.device, device_seconds)           # identical on every rank
+            if cuda:
+                base = gpu_base(world.device)
+            else:
                 compute = measure_compute(compute_budget, world.device)
                 base = calibrate(seconds=0.5, link=False)
-        world_barrier(world, watchdog)
+    world_barrier(world, watchdog)
+    if not cuda:
         sharing = measure_sharing(world, watchdog, local_ranks(world))
         wake, loaded_post = measure_wake(world, watchdog, local_ranks(world))
         resume = measure_resume(world, watchdog, local_ranks(world))
     # in step on every CPU host: the constant on the back-to-back fits where each rank has a core (*in
     # step*), the fit itself on a host with more ranks than cores (*shared host*)
-    comm = measure_comm(world, watchdog, in_step=not cuda)
+    comm = measure_comm(world, watchdog, in_step=not cuda, local=local_ranks(world))
     reference = None if cuda else measure_pipeline(world, watchdog, local_ranks(world))
     _CALLS[0] += 1
     key = f"autosplit/measured_profile/{_CALLS[0]}/"
@@ -101,12 +119,10 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     if world.rank == 0:
         keys = [f"{key}{r}" for r in range(world.size)]
         watchdog.until(lambda: world.store.check(keys), "waiting for every rank's profile measurements")
-        slowest: dict = {}
-        for k in keys:
-            for kind, n, nbytes, seconds in pickle.loads(world.store.get(k)):
-                slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
+        slowest = slowest_times([pickle.loads(world.store.get(k)) for k in keys])
         profile = _build(world, base, compute, slowest, sharing, wake, loaded_post, resume,
-                         shared=not cuda and local_ranks(world) > (os.cpu_count() or 1))
+                         shared=not cuda and local_ranks(world) > (os.cpu_count() or 1),
+                         local=local_ranks(world), kernels=kernels)
         profile = with_pass_overhead(profile, local_ranks(world), MICROBATCHES, reference)
         world.store.set(f"{key}profile", pickle.dumps(profile))
         if save:
@@ -116,54 +132,99 @@ def measure_profile(world, watchdog, compute_budget: float = 2.0, save: bool = T
     return pickle.loads(world.store.get(f"{key}profile"))
 
 
+def slowest_times(per_rank: list[list]) -> dict:
+    """{(kind, n, nodes, nbytes): seconds} of the slowest rank, from every rank's comm_bench.measure_comm
+    records (see *agreement*)."""
+    slowest: dict = {}
+    for records in per_rank:
+        for kind, n, nodes, nbytes, seconds in records:
+            slowest[(kind, n, nodes, nbytes)] = max(seconds, slowest.get((kind, n, nodes, nbytes), 0.0))
+    return slowest
+
+
+def gpu_base(device):
+    """The profile a GPU's measurement starts from: its built-in one (datasheet peaks, memory, links), or
+    for a GPU without one, peaks and bandwidth measured here (calibrate; device_bench then refines them)."""
+    try:
+        return profile_for_gpu(torch.cuda.get_device_name(device))
+    except AutosplitError:
+        return calibrate(seconds=1.0, link=False, device=device)
+
+
 def in_step_extra(slowest: dict) -> dict[int, float]:
     """Group size -> seconds a step's collective costs beyond back to back (see *in step*), from
-    ``{(kind, n, nbytes): seconds}`` holding both ``kind`` and ``in_step/kind`` entries."""
+    ``{(kind, n, nodes, nbytes): seconds}`` holding both ``kind`` and ``in_step/kind`` entries (one node)."""
     diffs: dict[int, list[float]] = {}
-    for (kind, n, nbytes), seconds in slowest.items():
-        if kind.startswith("in_step/") and (kind[len("in_step/"):], n, nbytes) in slowest:
-            diffs.setdefault(n, []).append(seconds - slowest[(kind[len("in_step/"):], n, nbytes)])
+    for (kind, n, nodes, nbytes), seconds in slowest.items():
+        plain = (kind[len("in_step/"):], n, nodes, nbytes)
+        if kind.startswith("in_step/") and nodes == 1 and plain in slowest:
+            diffs.setdefault(n, []).append(seconds - slowest[plain])
     return {n: max(0.0, sum(d) / len(d)) for n, d in diffs.items()}
 
 
 def shared_host_fits(slowest: dict) -> dict[int, tuple[float, float]]:
     """Group size -> the (alpha, beta) of every collective kind on a host with more ranks than cores (see
-    *shared host*): one fit to the ``in_step/<kind>`` times of all kinds, from ``{(kind, n, nbytes): seconds}``."""
+    *shared host*): one fit to the ``in_step/<kind>`` times of all kinds, from
+    ``{(kind, n, nodes, nbytes): seconds}`` (one node)."""
     samples: dict[int, list] = {}
-    for (kind, n, nbytes), seconds in slowest.items():
-        if kind.startswith("in_step/"):
+    for (kind, n, nodes, nbytes), seconds in slowest.items():
+        if kind.startswith("in_step/") and nodes == 1:
             samples.setdefault(n, []).append((nbytes, seconds))
     return {n: fit_alpha_beta(v) for n, v in samples.items()}
 
 
+def _topology(world, comm: dict, local: int) -> dict:
+    """The DeviceProfile's topology fields from the collective fits (see *topology*)."""
+    cuda, nodes = world.device.type == "cuda", node_count(world.size, local)
+    out = {"gpus_per_node": local if cuda or nodes > 1 else None}
+    p2p = comm.get(comm_key("send_recv", 2))
+    if p2p is not None and p2p[1]:
+        out.update(link_latency=p2p[0], link_bandwidth=1 / p2p[1])
+    per_node = world.size // nodes
+    gather, reduce = comm.get(comm_key("all_gather", per_node)), comm.get(comm_key("all_reduce", per_node))
+    if cuda and per_node >= 2 and gather is not None and gather[1]:
+        out["link_bandwidth"] = (per_node - 1) / per_node / gather[1]          # ring bus bandwidth
+        if reduce is not None and reduce[1]:
+            bus = 2 * (per_node - 1) / per_node / reduce[1]
+            out["allreduce_bandwidth"] = bus if bus > NVLS_MARGIN * out["link_bandwidth"] else 0.0
+    network = comm.get(comm_key("send_recv", 2, 2))
+    if network is not None and network[1]:
+        out.update(network_latency=network[0], network_bandwidth=1 / network[1])
+    return out
+
+
 def _build(world, base, compute, slowest: dict, sharing, wake: float = 0.0, loaded_post: float | None = None,
-           resume: tuple[float, float] = (1.0, 1.0), shared: bool = False):
-    """The profile from rank 0's compute fits and the slowest rank's collective times; ``p2p_post`` is
-    the *loaded post* where the host has 3 or more ranks, else comm_bench's *post* (after compute where each
-    rank has a core, with every rank idle where not).  ``shared``: the host has more ranks than cores
-    (*shared host*); else the *in step* constant goes on the back-to-back fits."""
+           resume: tuple[float, float] = (1.0, 1.0), shared: bool = False, local: int | None = None,
+           kernels=None):
+    """The profile from rank 0's fits and the slowest rank's collective times ``{(kind, n, nodes, nbytes):
+    seconds}``; ``p2p_post`` is the *loaded post* where the host has 3 or more ranks, else comm_bench's
+    *post* (after compute where each rank has a core, with every rank idle where not).  ``shared``: the
+    host has more ranks than cores (*shared host*); else the *in step* constant goes on the back-to-back
+    fits.  ``local``: ranks per node (None: the world); ``kernels``: device_bench.py's measurement, or None."""
+    local = world.size if local is None else local
     samples: dict = {}
-    post = slowest.pop(("post", 2, POST_BYTES), 0.0)
+    post = slowest.pop(("post", 2, 1, POST_BYTES), 0.0)
     post = post if loaded_post is None else loaded_post
     extra, pooled = in_step_extra(slowest), shared_host_fits(slowest) if shared else {}
-    for (kind, n, nbytes), seconds in slowest.items():
+    for (kind, n, nodes, nbytes), seconds in slowest.items():
         if not kind.startswith("in_step/"):
-            samples.setdefault(comm_key(kind, n), []).append((nbytes, seconds))
+            samples.setdefault(comm_key(kind, n, nodes), []).append((nbytes, seconds))
     comm = {k: fit_alpha_beta(v) for k, v in samples.items()}
     for k, (a, b) in comm.items():
-        n = int(k.split("/")[1])
-        if not k.startswith("send_recv/"):
+        if not k.startswith("send_recv/") and "@" not in k:       # one node: the in-step costs apply
+            n = int(k.split("/")[1])
             comm[k] = pooled[n] if n in pooled else (a + extra.get(n, 0.0), b)
-    p2p = comm.get(comm_key("send_recv", 2))
     if world.device.type == "cuda":
-        base = profile_for_gpu(torch.cuda.get_device_name(world.device))
-        name = f"{base.name} (datasheet compute, measured NCCL communication, {world.size} ranks)"
+        base = base if base is not None else gpu_base(world.device)
+        gpu = torch.cuda.get_device_name(world.device)
+        name = f"{gpu} (measured: kernels and NCCL collectives, {world.size} ranks, {local} per node)"
     else:
         name = f"cpu (measured: {profile_cache.machine_key('cpu')['processor']}, {torch.get_num_threads()} " \
-               f"threads x {local_ranks(world)} ranks)"
-    link = {} if p2p is None or not p2p[1] else {"link_latency": p2p[0], "link_bandwidth": 1 / p2p[1]}
-    return dataclasses.replace(base, name=name, compute=compute, comm=comm, sharing=sharing, p2p_post=post,
-                               p2p_wake=wake, resume=tuple(resume), **link)
+               f"threads x {local} ranks)"
+    if kernels is not None:
+        base = kernels.apply(base)
+    return dataclasses.replace(base, name=name, compute=compute, comm=comm or None, sharing=sharing, p2p_post=post,
+                               p2p_wake=wake, resume=tuple(resume), **_topology(world, comm, local))
 
 
 def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:
@@ -218,7 +279,9 @@ def main(argv=None) -> None:
     profile = measure_here(args.ranks, args.threads)
     key = profile_cache.machine_key("cpu", args.ranks)
     key["threads"] = args.threads
-    print(f"{profile.name}\ncached in {profile_cache.cache_dir() / (profile_cache.key_name(key) + '.json')}")
+    where = f"cached in {profile_cache.path_for(key)}" if profile_cache.enabled() else \
+        "not cached (AUTOSPLIT_PROFILE_CACHE is off)"
+    print(f"{profile.name}\n{where}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Measure how much slower a pass runs on a CPU rank when it starts after an idle wait, as a pipeline's do.
 
 Terms:
-  workload -- forward and backward of an encoder stack of three layers (runtime/cpu_workload.py): a CPU
+  workload -- forward and backward of an encoder stack of three layers (profiling/cpu_workload.py): a CPU
               benchmark ViT stage's op mix, from torch.nn so it stands for no model in particular.
   back to back -- forward, backward, forward, ... with nothing between: how op benchmarks and
               cost_model/model_fit.py time passes.
@@ -10,7 +10,7 @@ Terms:
               waited for a transfer).
   factor   -- per pass (forward, backward): the median over ``ROUNDS`` of pipelined / back to back seconds,
               each round timing both in turn on each host's local rank 0 while the others wait in a
-              barrier (sharing the cores is ``sharing``'s business: runtime/sharing_bench.py), at least 1.
+              barrier (sharing the cores is ``sharing``'s business: profiling/sharing_bench.py), at least 1.
               The profile's ``resume``; cost_model/step_time.py stretches a compute that starts after its
               rank sat idle by it.
 Why measured in the live world: on a 2-core VM the same passes ran 9-14 % slower pipelined than back to back
@@ -26,8 +26,8 @@ import pickle
 import statistics
 import time
 
-from autosplit.runtime.comm_bench import world_barrier
-from autosplit.runtime.cpu_workload import encoder_stack
+from autosplit.profiling.comm_bench import world_barrier
+from autosplit.profiling.cpu_workload import encoder_stack
 
 RESUME_S = 5e-3   # idle before each pipelined pass: a transfer's wait on a CPU pipeline rank
 ROUNDS = 5        # back to back and pipelined in turn, this many times; the median round's ratio counts

@@ -1,7 +1,7 @@
 """Measure how much slower a compute runs while other processes of the job compute on the same host.
 
 Terms:
-  workload -- one forward + backward of an encoder stack of four layers (runtime/cpu_workload.py): the op
+  workload -- one forward + backward of an encoder stack of four layers (profiling/cpu_workload.py): the op
               mix and size of a CPU benchmark ViT's stage, with 7 MB of weights (more than a core's cache
               holds, as a real stage's weights are: sharing a host costs caches and memory bandwidth as
               well as cores).  (Six MLP blocks, without attention, measured 1.02-1.03 for two ranks on a
@@ -49,8 +49,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from autosplit.runtime.comm_bench import POST_BYTES, world_barrier
-from autosplit.runtime.cpu_workload import encoder_stack, train_pass
+from autosplit.profiling.comm_bench import POST_BYTES, world_barrier
+from autosplit.profiling.cpu_workload import encoder_stack, train_pass
 
 _CALLS = [0]
 _LAYERS = 4      # 7 MB of weights: more than a core's L2, as a stage of a real model has
@@ -79,6 +79,8 @@ def measure_sharing(world, watchdog, local_ranks: int, budget: float = 0.5) -> t
         budget: seconds local rank 0 spends on level 1's repeats; each level of each round takes about
             that long times its slowdown (4 ranks on 2 cores: about 3 x 5.5 x budget in all).
     """
+    if local_ranks == 1:          # one rank per host shares with no one: level 1 is 1.0 by definition
+        return (1.0,)
     local = int(os.environ.get("LOCAL_RANK", world.rank % local_ranks))
     host = world.rank // local_ranks
     with torch.random.fork_rng(devices=[]):      # keep the default stream identical on every rank
