@@ -21,6 +21,7 @@ class StageTimes:
     send: float = 0.0
     dp: float = 0.0
     dp_buckets: int = 1      # the dp sync's pieces, sent as the final backward produces them (1: after it)
+    tp_hidden: float = 0.0   # of tp_bwd, seconds a B hides under its weight-gradient GEMMs (step_time.py)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def _duration(a, t: StageTimes) -> float:
     if a.kind is F:
         return t.fwd + t.tp_fwd
     if a.kind is B:
-        return t.bwd + t.tp_bwd
+        return t.bwd + t.tp_bwd - t.tp_hidden
     if a.kind is I:
         return t.bwd - t.w + t.tp_bwd
     return t.w
@@ -46,6 +47,8 @@ def _duration(a, t: StageTimes) -> float:
 
 def _tp_part(a, t: StageTimes) -> float:
     """The blocking tp collectives inside compute ``a`` (not compute: sharing does not stretch them)."""
+    if a.kind is B:
+        return t.tp_bwd - t.tp_hidden
     return t.tp_fwd if a.kind is F else 0.0 if a.kind is W else t.tp_bwd
 
 

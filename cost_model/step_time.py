@@ -16,6 +16,13 @@ Terms:
                   stream waits for the compute stream) and the rank's previous group is done (one queue
                   per rank, only its head runs); a transfer starts when both its groups are active and
                   lasts the producing boundary's ``send``; a group is done when all its transfers are.
+  tp overlap -- under tp (without dp_shard) the runtime's B launches the entries' input-gradient
+                all-reduces (reduce-scatters under sequence parallelism) asynchronously and runs the weight-
+                gradient GEMMs queued so far while they are in flight (runtime/tp_collectives.py): a B then
+                exposes tp_bwd - ``tp_hidden`` of its collectives, tp_hidden = min(tp_bwd, W) on a GPU, whose
+                NCCL kernels run beside the GEMMs.  0 on a CPU host: there the gloo collective and the GEMMs
+                share the rank's core, and the profile's collectives are timed as a step meets them.  An I
+                (its W deferred) hides nothing.
   dp sync    -- per rank one stream: a stage's ``dp`` seconds run in ``dp_buckets`` equal pieces; piece j
                 is ready j / k of the way through the stage's final backward (B, or W where W is deferred:
                 the runtime arms its buckets there, runtime/data_parallel.py), and pieces follow each other
@@ -273,10 +280,16 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
             tp[stage][0] += f
             tp[stage][1] += b
     split = plan_deferred_w_stages(plan, profile)
+    overlap = tp_overlaps(profile, plan.mesh.tp, getattr(plan, "dp_shard", None))
     return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f, tp_bwd=b,
                        send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time,
-                       dp_buckets=getattr(s, "dp_buckets", 1))
+                       dp_buckets=getattr(s, "dp_buckets", 1), tp_hidden=min(b, s.w_time) if overlap else 0.0)
             for k, (s, (f, b)) in enumerate(zip(plan.stages, tp))]
+
+
+def tp_overlaps(profile, tp: int, dp_shard) -> bool:
+    """Whether a B hides backward tp collectives under its weight-gradient GEMMs (see *tp overlap*)."""
+    return tp > 1 and not dp_shard and profile.device_type == "cuda"
 
 
 @functools.lru_cache(maxsize=256)
@@ -345,7 +358,7 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
     place = placement_of(schedule, pp, chunks_per_rank)
     split = schedule in SPLIT_BACKWARD
     fwd = [t.fwd + t.tp_fwd for t in stages]
-    bwd = [t.bwd + t.tp_bwd for t in stages]
+    bwd = [t.bwd + t.tp_bwd - t.tp_hidden for t in stages]
     bound = 0.0
     for r in range(pp):
         mine = place.stages(r)

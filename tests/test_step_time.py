@@ -215,3 +215,35 @@ def test_wake_delays_only_a_rank_that_waited_on_a_busy_host():
         shared = predict_step(name, 4, 8, v, stages, Sharing((1.0, 1.2, 1.6, 2.2)), wake=0.05)
         assert lower_bound(name, 4, 8, v, stages) <= shared.total
         assert shared.total == pytest.approx(shared.compute + shared.bubble + shared.exposed_comm + shared.dp_comm)
+
+
+def test_a_backward_hides_tp_collectives_under_its_weight_gradients():
+    """B exposes tp_bwd - tp_hidden (the entries' all-reduces in flight while queued weight-gradient GEMMs
+    run); an I, its W deferred, hides nothing."""
+    t = StageTimes(1.0, 2.0, w=0.0, tp_fwd=0.1, tp_bwd=0.4, tp_hidden=0.3)
+    pred = predict_step("1f1b", 1, 1, 1, [t])
+    assert pred.total == pytest.approx(1.0 + 0.1 + 2.0 + 0.1) and pred.tp_comm == pytest.approx(0.2)
+    split = predict_step("zb-h1", 2, 2, 1, [StageTimes(1.0, 2.0, w=1.0, tp_bwd=0.4, tp_hidden=0.3)] * 2)
+    whole = predict_step("zb-h1", 2, 2, 1, [StageTimes(1.0, 2.0, w=1.0, tp_bwd=0.4)] * 2)
+    assert split.total == pytest.approx(whole.total)
+
+
+def test_plans_hide_tp_backward_only_where_the_device_overlaps():
+    """On a GPU profile a tp plan's stages hide min(tp backward, W) (NCCL beside the GEMMs); a CPU-type
+    profile hides nothing (gloo and the GEMMs share the rank's core); dp_shard turns the overlap off."""
+    import dataclasses
+    import torch
+    import autosplit
+    from autosplit.cost_model import get_profile
+    from autosplit.cost_model.step_time import plan_stage_times
+    from tests.models import tp_timm
+    x = torch.randn(4, 3, 32, 32)
+    gpu = autosplit.compile(tp_timm(), mesh=(1, 2, 1), example_input=x, device="h100")
+    (t,) = plan_stage_times(gpu)
+    assert 0 < t.tp_hidden == pytest.approx(min(t.tp_bwd, gpu.stages[0].w_time))
+    cpu_like = dataclasses.replace(get_profile("h100"), name="h100-as-cpu", device_type="cpu")
+    (t,) = plan_stage_times(autosplit.compile(tp_timm(), mesh=(1, 2, 1), example_input=x, device=cpu_like))
+    assert t.tp_hidden == 0
+    sharded = autosplit.compile(tp_timm(), mesh=(1, 2, 2), example_input=torch.randn(2, 3, 32, 32), device="h100",
+                                dp_shard=True)
+    assert all(t.tp_hidden == 0 for t in plan_stage_times(sharded))

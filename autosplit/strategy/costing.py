@@ -27,7 +27,7 @@ from autosplit.cost_model import collective_time, get_profile, p2p_time
 from autosplit.cost_model.roofline import node_time
 from autosplit.cost_model.sharding import StageDataParallel
 from autosplit.cost_model.step_time import (StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of,
-                                           step_collectives)
+                                           step_collectives, tp_overlaps)
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds, cut_fits, rank_balanced_bounds
@@ -146,7 +146,8 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
 PRUNED = "pruned"
 
 
-def _stage_times(group: Group, bounds, split: frozenset[int], dpc) -> tuple[list[StageTimes], list]:
+def _stage_times(group: Group, bounds, split: frozenset[int], dpc, overlap: bool = False
+                 ) -> tuple[list[StageTimes], list]:
     sums, param_bytes = group.stages(bounds)
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = [], []
@@ -154,7 +155,8 @@ def _stage_times(group: Group, bounds, split: frozenset[int], dpc) -> tuple[list
         f, bw, w, tf, tb = (float(x) for x in sums[s])
         costs.append(dpc(a, b, param_bytes[s]))
         stages.append(StageTimes(fwd=f, bwd=bw, w=w if s in split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
-                                 dp=costs[-1].time, dp_buckets=costs[-1].buckets))
+                                 dp=costs[-1].time, dp_buckets=costs[-1].buckets,
+                                 tp_hidden=min(tb, w) if overlap else 0.0))
     return stages, costs
 
 
@@ -166,12 +168,13 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
                                                             group.profile.device_type)
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0,
                             tp=group.graph.tp)
+    overlap = tp_overlaps(group.profile, group.graph.tp, sharding)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]
     bounds = group.bounds(S)
     if budget is None:                        # the cut is final: bound before simulating anything
         bounds = _rank_cut(group, bounds, stage_rank)
-        stages, _ = _stage_times(group, bounds, split, dpc)
+        stages, _ = _stage_times(group, bounds, split, dpc, overlap)
         if lower_bound(schedule, pp, m, v, stages) > incumbent:
             return PRUNED
     seg.in_flight = list(in_flight(schedule, pp, m, v))
@@ -192,7 +195,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
         if cut_fits(moved, lambda s, a, b: memory(s, a, b) <= budget):
             bounds = moved                                   # the moved cut where it fits, else the stage cut
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
-    stages, costs = _stage_times(group, bounds, split, dpc)
+    stages, costs = _stage_times(group, bounds, split, dpc, overlap)
     if lower_bound(schedule, pp, m, v, stages) > incumbent:
         return PRUNED
     stage_memory = []

@@ -164,7 +164,10 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
-        key = (*key, pipeline_crosses_nodes(profile, pp, key[0].tp * dp))
+        cross = pipeline_crosses_nodes(profile, pp, key[0].tp * dp)
+        if pp == 1:     # one stage sends nothing: a group of this key priced for either crossing serves it
+            cross = next((c for c in (False, True) if (*key, c) in groups), cross)
+        key = (*key, cross)
         if key not in groups:                 # priced once per (layout, b, checkpoint, crossing), when first needed
             graph, b, checkpoint, cross = key
             groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes, cross)
