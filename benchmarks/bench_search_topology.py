@@ -1,7 +1,7 @@
 """The search on 64 H100 in 8 nodes of 8: does it keep tensor parallelism inside a node, and why.
 
 Cases: ViT-H/14 (timm ``vit_huge_patch14_224``, global batch 1024) and a ViT-22B-like model (timm
-VisionTransformer, patch 14, width 6144, depth 48, 48 heads, global batch 2048), built on the meta device.
+VisionTransformer, patch 14, width 6144, depth 48, 48 heads, global batch 512), built on the meta device.
 Profile: the built-in ``h100`` (cost_model/device.py: kernel model, NVLink with NVLink SHARP all-reduce,
 400 Gb/s per GPU between nodes, 8 GPUs per node; fitted by bench_gpu_tables.py and bench_nccl_tables.py),
 80 GiB per device, float32 (the search prices the model's own dtype).
@@ -24,7 +24,7 @@ import autosplit
 CASES = {   # name: (model factory, global batch)
     "vit_h14": (lambda: timm.create_model("vit_huge_patch14_224"), 1024),
     "vit_22b": (lambda: timm.models.VisionTransformer(img_size=224, patch_size=14, embed_dim=6144, depth=48,
-                                                      num_heads=48, mlp_ratio=4), 2048),
+                                                      num_heads=48, mlp_ratio=4), 512),
 }
 WORLD = 64
 
