@@ -48,7 +48,8 @@ def run(name: str) -> str:
         plan = autosplit.compile(model, mesh=mesh, example_input=torch.empty(micro, 3, 224, 224, device="meta"),
                                  device="h100", **opts)
         p = plan.predicted_step()
-        lines.append(f"the best with tp={2 * tp} instead (mesh {mesh}, tp groups across {2 * tp // 8} nodes): "
+        where = f"tp groups across {2 * tp // 8} nodes" if 2 * tp > 8 else "tp groups still inside a node"
+        lines.append(f"the best with tp={2 * tp} instead (mesh {mesh}, {where}): "
                      f"{p.total * 1e3:.1f} ms ({p.total / best.step_time:.2f}x), tp comm {p.tp_comm * 1e3:.1f} ms "
                      f"vs {best.parts['tp_comm'] * 1e3:.1f} ms")
     return "\n".join(lines)
