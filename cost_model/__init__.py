@@ -1,6 +1,7 @@
 """Cost model: per-node FLOPs / bytes / saved activations, device profiles, roofline and comm times.
 
-Terms: see device.py (profile), profiles.py (named profiles), flops.py (NodeCost fields), roofline.py (op time), comm.py (alpha-beta),
+Terms: see device.py (profile), profiles.py (named profiles), flops.py (NodeCost fields), kernels.py (what kernels
+reach), roofline.py (op time), comm.py (collectives by node span), step_time.py (the step, plan.predicted_step),
 measured.py (measured fits), model_fit.py (fits rescaled to a model).
 """
 from autosplit.cost_model.annotate import AnnotateCosts
