@@ -157,31 +157,41 @@ def cache_path() -> Path:
                                Path.home() / ".cache" / "autosplit" / "gpu_table_features.json"))
 
 
+def _cache_name(key) -> str:
+    model, img, fused = key
+    return f"{model}|{img}|{int(fused)}"
+
+
+def _read_cache() -> dict:
+    path = cache_path()
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_cache(cache: dict) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache))
+
+
 def all_features(keys, workers: int = 2, progress: bool = True) -> dict:
     """features() of every key, from the cache where present; new ones computed in ``workers`` processes
-    and added to the cache."""
-    path = cache_path()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    name = lambda k: f"{k[0]}|{k[1]}|{int(k[2])}"        # noqa: E731
-    todo = [k for k in keys if name(k) not in cache]
+    and added to the cache (written every 20 programs, so an interrupted run keeps what it traced)."""
+    cache = _read_cache()
+    todo = [k for k in keys if _cache_name(k) not in cache]
     if todo:
         import multiprocessing as mp
         from tqdm import tqdm
         with mp.get_context("spawn").Pool(workers) as pool:
             for k, f in zip(todo, tqdm(pool.imap(features, todo), total=len(todo), disable=not progress,
                                        desc="tracing table models")):
-                cache[name(k)] = f
+                cache[_cache_name(k)] = f
                 if len(cache) % 20 == 0:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps(cache))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cache))
-    return {k: cache[name(k)] for k in keys}
+                    _write_cache(cache)
+        _write_cache(cache)
+    return {k: cache[_cache_name(k)] for k in keys}
 
 
 def cached_features(keys) -> dict:
     """features() of the keys already in the cache (nothing traced)."""
-    path = cache_path()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    name = lambda k: f"{k[0]}|{k[1]}|{int(k[2])}"        # noqa: E731
-    return {k: cache[name(k)] for k in keys if name(k) in cache}
+    cache = _read_cache()
+    return {k: cache[_cache_name(k)] for k in keys if _cache_name(k) in cache}
