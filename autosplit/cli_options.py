@@ -97,6 +97,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                    help="plan for activation recomputation per stage or per block (default: off)")
     g.add_argument("--tp-2d-form", dest="tp_2d_form", default=d.tp_2d_form, choices=TP_2D_FORMS,
                    help="with --tp-mode 2d: how linears multiply their blocks (default: the cost model's choice)")
+    g.add_argument("--tp-depth", dest="tp_depth", type=int, default=d.tp_depth,
+                   help="with --tp-mode 2.5d: d in tp = q * q * d (the grid's layers)")
     g.add_argument("--tp-overlap-chunks", dest="tp_overlap_chunks", type=int, default=d.tp_overlap_chunks,
                    help="with tp > 1: row chunks per run of row-wise ops around a forward all-reduce, so that "
                         "one chunk's all-reduce overlaps another's compute (default %(default)s: off)")

@@ -85,7 +85,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
             sequence_parallel: bool = False, autocast: torch.dtype | None = None,
             checkpoint: str | None = None, tp_2d_form: str = "auto", dp_shard: bool | str = False,
-            tp_overlap_chunks: int = 1, options: PlanOptions | None = None) -> Plan:
+            tp_overlap_chunks: int = 1, tp_depth: int | None = None, options: PlanOptions | None = None) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
@@ -96,7 +96,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
             fields.  Every other argument is a ``PlanOptions`` field, documented there
             (tp_mode, schedule, chunks_per_rank, num_microbatches, device, memory_budget,
             leaf_modules, concrete_args, stage_bounds, sequence_parallel, autocast, checkpoint,
-            tp_2d_form, dp_shard, tp_overlap_chunks).
+            tp_2d_form, dp_shard, tp_overlap_chunks, tp_depth).
     Returns:
         the Plan: stage table (``plan.summary()``), per-rank modules, ``plan.dump(directory)``.
     """
@@ -104,7 +104,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str =
                   num_microbatches=num_microbatches, device=device, memory_budget=memory_budget,
                   leaf_modules=leaf_modules, concrete_args=concrete_args, stage_bounds=stage_bounds,
                   sequence_parallel=sequence_parallel, autocast=autocast, checkpoint=checkpoint,
-                  tp_2d_form=tp_2d_form, dp_shard=dp_shard, tp_overlap_chunks=tp_overlap_chunks)
+                  tp_2d_form=tp_2d_form, dp_shard=dp_shard, tp_overlap_chunks=tp_overlap_chunks,
+                  tp_depth=tp_depth)
     changed = _DEFAULTS.changed(values)
     return compile_with(model, mesh, example_input, PlanOptions.from_kwargs("compile", changed, options))
 

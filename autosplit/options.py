@@ -14,7 +14,6 @@ Terms:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,11 +22,12 @@ import torch
 from autosplit import validate
 from autosplit.errors import AutosplitError
 from autosplit.passes.tensor_parallel import LINEAR_2D_FORMS
+from autosplit.tp.axes import GRID_MODES, tp_axes
 from autosplit.schedule.generate import SCHEDULES, SPLIT_BACKWARD
 from autosplit.schedule.generate import validate as validate_schedule
 from autosplit.segment_costs import CHECKPOINTS
 
-TP_MODES = ("1d", "2d", "auto")
+TP_MODES = ("1d", "2d", "2.5d", "3d", "auto")
 TP_2D_FORMS = ("auto",) + LINEAR_2D_FORMS
 AUTOCAST = (None, torch.bfloat16, torch.float16)
 DP_SHARD = (False, None, True, "stage", "layer")     # None: as False
@@ -46,7 +46,8 @@ class PlanOptions:
 
     Args:
         tp_mode: "1d" (Megatron: every Linear weight split by rows or columns, attention by heads),
-            "2d" (SUMMA/Optimus on a q x q grid; tp must be a perfect square) or "auto" (the sharding
+            "2d" (SUMMA/Optimus on a q x q grid; tp must be a perfect square), "2.5d" (Tesseract: tp_depth
+            layers of a q x q grid, tp = q * q * tp_depth), "3d" (a q x q x q cube) or "auto" (the sharding
             engine's free choice over one tp axis: the least predicted step time whose per-rank
             memory fits ``memory_budget``, or the device's memory; layers may stay whole).
         schedule: the pipeline schedule, one of ``autosplit.schedule.SCHEDULES`` ("gpipe", "1f1b",
@@ -68,7 +69,9 @@ class PlanOptions:
         autocast: None, torch.bfloat16 or torch.float16: plan for training under ``torch.autocast``
             (matmuls at the half-precision peak, activations and boundaries in the dtype autocast gives).
         checkpoint: None, "stage" or "block": activation recomputation per stage or per layer.
-        tp_2d_form: with tp_mode="2d", how each linear multiplies its blocks: "allgather", "summa"
+        tp_depth: with tp_mode="2.5d", d in tp = q * q * d: the batch is split d * q ways, weights
+            q * q ways and kept whole over the d layers (their gradients summed over ``tp_dep``).
+        tp_2d_form: with tp_mode="2d" or "2.5d", how each linear multiplies its blocks: "allgather", "summa"
             or "auto" (whichever the cost model prices lower, per layer).
         dp_shard: False (replicated dp), "stage" or "layer" (FSDP2 units over dp), or True: "stage"
             where it fits ``memory_budget``, else "layer".
@@ -91,6 +94,7 @@ class PlanOptions:
     autocast: torch.dtype | None = None
     checkpoint: str | None = None
     tp_2d_form: str = "auto"
+    tp_depth: int | None = None
     dp_shard: bool | str = False
     tp_overlap_chunks: int = 1
 
@@ -135,15 +139,15 @@ class PlanOptions:
             microbatches_default: appended to the num_microbatches error, e.g. " (or None for 2 * pp = 4)".
         """
         validate.one_of("tp_mode", self.tp_mode, TP_MODES)
-        if self.tp_mode == "2d":
-            q = math.isqrt(mesh.tp)
-            if q * q != mesh.tp:
-                raise AutosplitError(
-                    f"tp_mode='2d' arranges tp ranks in a q x q grid, so tp must be a perfect square; tp={mesh.tp} "
-                    f"is not (nearest squares: {q * q} = {q}x{q} and {(q + 1) ** 2} = {q + 1}x{q + 1})")
+        if self.tp_depth is not None and self.tp_mode != "2.5d":
+            raise AutosplitError(f"tp_depth={self.tp_depth!r} applies to tp_mode='2.5d' (tp = q * q * tp_depth); "
+                                 f"tp_mode is {self.tp_mode!r}")
+        if self.tp_mode in GRID_MODES:
+            axes = tp_axes(self.tp_mode, mesh.tp, self.tp_depth) if mesh.tp > 1 else ()
             if self.sequence_parallel and mesh.tp > 1:
-                raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='2d' already splits "
-                                     "every activation over both tp axes (batch over tp_row, channels over tp_col)")
+                names = " and ".join(a for a, _ in axes)
+                raise AutosplitError(f"sequence_parallel=True applies to tp_mode='1d'; tp_mode={self.tp_mode!r} "
+                                     f"already splits every activation over {names} (batch rows and channels)")
         if self.tp_mode == "auto" and self.sequence_parallel and mesh.tp > 1:
             raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='auto' already weighs "
                                  "splitting the tokens between blocks, by cost")

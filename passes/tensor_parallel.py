@@ -1,7 +1,8 @@
-"""The tensor-parallel rewrite as a planning pass: 1D (Megatron, optionally sequence parallel) or 2D.
+"""The tensor-parallel rewrite as a planning pass: 1D (Megatron, optionally sequence parallel), or a grid
+mode (2D, 2.5D, 3D).
 
 Terms: see passes/sharding/ (the engine: placements, rules, strategies, the solver, the lowering;
-TensorParallelPlan and the local root in tp_plan.py; 1D in megatron.py, 2D's q x q grid in grid.py).
+TensorParallelPlan and the local root in tp_plan.py; 1D in megatron.py, the grid modes in grid.py).
   local graph -- the rewritten graph with tp rank 0's parameter shards: the pass returns a new
                  GraphModule over it, so the following passes see local shapes (after the next
                  shape propagation); ``plan.stage_modules(r, tp_rank)`` builds the other ranks'.
@@ -20,7 +21,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 from autosplit.cost_model.comm import linear_2d_time
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
-from autosplit.passes.sharding.grid import shard_2d
+from autosplit.passes.sharding.grid import shard_grid
+from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
 from autosplit.passes.sharding.engine import priced_at
 from autosplit.passes.sharding.megatron import shard_1d
 
@@ -68,10 +70,12 @@ class TensorParallel(MetaPass):
                 n.meta["spec"] = {"tp": Replicate()}
             s.put(tp_plan=None)
             return PassResult(graph_module, False)
-        if opts.tp_mode == "2d":
-            q = math.isqrt(tp)
-            tp_plan = shard_2d(graph_module, q, s.profile, form_chooser(opts.tp_2d_form, q, s.profile),
-                               price_vals=layout_vals(graph_module, s.inputs, q))
+        if opts.tp_mode in GRID_MODES:
+            axes = tp_axes(opts.tp_mode, tp, opts.tp_depth)
+            q = dict(axes).get("tp_col", 1)
+            tp_plan = shard_grid(graph_module, opts.tp_mode, axes, s.profile,
+                                 form_chooser(opts.tp_2d_form, q, s.profile),
+                                 price_vals=layout_vals(graph_module, s.inputs, batch_ways(axes)))
         else:
             budget = None
             if opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added

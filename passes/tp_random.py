@@ -42,9 +42,10 @@ def sharded_random_nodes(gm: fx.GraphModule, axis: str = "tp") -> list[fx.Node]:
     out = []
     for node in gm.graph.nodes:
         spec = node.meta.get("spec", {})
-        # a 2D grid's blocks are split over tp_row / tp_col: the tp rank's fork covers both
+        # a grid's blocks are split over the tp sub-mesh's axes (tp_row, tp_col, ...: autosplit/tp/
+        # axes.py): the tp rank's fork covers them all
         split = isinstance(spec.get(axis), Shard) or (axis == "tp" and any(
-            isinstance(spec.get(a), Shard) for a in ("tp_row", "tp_col")))
+            isinstance(place, Shard) for a, place in spec.items() if a.startswith("tp_")))
         if node.meta.get("tp_random") or (split and is_random(node, gm)):
             out.append(node)
     return out

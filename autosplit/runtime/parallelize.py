@@ -24,7 +24,8 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 init_fn: Callable | None = None, device=None, memory_budget: float | str | None = None,
                 leaf_modules: Sequence = (), concrete_args: dict | None = None,
                 stage_bounds: Sequence[int] | None = None, sequence_parallel: bool = False,
-                tp_2d_form: str = "auto", tp_overlap_chunks: int = 1, global_batch: int | None = None,
+                tp_2d_form: str = "auto", tp_overlap_chunks: int = 1, tp_depth: int | None = None,
+                global_batch: int | None = None,
                 options: PlanOptions | None = None,
                 **unknown) -> ParallelModule:
     """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
@@ -53,14 +54,14 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
         with a loss scaler), checkpoint ("stage" / "block"), dp_shard (FSDP2 over dp: "stage", "layer"
         or True), device (None: the GPU's built-in profile, or on CPU this machine measured by rank 0),
         memory_budget, leaf_modules, concrete_args, stage_bounds, sequence_parallel, tp_2d_form,
-        tp_overlap_chunks.
+        tp_overlap_chunks, tp_depth ("2.5d": d in tp = q * q * d).
         Any other keyword is refused with the list of valid ones.
     """
     given = dict(num_microbatches=num_microbatches, schedule=schedule, chunks_per_rank=chunks_per_rank,
                  tp_mode=tp_mode, autocast=autocast, checkpoint=checkpoint, dp_shard=dp_shard, device=device,
                  memory_budget=memory_budget, leaf_modules=leaf_modules, concrete_args=concrete_args,
                  stage_bounds=stage_bounds, sequence_parallel=sequence_parallel, tp_2d_form=tp_2d_form,
-                 tp_overlap_chunks=tp_overlap_chunks)
+                 tp_overlap_chunks=tp_overlap_chunks, tp_depth=tp_depth)
     plan_options = _options(given, options, unknown)
     if isinstance(mesh, str) and mesh == "auto":      # every rank runs the same pure search (auto_mesh.py)
         fixed = {k: getattr(plan_options, k) for k in ("device", "memory_budget", "leaf_modules", "concrete_args")}
@@ -69,7 +70,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                            init_fn=init_fn, **chosen)
     check_dp_shard(plan_options.dp_shard)     # before any rendezvous: the same error on every rank
     release_orphans()         # groups of modules dropped without close() (parallel_module.py *orphan*)
-    world = init_world(mesh, timeout_s, plan_options.tp_mode)
+    world = init_world(mesh, timeout_s, plan_options.tp_mode, plan_options.tp_depth)
     if world.device.type == "cpu":     # activations live in host memory: keep it (autosplit/host_memory.py)
         keep_freed_host_memory()
     return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), plan_options, example_input,

@@ -122,7 +122,8 @@ class RankPlanner:
         bind_axis_groups({a: self.world.group(a) for a in self._axes()}, self.watchdog)
 
     def _axes(self) -> tuple[str, ...]:
-        return ("tp", "tp_row", "tp_col") if self.world.grid_mesh is not None else ("tp",)
+        grid = self.world.grid_mesh
+        return ("tp", *grid.mesh_dim_names[2:]) if grid is not None else ("tp",)
 
     def close(self) -> None:
         """Release the executor's threads and drop what holds the world's groups (the executor, the

@@ -139,7 +139,10 @@ class _Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         COUNTS[("copy", "bwd")] += 1
-        return _all_reduce_overlapped(grad, ctx.axis), None
+        # reduced in a copy: autograd may hand the same gradient to other readers (an add passes its
+        # one gradient to both operands; a one-row expand or a slice of a cat hands a view of it), and
+        # an in-place sum would change what they read (2.5D's cls token: its gradient summed twice)
+        return _all_reduce_overlapped(grad.clone(), ctx.axis), None
 
 
 class _AllReduce(torch.autograd.Function):

@@ -6,8 +6,9 @@ Terms:
   backend  -- NCCL with ``cuda:LOCAL_RANK`` when GPUs are present, gloo on CPU otherwise; chosen here.
   groups   -- one process group per mesh axis ("pp", "tp", "dp"), from torch's DeviceMesh of shape
               (pp, dp, tp): tp innermost, so tensor-parallel ranks are consecutive (see mesh.py).
-              With tp_mode="2d" also "tp_row" and "tp_col", from a DeviceMesh (pp, dp, q, q): tp rank
-              t is grid row t // q and column t % q.
+              With a grid tp_mode ("2d", "2.5d", "3d") also the tp sub-mesh's axes (autosplit/tp/axes.py:
+              "tp_row" and "tp_col"; "tp_dep" too; or "tp_x", "tp_y", "tp_z"), from a DeviceMesh
+              (pp, dp, *their sizes): tp rank t is read in mixed radix over them (2D: row t // q, col t % q).
   own groups -- the groups this World created (every mesh axis gets its own, even one spanning the
               whole world, which DeviceMesh would otherwise run on the default group), the only ones
               it destroys (``close``) and a failure aborts (faults.py): never the default group.
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autosplit.errors import AutosplitError
 from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
 from autosplit.runtime.heartbeat import watch_s
+from autosplit.tp.axes import tp_axes
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
 # Beyond our deadline and the diagnosis: the store round trips that publish the failure, the polling
@@ -57,7 +59,7 @@ class World:
     device_mesh: DeviceMesh = field(repr=False)
     timeout_s: float = DEFAULT_TIMEOUT_S
     control_group: object = field(default=None, repr=False)   # gloo over WORLD when the backend is NCCL
-    grid_mesh: DeviceMesh | None = field(default=None, repr=False)   # 2D: (pp, dp, tp_row, tp_col)
+    grid_mesh: DeviceMesh | None = field(default=None, repr=False)   # grid modes: (pp, dp, *tp axes)
     created: list = field(default_factory=list, repr=False)          # own groups, in creation order
     axis_groups: dict = field(default_factory=dict, repr=False)      # axis -> its group, as built
 
@@ -134,7 +136,7 @@ def _choose_backend() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d") -> World:
+def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", tp_depth: int | None = None) -> World:
     """Join (or create) the default process group and build the mesh's axis groups.
 
     Raises the same clear error on every rank, without communicating, when the mesh does not match
@@ -175,16 +177,17 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d") 
     # CPU (gloo) group does it, so reading them never waits for the GPU's queue (no device sync).
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
     grid = None
-    q = math.isqrt(shape.tp)
-    if tp_mode == "2d" and q * q == shape.tp and q > 1:
-        # tp rank = row * q + col (row-major inside the consecutive tp ranks); every rank builds the same
-        # groups in the same order, as DeviceMesh requires.
-        layout = torch.arange(size).reshape(shape.pp, shape.dp, q, q)
-        grid = DeviceMesh(device.type, layout, mesh_dim_names=("pp", "dp", "tp_row", "tp_col"))
+    sub = tp_axes(tp_mode, shape.tp, tp_depth)
+    if len(sub) > 1:
+        # tp rank = mixed radix over the sub-mesh's axes (outermost first), inside the consecutive tp
+        # ranks; every rank builds the same groups in the same order, as DeviceMesh requires.
+        names, sizes = zip(*sub)
+        layout = torch.arange(size).reshape(shape.pp, shape.dp, *sizes)
+        grid = DeviceMesh(device.type, layout, mesh_dim_names=("pp", "dp", *names))
     axis_groups = {axis: device_mesh.get_group(axis) for axis in LAYOUT_ORDER}
     grid_groups = [grid.get_group(axis) for axis in grid.mesh_dim_names] if grid is not None else []
     if grid is not None:
-        axis_groups.update(tp_row=grid.get_group("tp_row"), tp_col=grid.get_group("tp_col"))
+        axis_groups.update({axis: grid.get_group(axis) for axis, _ in sub})
     created, default = [], dist.group.WORLD
     for group in [*(axis_groups[a] for a in LAYOUT_ORDER), *grid_groups, control]:
         if group is not None and group is not default and all(group is not g for g in created):

@@ -27,7 +27,7 @@ from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import Rules, tensorish
 from autosplit.passes.sharding.solve import Infeasible, solve
-from autosplit.passes.sharding.strategies import R, Enumerator, NodeStrategies, Strategy, edge_bytes, operand_bytes
+from autosplit.passes.sharding.strategies import P, R, Enumerator, NodeStrategies, Strategy, edge_bytes, operand_bytes
 
 _SIZE_READS = {"size", "numel", "dim", "ndimension"}
 _VIEW_SIZE_ARGS = ("reshape", "view", "expand")
@@ -46,6 +46,7 @@ class Sharding:
     cost: float = 0.0
     memory: float = 0.0                 # bytes a rank keeps under the choice (strategies.py ``_priced``)
     price_vals: dict | None = None      # the values the candidates were priced with ("priced at")
+    table: dict = field(default_factory=dict, repr=False)   # node -> OpRule (rules.py), every node
 
     def place(self, node: fx.Node):
         s = self.chosen.get(node)
@@ -119,7 +120,8 @@ def priced(gm: fx.GraphModule, vals: dict | None):
 
 def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_weights: bool = False,
             padded_fn=None, must_split_fn=None, price_vals: dict | None = None, grid: bool = False,
-            memory_budget: float | None = None, microbatches: int = 1) -> Sharding:
+            memory_budget: float | None = None, microbatches: int = 1, base: Sharding | None = None,
+            partial_linears: bool | None = None, defer: bool = False):
     """Plan the split of every node of ``gm`` (requires meta['val']) over one axis of ``n`` ranks.
 
     Args:
@@ -133,33 +135,55 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
             split (on them or otherwise): sequence parallelism's tokens, split wherever an op allows.
         price_vals: node name -> value to price the candidates with (``priced_at``); default: the
             graph's own shapes.
-        grid: the axis is one of 2D's (strategies.py ``Enumerator.grid``).
+        grid: the axis is one of a grid mode's (strategies.py ``Enumerator.grid``).
+        base: an earlier axis's Sharding of the same graph: its factors and op rules are reused, so
+            that classes mean the same on both axes.
+        partial_linears: may a linear give a Partial sum (strategies.py); default: not under ``grid``.
+        defer: return (the Sharding with its candidates, its ``Problem``) unsolved, for a program over
+            several axes at once (joint.py).
         microbatches: per step (a whole weight's partial gradient is summed once per step).
         memory_budget: bytes one rank may keep (parameters with their gradients and Adam moments,
             saved activations); None: no limit.  A budget no plan meets is noted and dropped.
         must_split_weights: require a split of every Linear weight that some strategy splits.
     """
-    f = Factors()
-    rules = Rules(gm, f)
-    table = {}
-    for node in gm.graph.nodes:
-        try:
-            table[node] = r = rules.rule(node)
-        except Exception as exc:        # noqa: BLE001  (a rule of ours failed: name the op it was reading)
-            raise rule_failure("the sharding engine's op rules", node, exc) from exc
-        if r.out is not None:
-            rules.layouts[node] = r.out
-    sh = Sharding(gm, n, f, {}, price_vals=price_vals)
+    if base is not None:
+        f, table = base.factors, base.table
+    else:
+        f, table = Factors(), {}
+        rules = Rules(gm, f)
+        for node in gm.graph.nodes:
+            try:
+                table[node] = r = rules.rule(node)
+            except Exception as exc:        # noqa: BLE001  (a rule of ours failed: name the op it was reading)
+                raise rule_failure("the sharding engine's op rules", node, exc) from exc
+            if r.out is not None:
+                rules.layouts[node] = r.out
+    sh = Sharding(gm, n, f, {}, price_vals=price_vals, table=table)
     allowed = allowed_fn(sh, table) if allowed_fn is not None else None
     padded = padded_fn(sh, table) if padded_fn is not None else ()
-    sh.enum = enum = Enumerator(gm, f, table, n, profile, allowed, padded, grid, microbatches)
+    sh.enum = enum = Enumerator(gm, f, table, n, profile, allowed, padded, grid, microbatches, partial_linears)
     order = [v for v in gm.graph.nodes if table[v].out is not None]
     with priced(gm, price_vals):
-        return _choose(sh, enum, table, order, must_split_weights, must_split_fn, memory_budget)
+        problem = _problem(sh, enum, table, order, must_split_weights, must_split_fn, memory_budget)
+    if defer:
+        return sh, problem
+    return _choose(sh, problem, memory_budget)
 
 
-def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split_weights: bool,
-            must_split_fn, memory_budget: float | None) -> Sharding:
+@dataclass
+class Problem:
+    """The integer program of one axis (solve.py's arguments): nodes in ``order`` (then the model
+    output's pseudo-nodes), their options' costs, the edges' transitions, the required groups."""
+    order: list
+    index: dict
+    costs: list
+    edges: list
+    must: list
+    memory: tuple | None = None
+
+
+def _problem(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split_weights: bool,
+             must_split_fn, memory_budget: float | None) -> Problem:
     gm = sh.gm
     for v in order:
         try:
@@ -175,9 +199,7 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
         keep = [i for i, s in enumerate(ns.options)
                 if not isinstance(s.out, tuple) or (whole is None and split_dim(s) not in (None, *sliced))]
         if len(keep) < len(ns.options):
-            ns.options = [ns.options[i] for i in keep]
-            ns.compute = [ns.compute[i] for i in keep]
-            ns.memory = [ns.memory[i] for i in keep]
+            _keep(ns, keep)
             ns.why_whole = whole or "; ".join(sliced.values())
     index = {v: i for i, v in enumerate(order)}
     costs = [sh.nodes[v].compute for v in order]
@@ -204,21 +226,52 @@ def _choose(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split
     memory = None
     if memory_budget is not None:
         memory = ([sh.nodes[v].memory for v in order] + [[0.0]] * (len(costs) - len(order)), memory_budget)
+    return Problem(order, index, costs, edges, must, memory)
+
+
+def _choose(sh: Sharding, pr: Problem, memory_budget: float | None) -> Sharding:
     try:
-        picks = solve(costs, edges, must, memory)
+        picks = solve(pr.costs, pr.edges, pr.must, pr.memory)
     except Infeasible:
-        if memory is None:
+        if pr.memory is None:
             raise
-        least = sum(min(sh.nodes[v].memory) for v in order)
+        least = sum(min(sh.nodes[v].memory) for v in pr.order)
         sh.notes.append(f"no layout fits the memory budget of {_mib(memory_budget)} per rank (the least this "
                         f"model keeps, every node split as far as it can be, is {_mib(least)}); planned for time "
                         f"alone")
-        picks = solve(costs, edges, must)
-    sh.memory = sum(sh.nodes[v].memory[picks[index[v]]] for v in order)
-    for v in order:
-        sh.chosen[v] = sh.nodes[v].options[picks[index[v]]]
-        sh.cost += sh.nodes[v].compute[picks[index[v]]]
+        picks = solve(pr.costs, pr.edges, pr.must)
+    return take(sh, pr, picks)
+
+
+def take(sh: Sharding, pr: Problem, picks: list[int]) -> Sharding:
+    """``sh`` with the option ``picks[i]`` chosen for node ``pr.order[i]``."""
+    sh.memory = sum(sh.nodes[v].memory[picks[pr.index[v]]] for v in pr.order)
+    for v in pr.order:
+        sh.chosen[v] = sh.nodes[v].options[picks[pr.index[v]]]
+        sh.cost += sh.nodes[v].compute[picks[pr.index[v]]]
     return sh
+
+
+def split_dims(enum: Enumerator, rule, s: Strategy) -> set:
+    """(operand index or "out", tensor dim) for each tensor ``s`` splits, a class it contracts over as
+    ("sum", class) (two axes summing over one class would be one split of it).  A tuple's elements are
+    named by the class alone."""
+    out = set()
+    for k, place in [*enumerate(s.ins), ("out", s.out)]:
+        lay = rule.out if k == "out" else rule.operands[k][1]
+        if isinstance(place, tuple):
+            w = enum.where(lay, place[1]) if not isinstance(lay, tuple) else None
+            out.add((k, w[0]) if w is not None else (k, "cls", place[1]))
+    if s.out == P and s.cls is not None:
+        out.add(("sum", s.cls))
+    return out
+
+
+def _keep(ns, keep: list[int]) -> None:
+    """Only the options ``keep`` (indices) of ``ns`` stay candidates."""
+    ns.options = [ns.options[i] for i in keep]
+    ns.compute = [ns.compute[i] for i in keep]
+    ns.memory = [ns.memory[i] for i in keep]
 
 
 def _mib(nbytes: float) -> str:

@@ -1,9 +1,11 @@
 """Lower the engine's choice to a per-rank graph: collectives, local shards, local sizes; one axis or several.
 
 Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorParallelPlan: tp_plan.py):
-  axes       -- the tp mesh axes, each with its own Sharding, in the order their collectives are
-                applied to an operand ("tp"; or "tp_row" then "tp_col").  Placements on different axes
-                commute, so an operand that changes place on both gets one collective per axis, chained.
+  axes       -- the tp mesh axes, each with its own Sharding, outermost first ("tp"; "tp_row",
+                "tp_col"; autosplit/tp/axes.py).  An operand that changes place on several axes gets
+                one collective per axis, chained (``chain``).  Placements on different dims commute; a
+                dim split over several axes holds its parts nested in axis order (the first axis
+                outermost, DeviceMesh's convention: 2.5D's rows over tp_dep, then tp_row).
   transition node -- the collective inserted between a producer and the consumers that need another
                 place (autosplit/tp/ops.py): ``copy_to_axis`` (R for a split consumer: identity forward,
                 all-reduce of the gradient backward), ``all_reduce`` (P -> R), ``reduce_scatter``
@@ -22,9 +24,12 @@ Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorPa
   stored split -- with several axes, a parameter whose every reader runs split over a ``store`` axis
                 is kept split over that axis too and all-gathered at its use (backward: the
                 reduce-scatter that sums its gradient over the axis): 2D's q*q-way parameter split.
-  grid forms -- 2D (``grid``): a column-split ``F.linear`` whose input is split on its features runs as
-                ``linear_2d`` (the input gathered over tp_col, the weight block over tp_row, inside the
-                op; or SUMMA), and a layer norm over split features as ``layer_norm_2d``.
+  grid forms -- 2D and 2.5D (``grid``): a column-split ``F.linear`` whose input is split on its features
+                runs as ``linear_2d`` (the input gathered over tp_col, the weight block over tp_row,
+                inside the op; or SUMMA).  Grid modes (``stats``): a layer norm over features split on
+                one of those axes runs as ``layer_norm_2d``.
+  pending bias, several axes -- the bias is brought to the linear's output places on the other axes
+                (``pending``), and added once the sum is reduced, which is the first collective on it.
 """
 from __future__ import annotations
 
@@ -71,17 +76,19 @@ class Lowering:
         plan: the TensorParallelPlan to fill (shards, makers, partial grads).
         coords: fn(tp rank) -> {axis: coordinate on it}; default: the one axis's coordinate is the rank.
         store: an axis to store whole parameters split over (2D: "tp_row"), or None.
-        grid: (row axis, col axis, form chooser) for 2D's ``linear_2d`` / ``layer_norm_2d``, or None.
+        grid: (row axis, col axis, form chooser) for 2D's ``linear_2d``, or None.
+        stats: the axes whose feature splits a layer norm handles by partial statistics (grid modes).
     """
 
-    def __init__(self, shardings: dict, plan, coords=None, store: str | None = None, grid=None):
+    def __init__(self, shardings: dict, plan, coords=None, store: str | None = None, grid=None, stats=()):
         self.sh = shardings
         self.axes = list(shardings)
         first = shardings[self.axes[0]]
         self.first, self.plan, self.gm, self.graph = first, plan, first.gm, first.gm.graph
         self.coords = coords or (lambda r: {self.axes[0]: r})
         self.ranks = plan.tp
-        self.store, self.grid = store, grid
+        self.store, self.grid, self.stats = store, grid, tuple(stats)
+        self.pending: dict = {}           # weighted node -> its bias, placed on the axes with no pending sum
         self.param_copies = len(self.axes) > 1
         self.made: dict = {}              # (axis, source, have, need, kind) -> transition node
         self.spec: dict = {}              # node -> {axis: torch placement}
@@ -131,9 +138,7 @@ class Lowering:
         out = next(v for v in self.graph.nodes if v.op == "output")
         for p in list(out.all_input_nodes):
             if p in self.first.nodes:
-                src = p
-                for axis in self.axes:
-                    src = self.transition(axis, p, src, R, False)
+                src = self.chain(p, {a: R for a in self.axes}, {a: False for a in self.axes})
                 if src is not p:
                     out.replace_input_with(p, src)
         for axis in self.axes:
@@ -154,14 +159,20 @@ class Lowering:
         chosen = {axis: self.sh[axis].chosen[node] for axis in self.axes}
         rule = self.first.nodes[node].rule
         grid2d = self.grid is not None and self._linear_2d(node) and rule.operands[1][0] in self.stored
+        weighted = op_name(node, self.gm) in WEIGHTED
+        held = {a for a, c in chosen.items() if c.pending_bias} if weighted and len(rule.operands) > 2 else set()
         for k, (p, _lay) in enumerate(rule.operands):
             if p not in self.first.nodes:
                 continue
-            src = p
-            for axis in self.axes:
-                if grid2d and ((k == 0 and axis == self.grid[1]) or (k == 1 and axis == self.grid[0])):
-                    continue          # linear_2d gathers its input over tp_col and its weight over tp_row
-                src = self.transition(axis, p, src, chosen[axis].ins[k], chosen[axis].sharded)
+            skip = set()
+            if grid2d:                # linear_2d gathers its input over tp_col and its weight over tp_row
+                skip = {self.grid[1]} if k == 0 else {self.grid[0]} if k == 1 else set()
+            if held and k == 2:       # the bias waits for the sum: placed on the other axes only
+                self.pending[node] = self.chain(p, {a: c.ins[k] for a, c in chosen.items()},
+                                                {a: c.sharded for a, c in chosen.items()}, skip=held)
+                continue
+            src = self.chain(p, {a: c.ins[k] for a, c in chosen.items()}, {a: c.sharded for a, c in chosen.items()},
+                             skip=skip)
             if src is not p:
                 node.replace_input_with(p, src)
         for axis, s in chosen.items():
@@ -193,8 +204,8 @@ class Lowering:
                     node.args = (node.args[0], D.arg(node, 1, "split_size") // self.n(axis), *node.args[2:])
         if grid2d:
             self.as_linear_2d(node)
-        elif self.grid is not None and name == "layer_norm":
-            self.as_layer_norm_2d(node, chosen[self.grid[1]])
+        elif self.stats and name == "layer_norm":
+            self.as_layer_norm_2d(node, chosen)
 
     def _whole_params(self, axis, node, s) -> list[str]:
         """Whole parameters a split strategy reads: their gradient is partial over the axis."""
@@ -215,8 +226,57 @@ class Lowering:
         return names
 
     # -- transitions ----------------------------------------------------------------------------
-    def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool) -> fx.Node:
-        """``src`` (``p``, after the earlier axes' transitions) in the place ``need`` on ``axis``."""
+    def chain(self, p: fx.Node, needs: dict, sharded: dict, skip=()) -> fx.Node:
+        """``p`` in the place ``needs[axis]`` on every axis but ``skip``: one collective per axis that
+        changes, in this order (why): first the sums (a Partial reduced before anything moves it, so a
+        pending bias meets the linear's own output places); then the gathers, innermost axis first (a
+        dim split over several axes is nested in axis order, so only the innermost part can be
+        gathered alone); then the new splits, outermost axis first.  A new split on an axis outside
+        another's existing split of the same dim would nest the wrong way round: refused."""
+        axes = [a for a in self.axes if a not in skip]
+        state = {a: self.sh[a].place(p) for a in self.axes}
+        sums = [a for a in axes if state[a] == P]
+        gathers = [a for a in axes if isinstance(state[a], tuple) and needs[a] != state[a]]
+        rest = [a for a in axes if a not in sums and a not in gathers]
+        if p in self.stored and self.store in rest:
+            # a stored split is the innermost part of the parameter (``param``): gathered first
+            rest.remove(self.store)
+            sums.append(self.store)
+        src = p
+        for axis in [*sums, *reversed(gathers), *rest]:
+            have, need = state[axis], needs[axis]
+            d = self._dim(axis, p, have) if isinstance(have, tuple) else None
+            outer = 1                  # the other axes' splits of the dim this gather restores
+            for b in self.axes:
+                if b != axis and d is not None and isinstance(state[b], tuple) and self._dim(b, p, state[b]) == d:
+                    outer *= self.n(b)
+            if isinstance(need, tuple) and need != have:
+                self._check_nesting(axis, p, need, state)
+            src = self.transition(axis, p, src, need, sharded[axis], outer)
+            state[axis] = need if not (p in self.stored and axis == self.store) else state[axis]
+        return src
+
+    def _dim(self, axis, p: fx.Node, place):
+        """The tensor dim ``place`` (a Shard) splits of ``p``; None for a tuple's (moved per element)."""
+        layout = self.layout(axis, p)
+        if isinstance(layout, tuple):
+            return None
+        w = self.sh[axis].enum.where(layout, place[1])
+        return None if w is None else w[0]
+
+    def _check_nesting(self, axis, p: fx.Node, need, state) -> None:
+        d = self._dim(axis, p, need)
+        later = [b for b in self.axes[self.axes.index(axis) + 1:]
+                 if isinstance(state[b], tuple) and self._dim(b, p, state[b]) == d]
+        if later:
+            raise PlanError(f"'{p.name}' would be split on dim {d} over '{axis}' inside its split over "
+                            f"{', '.join(repr(b) for b in later)}: a dim split over several tp axes must be split "
+                            f"outermost axis first ({' > '.join(self.axes)}); this model's layout on this grid is "
+                            f"not supported")
+
+    def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool, outer: int = 1) -> fx.Node:
+        """``src`` (``p``, after the earlier axes' transitions) in the place ``need`` on ``axis``;
+        ``outer``: how many ways other axes still split the dim a gather restores."""
         if p in self.stored and axis == self.store:
             return self._stored_gather(p, src)
         sh = self.sh[axis]
@@ -240,7 +300,7 @@ class Lowering:
         else:
             d = self.split_dim(axis, p)
             fn = C.all_gather if consumer_sharded else C.gather
-            node = self._new(src, fn, (src, d, axis, n, p.meta["val"].shape[d]), p, axis, Replicate())
+            node = self._new(src, fn, (src, d, axis, n, p.meta["val"].shape[d] // outer), p, axis, Replicate())
         self.made[key] = node
         return node
 
@@ -275,18 +335,19 @@ class Lowering:
             self.spec[bias] = {axis: Replicate()}
             at = bias                          # created right after the reduced sum
         else:
-            bias, at = rule.operands[2][0], reduced
+            bias, at = self.pending.get(p, rule.operands[2][0]), reduced
+        raw = rule.operands[2][0] if rule.kind not in ("linear", "mha") else bias
         place, last = self.spec[reduced][axis], reduced.meta["val"].dim() - 1
         if isinstance(place, Shard) and place.dim == last:
             bias = self._new(at, C.local_slice, (bias, 0, axis, self.n(axis)), bias, axis, Shard(0))
             at = bias
-        elif isinstance(place, Shard) and bias.op == "get_attr":
+        elif isinstance(place, Shard) and raw.op == "get_attr":
             # scattered over tokens: each rank adds the whole bias to its own rows, its gradient a part
-            if self.param_copies:
-                bias = self._new(bias, C.copy_to_axis, (bias, axis), bias, axis, Replicate())
+            if self.param_copies:      # after the sum (``at``): the add follows it
+                bias = self._new(at, C.copy_to_axis, (bias, axis), bias, axis, Replicate())
                 at = bias
             else:
-                self.plan.partial_grads.add(bias.target)
+                self.plan.partial_grads.add(raw.target)
         return self._new(at, operator.add, (reduced, bias), p, axis, place)
 
     # -- parameters -----------------------------------------------------------------------------
@@ -436,13 +497,18 @@ class Lowering:
         d = self.split_dim(axis, node)
         return Partial() if s == P else Shard(d) if d is not None else Replicate()
 
-    def as_layer_norm_2d(self, node: fx.Node, s) -> None:
-        """A layer norm over features split over tp_col: statistics from partial sums."""
-        col = self.grid[1]
+    def as_layer_norm_2d(self, node: fx.Node, chosen: dict) -> None:
+        """A layer norm over features split over a ``stats`` axis: statistics from partial sums."""
+        last = node.meta["val"].dim() - 1
+        axes = [a for a in self.stats if isinstance(chosen[a].out, tuple) and self.split_dim(a, node) == last]
+        if not axes:
+            return
+        if len(axes) > 1:
+            raise PlanError(f"'{node.name}' (layer_norm) has its features split over {axes}: partial statistics "
+                            f"over one axis only")
+        col = axes[0]
         x = node.args[0]
         shape = D.arg(node, 1, "normalized_shape")
-        if not isinstance(s.out, tuple) or self.split_dim(col, node) != node.meta["val"].dim() - 1:
-            return
         features = shape if isinstance(shape, int) else shape[-1]
         w, b = D.arg(node, 2, "weight"), D.arg(node, 3, "bias")
         eps = D.arg(node, 4, "eps", 1e-5)

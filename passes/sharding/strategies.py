@@ -63,15 +63,17 @@ class Enumerator:
     """Strategies and transition costs over one axis of ``n`` ranks."""
 
     def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=(),
-                 grid: bool = False, microbatches: int = 1):
+                 grid: bool = False, microbatches: int = 1, partial_linears: bool | None = None):
         self.gm, self.f, self.rules, self.n, self.profile = gm, f, rules, n, profile
         self.microbatches = microbatches       # partial gradients are summed once per step: priced / m
         self.allowed = allowed                 # class roots that may be split (None: any)
         self.padded = set(padded)              # classes split even when n does not divide them (padded)
-        # 2D: layer norms over split features (partial statistics); modules holding parameters run
-        # whole (their parameters are not graph values a collective can reach); linears never give a
-        # Partial sum (every linear is linear_2d's)
+        # grid modes: layer norms over split features (partial statistics); modules holding parameters
+        # run whole (their parameters are not graph values a collective can reach)
         self.grid = grid
+        # whether a linear may give a Partial sum (split by input features): not on 2D's axes, where
+        # every linear is linear_2d's; 3D's row-parallel axis gives one (reduce-scattered after)
+        self.partial_linears = not grid if partial_linears is None else partial_linears
 
     # -- classes and leaves ---------------------------------------------------------------------
     def classes(self, layout) -> dict[int, tuple[int, int]]:
@@ -132,7 +134,7 @@ class Enumerator:
                 continue
             if self.uneven(c) and (out == P or not r.rowwise):
                 continue                       # padding rows must never be summed nor reshaped in
-            if self.grid and out == P and op_name(n, self.gm) in WEIGHTED:
+            if not self.partial_linears and out == P and op_name(n, self.gm) in WEIGHTED:
                 continue
             if c in {self.f.find(x) for x in r.stats} and not self._leads(r.out, c):
                 continue                       # layer_norm_2d splits its features in contiguous blocks
@@ -146,7 +148,7 @@ class Enumerator:
             bias_operand = r.kind == "op" and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
             pending = out == P and (r.kind == "mha" or "bias" in r.params or bias_operand)
             ns.options.append(Strategy(c, out, ins, params, pending))
-        if r.linear and not isinstance(r.out, tuple) and not (self.grid and op_name(n, self.gm) in WEIGHTED):
+        if r.linear and not isinstance(r.out, tuple) and not (not self.partial_linears and op_name(n, self.gm) in WEIGHTED):
             for i in ({"all": [None], "one": range(len(ops)), "first": [0]}[r.linear]):
                 ins = tuple(P if (i is None or j == i) else R for j in range(len(ops)))
                 if r.kind == "linear" and "bias" in r.params:

@@ -28,6 +28,7 @@ class TensorParallelPlan:
     regions: list[str] = field(default_factory=list)
     partial_grads: set[str] = field(default_factory=set)
     forms: list = field(default_factory=list)             # 2D: (layer, "allgather" | "summa") per linear
+    axes: tuple = ()                                      # grid modes: ((axis, size), ...) (autosplit/tp/axes.py)
     sharding: object = field(default=None, repr=False)    # the engine's Sharding (1D), for explain()
     sequence_parallel: bool = False
     _cache: dict = field(default_factory=dict)

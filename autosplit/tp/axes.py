@@ -1,0 +1,95 @@
+"""The tensor-parallel sub-mesh of each tp_mode: its axes, their sizes, a tp rank's coordinates.
+
+Terms:
+  tp axes -- the axes the tp ranks of one group are arranged on, outermost first, with their sizes:
+               "1d", "auto": ("tp",)                          tp
+               "2d":         ("tp_row", "tp_col")             q x q        (SUMMA / Optimus)
+               "2.5d":       ("tp_dep", "tp_row", "tp_col")   d x q x q    (Tesseract: d layers of 2D)
+               "3d":         ("tp_x", "tp_y", "tp_z")         q x q x q
+             tp rank t is read in mixed radix over them (2D: row = t // q, col = t % q), so the ranks of
+             the innermost axis are consecutive (they share a node first).
+  grid mode -- a tp_mode over several axes ("2d", "2.5d", "3d").
+
+Pure data: no process group.  The runtime builds one DeviceMesh (pp, dp, *sizes) with these names;
+the passes lower each axis's placements to collectives over the axis's name.
+"""
+from __future__ import annotations
+
+import math
+
+from autosplit.errors import AutosplitError
+
+GRID_MODES = ("2d", "2.5d", "3d")
+
+
+def tp_axes(tp_mode: str, tp: int, depth: int | None = None) -> tuple[tuple[str, int], ...]:
+    """((axis name, size), ...) of ``tp`` ranks under ``tp_mode``; an AutosplitError showing the
+    arithmetic where ``tp`` does not factor as the mode needs.
+
+    Args:
+        tp_mode: "1d", "auto", "2d", "2.5d" or "3d".
+        tp: the tensor-parallel ranks per group.
+        depth: "2.5d" only: d in tp = q * q * d.
+    """
+    if tp_mode not in GRID_MODES or tp == 1:
+        return (("tp", tp),)
+    if tp_mode == "2d":
+        q = math.isqrt(tp)
+        if q * q != tp:
+            raise AutosplitError(
+                f"tp_mode='2d' arranges tp ranks in a q x q grid, so tp must be a perfect square; tp={tp} "
+                f"is not (nearest squares: {q * q} = {q}x{q} and {(q + 1) ** 2} = {q + 1}x{q + 1})")
+        return (("tp_row", q), ("tp_col", q))
+    if tp_mode == "3d":
+        q = round(tp ** (1 / 3))
+        if q ** 3 != tp or q < 2:
+            lo = max(2, int(tp ** (1 / 3)))
+            raise AutosplitError(
+                f"tp_mode='3d' arranges tp ranks in a q x q x q cube, so tp must be a cube of q >= 2; tp={tp} "
+                f"is not (nearest cubes: {lo ** 3} = {lo}^3 and {(lo + 1) ** 3} = {lo + 1}^3)")
+        return (("tp_x", q), ("tp_y", q), ("tp_z", q))
+    valid = depths_25d(tp)
+    if depth is None or isinstance(depth, bool) or not isinstance(depth, int):
+        raise AutosplitError(f"tp_mode='2.5d' needs tp_depth=d with tp = q * q * d (q >= 2, d >= 1); "
+                             f"tp={tp} allows {_depth_list(tp, valid)}")
+    q = math.isqrt(tp // depth) if depth >= 1 and tp % depth == 0 else 0
+    if depth < 1 or tp % depth or q * q * depth != tp or q < 2:
+        raise AutosplitError(f"tp_mode='2.5d' with tp_depth={depth}: tp={tp} must be q * q * {depth} with q >= 2 "
+                             f"(tp / d = {tp / depth if depth else 'inf':g} is not a square of q >= 2); "
+                             f"tp={tp} allows {_depth_list(tp, valid)}")
+    return (("tp_dep", depth), ("tp_row", q), ("tp_col", q))
+
+
+def depths_25d(tp: int) -> list[int]:
+    """The depths d >= 1 for which tp = q * q * d with q >= 2."""
+    out = []
+    for d in range(1, tp + 1):
+        if tp % d == 0:
+            q = math.isqrt(tp // d)
+            if q >= 2 and q * q * d == tp:
+                out.append(d)
+    return out
+
+
+def _depth_list(tp: int, valid: list[int]) -> str:
+    if not valid:
+        return "no depth (no square of q >= 2 divides it)"
+    return "tp_depth in " + ", ".join(f"{d} (q={math.isqrt(tp // d)})" for d in valid)
+
+
+def coords(axes, t: int) -> dict[str, int]:
+    """tp rank ``t``'s coordinate on each axis of ``axes`` (mixed radix, the first axis outermost)."""
+    out = {}
+    for name, size in reversed(tuple(axes)):
+        out[name] = t % size
+        t //= size
+    return dict(reversed(list(out.items())))
+
+
+def batch_ways(axes) -> int:
+    """How many ways a grid mode splits each microbatch's rows (1 for one axis): 2D q (tp_row), 2.5D
+    d * q (tp_dep, tp_row), 3D q * q (tp_x and one of tp_y / tp_z)."""
+    size = dict(axes)
+    if "tp_x" in size:
+        return size["tp_x"] * size["tp_y"]
+    return size.get("tp_dep", 1) * size.get("tp_row", 1)

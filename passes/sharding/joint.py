@@ -1,0 +1,90 @@
+"""One integer program over two mesh axes at once: every node picks a pair of strategies.
+
+Terms (strategy, transition: strategies.py; Problem, split dims: engine.py):
+  pair      -- (option on axis a, option on axis b) of one node, kept only when the two split different
+               tensor dims of every tensor the node reads and writes, and do not sum over one class
+               (3D's cube: the axes tp_y and tp_z take a linear's input and output roles, never both the
+               same one).
+  price     -- compute: the op's time over the ranks both options split it on (the one-axis prices
+               are base / n_a and base / n_b: their product over base).  A transition on one axis moves a
+               tensor the other axis may already split, so it is priced at 1 / n_other of its bytes.
+  why joint -- solved one after the other, the first axis would pick its layout blind to the second:
+               column-parallel everywhere (each linear gathering its input), leaving the second only
+               what is left.  The pair program finds the alternation a cube needs (a linear's output
+               axis is the next one's input axis) because it prices both collectives of every edge.
+
+The program is solve.py's, over pairs: its size is the product of the two axes' option counts per
+node, and of the pair counts per edge.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autosplit.passes.sharding.engine import Sharding, analyse, split_dims, take
+from autosplit.passes.sharding.solve import solve
+from autosplit.passes.sharding.strategies import R
+
+
+def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Sharding, **kw) -> tuple[Sharding, Sharding]:
+    """The Shardings of two axes of the sizes ``axes``, chosen together (module docstring).
+
+    Args:
+        gm: the traced graph with global shapes.
+        axes: (ranks on the first axis, ranks on the second).
+        profile: the DeviceProfile the costs are priced with.
+        base: an earlier axis's Sharding of ``gm`` (its factors and op rules are shared).
+        kw: ``analyse``'s candidate arguments (allowed_fn, must_split_fn, must_split_weights, grid,
+            partial_linears, price_vals), the same for both axes.
+    """
+    (sa, pa), (sb, pb) = (analyse(gm, n, profile, base=base, defer=True, **kw) for n in axes)
+    na, nb = axes
+    pairs = []                                             # per node: [(option a, option b)]
+    costs = []
+    for i in range(len(pa.costs)):
+        v = pa.order[i] if i < len(pa.order) else None
+        opts = []
+        for a, ca in enumerate(pa.costs[i]):
+            for b, cb in enumerate(pb.costs[i]):
+                if v is None or _compatible(sa, sb, v, a, b):
+                    opts.append((a, b))
+        pairs.append(opts)
+        whole = pa.costs[i][0]                             # option 0 is Replicate: the op's whole time
+        costs.append([pa.costs[i][a] * pb.costs[i][b] / whole if whole > 0 else pa.costs[i][a] + pb.costs[i][b]
+                      for a, b in opts])
+    edges = []
+    for (p, c, ta), (p2, c2, tb) in zip(pa.edges, pb.edges, strict=True):
+        assert (p, c) == (p2, c2), "the two axes' programs list their edges in one order"
+        split_a = _splits(sa, pa, p)
+        split_b = _splits(sb, pb, p)
+        joint = {}
+        for x, (a1, b1) in enumerate(pairs[p]):
+            for y, (a2, b2) in enumerate(pairs[c]):
+                t, u = ta.get((a1, a2)), tb.get((b1, b2))
+                if t is not None and u is not None:
+                    joint[(x, y)] = t / (nb if split_b[b1] else 1) + u / (na if split_a[a1] else 1)
+        edges.append((p, c, joint))
+    must = [_lift(group, pairs, 0) for group in pa.must] + [_lift(group, pairs, 1) for group in pb.must]
+    picks = solve(costs, edges, [g for g in must if g])
+    take(sa, pa, [pairs[i][k][0] for i, k in enumerate(picks)])
+    take(sb, pb, [pairs[i][k][1] for i, k in enumerate(picks)])
+    return sa, sb
+
+
+def _compatible(sa: Sharding, sb: Sharding, v: fx.Node, a: int, b: int) -> bool:
+    s, t = sa.nodes[v].options[a], sb.nodes[v].options[b]
+    if s.cls is None or t.cls is None:
+        return True
+    return not split_dims(sa.enum, sa.nodes[v].rule, s) & split_dims(sb.enum, sb.nodes[v].rule, t)
+
+
+def _splits(sh: Sharding, pr, i: int) -> list[bool]:
+    """Per option of program node ``i``: does its output differ across the axis's ranks?"""
+    if i >= len(pr.order):
+        return [False]
+    return [s.out != R for s in sh.nodes[pr.order[i]].options]
+
+
+def _lift(group: list, pairs: list, side: int) -> list:
+    """A required group of one axis's options as the pairs that contain them."""
+    want = set(group)
+    return [(i, k) for i in {i for i, _ in group} for k, pair in enumerate(pairs[i]) if (i, pair[side]) in want]
