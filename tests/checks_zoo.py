@@ -49,7 +49,7 @@ def _reference(model, xs, ys, microbatches: int):
     return losses, model.state_dict()
 
 
-def _one(name: str, mesh, tp_mode: str) -> dict:
+def _one(name: str, mesh, tp_mode: str, **kw) -> dict:
     """Train ``name`` on ``mesh`` and compare with its reference (every rank computes the reference)."""
     model = build(name)
     xs, ys = _batches(IMAGE[name])
@@ -58,7 +58,7 @@ def _one(name: str, mesh, tp_mode: str) -> dict:
     try:
         pm = autosplit.parallelize(model, mesh=mesh, loss_fn=torch.nn.CrossEntropyLoss(),
                                    num_microbatches=MICROBATCHES, tp_mode=tp_mode,
-                                   example_input=xs[0, : BATCH // MICROBATCHES])
+                                   example_input=xs[0, : BATCH // MICROBATCHES], **kw)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
     except AutosplitError as exc:
         return {"refused": f"{type(exc).__name__}: {exc}"}
@@ -80,15 +80,15 @@ def _one(name: str, mesh, tp_mode: str) -> dict:
             "seconds": (planned - start, time.perf_counter() - planned)}
 
 
-def train_zoo(names: list[str], mesh, tp_mode: str = "1d") -> dict:
+def train_zoo(names: list[str], mesh, tp_mode: str = "1d", **kw) -> dict:
     """Per model name: {"loss_diff", "param_diff", "worst" (the state key of param_diff), "seconds"
-    (planning, training), ...} against its reference, or {"refused": message}, or {"error": message
+    (planning, training), ...} against its reference (``kw``: more parallelize options, e.g. tp_depth), or {"refused": message}, or {"error": message
     with traceback}.  One model's failure does not stop the next (a rank that fails inside a
     collective leaves the others to their timeout)."""
     out = {}
     for name in names:
         try:
-            out[name] = _one(name, mesh, tp_mode)
+            out[name] = _one(name, mesh, tp_mode, **kw)
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     return out

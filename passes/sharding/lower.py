@@ -341,9 +341,12 @@ class Lowering:
         if isinstance(place, Shard) and place.dim == last:
             bias = self._new(at, C.local_slice, (bias, 0, axis, self.n(axis)), bias, axis, Shard(0))
             at = bias
-        elif isinstance(place, Shard) and raw.op == "get_attr":
-            # scattered over tokens: each rank adds the whole bias to its own rows, its gradient a part
-            if self.param_copies:      # after the sum (``at``): the add follows it
+        elif isinstance(place, Shard):
+            # scattered over rows or tokens: each rank adds the whole bias to its own rows, so its
+            # gradient is a part: summed by the runtime once a step (one axis, a parameter), or by a
+            # copy in the graph (several axes; or a bias computed in the graph, as beit's
+            # cat(q_bias, k_bias, v_bias), whose gradient flows on to the parameters it is made of)
+            if self.param_copies or raw.op != "get_attr":     # after the sum (``at``): the add follows it
                 bias = self._new(at, C.copy_to_axis, (bias, axis), bias, axis, Replicate())
                 at = bias
             else:
