@@ -12,6 +12,7 @@ from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
 from autosplit.passes.sharding.describe import block_lines
 from autosplit.schedule import SPLIT_BACKWARD
+from autosplit.tp.axes import batch_ways
 
 if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
     from autosplit.plan import Plan, StageInfo
@@ -80,7 +81,7 @@ def summary_table(plan: Plan) -> str:
         foot.append(_dp_note(plan))
     if plan.tp_plan is not None:
         tp = plan.tp_plan
-        if plan.tp_mode == "2d":
+        if tp.axes:
             foot += _grid_note(plan)
             foot += [f"  {line}" for line in block_lines(tp.regions)]
         else:
@@ -105,19 +106,30 @@ def _step_line(plan: Plan) -> str:
 
 
 def _grid_note(plan: Plan) -> list[str]:
-    """2D: the q x q grid, what each rank holds, and which form each linear runs."""
-    tp, q = plan.tp_plan, round(plan.tp_plan.tp ** 0.5)
+    """Grid modes: the tp sub-mesh, what each rank holds, and (2D, 2.5D) which form each linear runs."""
+    tp = plan.tp_plan
+    size = dict(tp.axes)
     params = sum(s.param_bytes for s in plan.stages)
     acts = sum(s.activation_bytes for s in plan.stages)
+    grid = " x ".join(f"{a} {n}" for a, n in tp.axes)
+    rows = batch_ways(tp.axes)
+    if "tp_x" in size:
+        what = (f"activations B/{rows} rows (tp_x and one of tp_y / tp_z) and C/{size['tp_y']} channels (the "
+                f"other); weights split over all three axes")
+    else:
+        what = (f"activations B/{rows} rows over {'tp_dep and ' if 'tp_dep' in size else ''}tp_row, "
+                f"C/{size['tp_col']} channels over tp_col; weights split {size['tp_col'] ** 2} ways"
+                f"{', whole over tp_dep (gradients summed over it)' if 'tp_dep' in size else ''}")
+    lines = [f"tensor parallel (tp={tp.tp}, {plan.tp_mode}): {grid}, tp rank in mixed radix over them; {what}; "
+             f"{len(tp.sharded)} parameters split; per tp rank: params {_bytes(params)}, saved activations "
+             f"{_bytes(acts)} per microbatch"]
     forms: dict = {}
     for layer, form in tp.forms:
         forms.setdefault(form, []).append(layer)
-    lines = [f"tensor parallel (tp={tp.tp}, 2d): a {q}x{q} grid, tp rank = row * {q} + col; activations "
-             f"(B/{q} rows over tp_row, C/{q} channels over tp_col), {len(tp.sharded)} parameters split {q * q} "
-             f"ways; per tp rank: params {_bytes(params)}, saved activations {_bytes(acts)} per microbatch",
-             f"  linear_2d forms (cost model, per layer): " +
-             "; ".join(f"{form}: {len(layers)} ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''})"
-                       for form, layers in forms.items())]
+    if forms:
+        lines.append("  linear_2d forms (cost model, per layer): " +
+                     "; ".join(f"{form}: {len(layers)} ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''})"
+                               for form, layers in forms.items()))
     return lines
 
 

@@ -46,7 +46,8 @@ def collectives(plan, profile) -> list[dict]:
             continue
         args = _arguments(node)
         axis = args.get("axis")
-        size = args.get("n") or (getattr(plan.mesh, axis, None) if isinstance(axis, str) else None)
+        size = args.get("n") or node.meta.get("axis_size") or \
+            (getattr(plan.mesh, axis, None) if isinstance(axis, str) else None)
         times = collective_time(node, size, profile) if profile is not None and isinstance(size, int) else None
         val = node.meta.get("val")
         path = node.meta.get("module_path", "")

@@ -154,7 +154,8 @@ def axis_size(axis: str, tp: int) -> int:
 
 def collective_time(node, n: int, profile) -> tuple[float, float]:
     """(forward s, backward s) of a collective graph node (one with ``target.comm_kind``) over n ranks
-    (``n`` is tp; a node on a 2D axis runs over sqrt(tp) of them)."""
+    (``n`` is tp; a node on a grid's axis runs over its ``meta["axis_size"]``, which the sharding
+    engine's lowering records: 2D's tp_row and tp_col sqrt(tp), 2.5D's tp_dep d, 3D's q each)."""
     kinds = getattr(node.target, "comm_kind", None)
     if not kinds:
         return 0.0, 0.0
@@ -162,7 +163,7 @@ def collective_time(node, n: int, profile) -> tuple[float, float]:
         x, w = (a.meta.get("val") for a in node.args[:2])
         return linear_2d_time(tensor_bytes(x), tensor_bytes(w), node.args[4], node.args[5], profile)
     axis = next((a for a in node.args if isinstance(a, str)), "tp")
-    n = axis_size(axis, n)
+    n = node.meta.get("axis_size") or axis_size(axis, n)
     if hasattr(node.target, "comm_bytes"):                 # an op that computes too (layer_norm_2d)
         nbytes = node.target.comm_bytes(node)
         return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)

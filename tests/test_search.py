@@ -28,15 +28,17 @@ def _compiled(model, c, global_batch, device="h100"):
                              **c.options)
 
 
-@pytest.mark.parametrize("tp,mode,sp", [(1, "1d", False), (2, "1d", True), (4, "2d", False)])
-def test_rescaled_graph_equals_a_fresh_compile(tp, mode, sp):
+@pytest.mark.parametrize("tp,mode,sp,depth", [(1, "1d", False, None), (2, "1d", True, None), (4, "2d", False, None),
+                                              (8, "2.5d", False, 2), (8, "3d", False, None)])
+def test_rescaled_graph_equals_a_fresh_compile(tp, mode, sp, depth):
     """Shapes and costs extrapolated to microbatch size b are those compile computes tracing at b."""
     model = tp_timm()
-    graph = LayoutGraph(trace_model(model, (X,)), (X,), tp, mode, sp)
-    for b in (4, 10):
+    graph = LayoutGraph(trace_model(model, (X,)), (X,), tp, mode, sp, tp_depth=depth)
+    for b in (4, 12) if tp == 8 else (4, 10):
         graph.at(b)
+        extra = {"tp_2d_form": "allgather"} if mode in ("2d", "2.5d") else {}
         plan = autosplit.compile(model, mesh=(1, tp, 1), example_input=torch.empty(b, 3, 32, 32), tp_mode=mode,
-                                 sequence_parallel=sp, **({"tp_2d_form": "allgather"} if mode == "2d" else {}))
+                                 sequence_parallel=sp, tp_depth=depth, **extra)
         ours = [(n.name, n.meta["cost"], n.args) for n in graph.nodes]
         theirs = [(n.name, n.meta["cost"], n.args) for n in plan.graph.graph.nodes]
         assert [(a, c) for a, c, _ in ours] == [(a, c) for a, c, _ in theirs]
@@ -89,6 +91,7 @@ def test_predictions_equal_compile(measured):
     every = autosplit.search(model, 8, X, global_batch=batch, memory_budget=400_000, top=10**6, prune=False,
                              device=device)
     picks = list(every[:3]) + random.Random(1).sample(list(every[3:]), 12 if not measured else 6)
+    picks += [next(c for c in every if c.options["tp_mode"] == mode) for mode in ("2.5d", "3d")]
     for c in picks:
         plan = _compiled(model, c, batch, device)
         pred = predict_plan(plan, device=device)
@@ -105,8 +108,11 @@ def test_rejections_say_why():
     model = tp_torchvision()                  # 4 heads
     result = autosplit.search(model, 8, X, global_batch=20, memory_budget=300_000, top=3)
     why = {r.kind: r.why for r in result.rejected}
-    # tp=8 plans (the 4 heads' attention whole, its reason in the plan's summary); 2D refuses odd rows
-    assert "microbatch rows 5 % q(2) != 0" in why["tensor parallel"], why
+    # tp=8 plans (the 4 heads' attention whole, its reason in the plan's summary); the grid modes refuse
+    # rows their split does not divide (2D over q, 3D over q * q)
+    grid = {r.why for r in result.rejected if r.kind == "tensor parallel"}
+    assert "microbatch rows 5 % 2 != 0 (2d splits rows 2 ways)" in grid, grid
+    assert "microbatch rows 5 % 4 != 0 (3d splits rows 4 ways)" in grid, grid
     assert "global_batch(20) % dp(8) = 4" in why["batch"]
     assert "dp_shard" in why["schedule"] and "memory" in why
     assert all(c.memory <= 300_000 for c in result)

@@ -78,7 +78,7 @@ def test_dump_names_both_axes(tmp_path):
     code = (tmp_path / "pp0_tp3" / "stage0.py").read_text()
     assert "'tp_row'" in code and "'tp_col'" in code and "linear_2d" in code and "layer_norm_2d" in code
     summary = plan.summary()
-    assert "2d): a 2x2 grid" in summary and "allgather: 9" in summary
+    assert "2d): tp_row 2 x tp_col 2" in summary and "allgather: 9" in summary
 
 
 def test_summa_named_in_summary():

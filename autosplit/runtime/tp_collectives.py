@@ -131,18 +131,20 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
+    def forward(ctx, x, axis, owned=False):
+        ctx.axis, ctx.owned = axis, owned
         COUNTS[("copy", "fwd")] += 1
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         COUNTS[("copy", "bwd")] += 1
-        # reduced in a copy: autograd may hand the same gradient to other readers (an add passes its
-        # one gradient to both operands; a one-row expand or a slice of a cat hands a view of it), and
-        # an in-place sum would change what they read (2.5D's cls token: its gradient summed twice)
-        return _all_reduce_overlapped(grad.clone(), ctx.axis), None
+        # in place only where the graph says the gradient is this op's alone (``owned``: every reader
+        # computes a fresh input gradient, a GEMM's, as Megatron's f before a column-parallel linear).
+        # Otherwise autograd may hand the same gradient to other readers (an add passes its one gradient
+        # to both operands; a one-row expand or a slice of a cat hands a view of it), and an in-place
+        # sum would change what they read (2.5D's cls token: its gradient summed twice).
+        return _all_reduce_overlapped(grad if ctx.owned else grad.clone(), ctx.axis), None, None
 
 
 class _AllReduce(torch.autograd.Function):

@@ -51,7 +51,8 @@ def describe(mesh, options: dict) -> str:
     o = options
     words = [f"({mesh[0]},{mesh[1]},{mesh[2]})"]
     if mesh[1] > 1:
-        words.append(o.get("tp_mode", "1d") + (" sp" if o.get("sequence_parallel") else ""))
+        words.append(o.get("tp_mode", "1d") + (" sp" if o.get("sequence_parallel") else "") +
+                     (f" d{o['tp_depth']}" if o.get("tp_depth") else ""))
     v = o.get("chunks_per_rank", 1)
     words.append(o.get("schedule", "1f1b") + (f" v{v}" if v > 1 else ""))
     words.append(f"m{o.get('num_microbatches')}")

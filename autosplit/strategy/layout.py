@@ -3,10 +3,11 @@
 Terms:
   layout   -- (tp, tp_mode, sequence_parallel): what the graph looks like on tp rank 0 (the tp rewrite).
               Traced, shape-propagated and rewritten once per layout, as ``autosplit.compile`` does, from
-              the stable passes (trace, MetaShapeProp, the sharding engine: shard_1d, shard_2d), priced at
-              2 units (as compile prices its layout); 2D linears use the all-gather form (the search
-              passes tp_2d_form="allgather").
-  unit     -- the smallest microbatch the layout admits: q = sqrt(tp) for 2D (rows split over tp_row),
+              the stable passes (trace, MetaShapeProp, the sharding engine: shard_1d, shard_grid), priced
+              at 2 units (as compile prices its layout); 2D and 2.5D linears use the all-gather form (the
+              search passes tp_2d_form="allgather").
+  unit     -- the smallest microbatch the layout admits: a grid mode's row split (2D q over tp_row, 2.5D
+              d * q, 3D q * q: autosplit/tp/axes.py ``batch_ways``),
               else 1.  Microbatch sizes are multiples of it.
   rescale  -- every shape and integer a node computes is affine in the microbatch size b (the batch dim
               scales, nothing else does), so two shape propagations (b = 2 unit, 3 unit) give every
@@ -20,7 +21,6 @@ Terms:
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.fx as fx
@@ -35,8 +35,9 @@ from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
-from autosplit.passes.sharding.grid import shard_2d
+from autosplit.passes.sharding.grid import shard_grid
 from autosplit.passes.sharding.megatron import shard_1d
+from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
 from autosplit.trace import trace
 
 
@@ -60,14 +61,16 @@ class LayoutGraph:
     """The rank-0 graph of one layout, rescalable to any microbatch size (see the module docstring)."""
 
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
-                 sequence_parallel: bool, profile="h100"):
+                 sequence_parallel: bool, profile="h100", tp_depth: int | None = None):
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy); ``profile``
-        prices the sharding engine's candidates (compile's ``device``)."""
+        prices the sharding engine's candidates (compile's ``device``); ``tp_depth``: 2.5D's d."""
         self.inputs, self.tp, self.profile = inputs, tp, get_profile(profile)
-        self.unit = math.isqrt(tp) if tp_mode == "2d" else 1
-        # 2D writes the row count into the graph (gather's full size): rewrite at both sizes and extrapolate
-        # those integers too; the 1D rewrites write only head and token counts, so one rewrite serves.
-        sizes = (2, 3) if tp_mode == "2d" else (2,)
+        grid = tp_mode in GRID_MODES and tp > 1
+        self.axes = tp_axes(tp_mode, tp, tp_depth) if grid else ()
+        self.unit = batch_ways(self.axes) if grid else 1
+        # the grid modes write the row count into the graph (gather's full size): rewrite at both sizes and
+        # extrapolate those integers too; the 1D rewrites write only head and token counts, so one serves.
+        sizes = (2, 3) if grid else (2,)
         builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in sizes]
         self.gm, self.tp_plan = builds[0]                 # sizes >= 2: a size-1 dim's stride is arbitrary
         self.nodes = list(self.gm.graph.nodes)
@@ -98,8 +101,12 @@ class LayoutGraph:
             traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
         if tp == 1:
             return gm, None
-        if tp_mode == "2d":
-            plan = shard_2d(gm, self.unit, self.profile, lambda node, x, w: "allgather")
+        if self.axes:
+            # priced at 2 units whatever b is (engine.py "priced at"): one layout at both sizes, as compile's
+            at2 = traced.propagated_at.get(2 * self.unit)
+            vals = {n.name: v for n, v in zip(traced.graph.nodes, at2)} if at2 is not None and b != 2 * self.unit \
+                else None
+            plan = shard_grid(gm, tp_mode, self.axes, self.profile, lambda node, x, w: "allgather", price_vals=vals)
         else:
             plan = shard_1d(gm, tp, self.profile, sp)
         gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
@@ -131,7 +138,7 @@ class LayoutGraph:
         if b == self.b:
             return self.gm
         if b % self.unit:
-            raise AutosplitError(f"microbatch size {b} does not divide by q({self.unit}) of the 2D grid")
+            raise AutosplitError(f"microbatch size {b} does not divide by the {self.unit} ways the grid splits rows")
         k = b // self.unit - 2                    # b = unit * (2 + k): value = first + k * (second - first)
         for n, spec, one, two in self._args:      # sizes the rewrite wrote into the graph (2D's gathered rows)
             n.args, n.kwargs = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)

@@ -46,8 +46,10 @@ _SLACK = 1e-9        # a bound must exceed the incumbent by more than float nois
 def _options(layout, schedule, v, m, checkpoint, shard, budget) -> dict:
     o = {"num_microbatches": m, "schedule": schedule, "chunks_per_rank": v, "tp_mode": layout.tp_mode,
          "sequence_parallel": layout.sequence_parallel, "dp_shard": shard, "checkpoint": checkpoint}
-    if layout.tp_mode == "2d":
+    if layout.tp_mode in ("2d", "2.5d"):
         o["tp_2d_form"] = "allgather"
+    if layout.tp_depth is not None:
+        o["tp_depth"] = layout.tp_depth
     if budget is not None:
         o["memory_budget"] = budget
     return o
@@ -94,11 +96,14 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     for layout in layouts(world_size):
         meshes = [(pp, layout.tp, world_size // (pp * layout.tp)) for pp in divisors(world_size // layout.tp)]
         base = {"tp_mode": layout.tp_mode, "sequence_parallel": layout.sequence_parallel}
+        if layout.tp_depth is not None:
+            base["tp_depth"] = layout.tp_depth
         known = next(((t, msg) for t, msg in failed[layout.tp_mode] if layout.tp % t == 0), None)
         graph = None
         if known is None:
             try:
-                graph = LayoutGraph(traced, inputs, layout.tp, layout.tp_mode, layout.sequence_parallel, profile)
+                graph = LayoutGraph(traced, inputs, layout.tp, layout.tp_mode, layout.sequence_parallel, profile,
+                                    tp_depth=layout.tp_depth)
             except AutosplitError as exc:
                 known = (layout.tp, str(exc).splitlines()[0])
                 failed[layout.tp_mode].append(known)
@@ -126,9 +131,10 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                     rejected.append(Rejected(mesh, {**base, "num_microbatches": m}, f"microbatch rows {b} < "
                                              f"{min_rows}: {one_row}", "batch"))
                     continue
-                if b % layout.q:
-                    rejected.append(Rejected(mesh, {**base, "num_microbatches": m}, f"microbatch rows {b} % q"
-                                             f"({layout.q}) != 0 (2D splits rows over tp_row)", "tensor parallel"))
+                if b % layout.unit:
+                    rejected.append(Rejected(mesh, {**base, "num_microbatches": m}, f"microbatch rows {b} % "
+                                             f"{layout.unit} != 0 ({layout.name} splits rows {layout.unit} ways)",
+                                             "tensor parallel"))
                     continue
                 for schedule, v in schedules(pp):
                     if pp * v > most:

@@ -2,13 +2,15 @@
 
 Terms:
   world     -- the number of ranks, W = pp * tp * dp.
-  layout    -- (tp, tp_mode, sequence_parallel): tp_mode "1d" (sequence parallelism on or off when
-               tp > 1) or "2d" (tp = q * q, q >= 2; sequence parallelism does not apply).
+  layout    -- (tp, tp_mode, sequence_parallel, tp_depth): tp_mode "1d" (sequence parallelism on or off
+               when tp > 1), "2d" (tp = q * q, q >= 2), "2.5d" (tp = q * q * d for every depth d >= 2
+               with q >= 2) or "3d" (tp = q^3, q >= 2); sequence parallelism applies to 1d only.
   Bd        -- the per-replica batch, global_batch / dp (dp must divide it).
   m, b      -- microbatches per step and microbatch size, m * b = Bd.  m runs over the divisors of Bd
                with pp <= m <= 4 pp when pp > 1 (fewer leave the pipeline mostly idle; interleaved
                needs m >= pp anyway) and m in {1, 2, 4, 8} when pp = 1 (gradient accumulation saves
-               activation memory); 2D needs q | b (rows over tp_row).
+               activation memory); a grid mode needs its row split to divide b (2D q, 2.5D d * q,
+               3D q * q: ``Layout.unit``).
   schedule  -- pp = 1: "1f1b" (every schedule is the same single stage); pp > 1: "1f1b", "interleaved"
                with chunks_per_rank 2 and 4, "zb-h1", "zb-v" (chunks 2).  GPipe is left out: the same
                bubble as 1F1B with m instead of pp microbatches in flight.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from autosplit.schedule import SPLIT_BACKWARD
 from autosplit.segment_costs import CHECKPOINTS
+from autosplit.tp.axes import GRID_MODES, batch_ways, depths_25d, tp_axes
 
 
 def divisors(n: int) -> list[int]:
@@ -35,10 +38,19 @@ class Layout:
     tp: int
     tp_mode: str
     sequence_parallel: bool
+    tp_depth: int | None = None
 
     @property
-    def q(self) -> int:
-        return math.isqrt(self.tp) if self.tp_mode == "2d" else 1
+    def unit(self) -> int:
+        """The rows a microbatch's size must be a multiple of (``tp/axes.py`` ``batch_ways``)."""
+        if self.tp_mode not in GRID_MODES:
+            return 1
+        return batch_ways(tp_axes(self.tp_mode, self.tp, self.tp_depth))
+
+    @property
+    def name(self) -> str:
+        """The mode as the search's tables and refusals write it: "2.5d" with its depth."""
+        return f"{self.tp_mode} d={self.tp_depth}" if self.tp_depth else self.tp_mode
 
 
 def layouts(world: int) -> list[Layout]:
@@ -50,6 +62,10 @@ def layouts(world: int) -> list[Layout]:
             q = math.isqrt(tp)
             if q * q == tp:
                 out.append(Layout(tp, "2d", False))
+            out += [Layout(tp, "2.5d", False, d) for d in depths_25d(tp) if d >= 2]
+            q = round(tp ** (1 / 3))
+            if q >= 2 and q ** 3 == tp:
+                out.append(Layout(tp, "3d", False))
     return out
 
 

@@ -86,9 +86,10 @@ def shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
     return pad(x, dim, n).chunk(n, dim=dim)[rank].contiguous()
 
 
-def copy_to_axis(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """Replicated activation entering column-parallel layers: identity forward, all-reduce backward."""
-    return x if _planning(x) else _backend().copy_to_axis(x, axis)
+def copy_to_axis(x: torch.Tensor, axis: str, owned: bool = False) -> torch.Tensor:
+    """Replicated activation entering column-parallel layers: identity forward, all-reduce backward;
+    ``owned``: every reader makes a fresh input gradient (a GEMM), so the sum may be taken in place."""
+    return x if _planning(x) else _backend().copy_to_axis(x, axis, owned)
 
 
 def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:

@@ -180,6 +180,7 @@ class Problem:
     edges: list
     must: list
     memory: tuple | None = None
+    reads: list = field(default_factory=list)   # per edge: (consumer, operand index), None for the output
 
 
 def _problem(sh: Sharding, enum: Enumerator, table: dict, order: list, must_split_weights: bool,
@@ -203,12 +204,14 @@ def _problem(sh: Sharding, enum: Enumerator, table: dict, order: list, must_spli
             ns.why_whole = whole or "; ".join(sliced.values())
     index = {v: i for i, v in enumerate(order)}
     costs = [sh.nodes[v].compute for v in order]
-    edges = []
+    edges, reads = [], []
     for v in order:
         try:
-            edges += _edges(sh, enum, index, v)
+            found = _edges(sh, enum, index, v)
         except Exception as exc:        # noqa: BLE001
             raise rule_failure("the sharding engine's redistributions", v, exc) from exc
+        edges += [e[:3] for e in found]
+        reads += [(v, e[3]) for e in found]
     out_node = next(v for v in gm.graph.nodes if v.op == "output")
     for p in out_node.all_input_nodes:  # the model's output is whole on every rank
         if p in index:
@@ -216,6 +219,7 @@ def _problem(sh: Sharding, enum: Enumerator, table: dict, order: list, must_spli
             moves = {a: enum.transition(p, s.out, R, sh.nodes[p].rule.out, operand_bytes(p), False)
                      for a, s in enumerate(sh.nodes[p].options)}
             edges.append((index[p], len(costs) - 1, {(a, 0): t for a, t in moves.items() if t is not None}))
+            reads.append(None)
     must = _weight_groups(sh, order, index) if must_split_weights else []
     if must_split_fn is not None:
         classes = must_split_fn(sh, table)
@@ -226,7 +230,7 @@ def _problem(sh: Sharding, enum: Enumerator, table: dict, order: list, must_spli
     memory = None
     if memory_budget is not None:
         memory = ([sh.nodes[v].memory for v in order] + [[0.0]] * (len(costs) - len(order)), memory_budget)
-    return Problem(order, index, costs, edges, must, memory)
+    return Problem(order, index, costs, edges, must, memory, reads)
 
 
 def _choose(sh: Sharding, pr: Problem, memory_budget: float | None) -> Sharding:
@@ -279,8 +283,8 @@ def _mib(nbytes: float) -> str:
 
 
 def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
-    """(producer, consumer, {(option a, option b): seconds}) for each tensor operand of ``v``; a pair
-    missing from the dict is impossible."""
+    """(producer, consumer, {(option a, option b): seconds}, operand index) for each tensor operand of
+    ``v``; a pair missing from the dict is impossible."""
     ns, edges = sh.nodes[v], []
     writes = inplace_base(v, sh.gm) is not None
     for k, (p, lay) in enumerate(ns.rule.operands):
@@ -302,7 +306,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
                 t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded)
                 if t is not None:
                     pairs[(a, b)] = t
-        edges.append((index[p], index[v], pairs))
+        edges.append((index[p], index[v], pairs, k))
     return edges
 
 

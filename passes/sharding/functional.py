@@ -49,6 +49,7 @@ def functionalize(gm: fx.GraphModule) -> int:
         else:
             continue
         new.meta.update(node.meta)
+        new.meta["functional_of"] = node.name      # the values a layout is priced at are by name
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1

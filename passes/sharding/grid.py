@@ -70,6 +70,9 @@ def shard_grid(gm: fx.GraphModule, mode: str, axes, profile, form, price_vals: d
     rows = names[:-1] if mode in ("2d", "2.5d") else names[:1]
     _check_rows(gm, mode, rows, size)
     functionalize(gm)
+    if price_vals:     # the function calls stand for the module calls the values were recorded for
+        price_vals = {**price_vals, **{v.name: price_vals[v.meta["functional_of"]] for v in gm.graph.nodes
+                                       if v.meta.get("functional_of") in price_vals}}
     shardings: dict[str, Sharding] = {}
     first = None
     for a in rows:                             # tp_row (tp_dep first), or tp_x
@@ -110,7 +113,12 @@ def _regions(shardings: dict, stats) -> list[str]:
     """The layer lines of the axes that split weights (one axis: as 1D's; 3D's two: each named)."""
     if len(stats) == 1:
         return layer_lines(shardings[stats[0]])
-    return [f"{line} [{a}]" for a in stats for line in layer_lines(shardings[a])]
+    per_axis = [layer_lines(shardings[a]) for a in stats]       # the same layers, in graph order
+    out = []
+    for lines in zip(*per_axis):
+        label = lines[0].split(": ", 1)[0]
+        out.append(f"{label}: " + "; ".join(f"{a} {line.split(': ', 1)[1]}" for a, line in zip(stats, lines)))
+    return out
 
 
 def _check_rows(gm: fx.GraphModule, mode: str, rows, size: dict) -> None:

@@ -13,6 +13,9 @@ Terms (strategy, transition: strategies.py; Problem, split dims: engine.py):
                what is left.  The pair program finds the alternation a cube needs (a linear's output
                axis is the next one's input axis) because it prices both collectives of every edge.
 
+  nesting   -- a dim split over both axes holds the first axis's parts outermost (lower.py ``chain``):
+               an edge where the first axis would add its split inside the second's is left out.
+
 The program is solve.py's, over pairs: its size is the product of the two axes' option counts per
 node, and of the pair counts per edge.
 """
@@ -52,7 +55,7 @@ def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Shard
         costs.append([pa.costs[i][a] * pb.costs[i][b] / whole if whole > 0 else pa.costs[i][a] + pb.costs[i][b]
                       for a, b in opts])
     edges = []
-    for (p, c, ta), (p2, c2, tb) in zip(pa.edges, pb.edges, strict=True):
+    for (p, c, ta), (p2, c2, tb), read in zip(pa.edges, pb.edges, pa.reads, strict=True):
         assert (p, c) == (p2, c2), "the two axes' programs list their edges in one order"
         split_a = _splits(sa, pa, p)
         split_b = _splits(sb, pb, p)
@@ -60,7 +63,7 @@ def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Shard
         for x, (a1, b1) in enumerate(pairs[p]):
             for y, (a2, b2) in enumerate(pairs[c]):
                 t, u = ta.get((a1, a2)), tb.get((b1, b2))
-                if t is not None and u is not None:
+                if t is not None and u is not None and not _nests_inside(sa, sb, pa.order[p], read, a1, a2, b2):
                     joint[(x, y)] = t / (nb if split_b[b1] else 1) + u / (na if split_a[a1] else 1)
         edges.append((p, c, joint))
     must = [_lift(group, pairs, 0) for group in pa.must] + [_lift(group, pairs, 1) for group in pb.must]
@@ -75,6 +78,23 @@ def _compatible(sa: Sharding, sb: Sharding, v: fx.Node, a: int, b: int) -> bool:
     if s.cls is None or t.cls is None:
         return True
     return not split_dims(sa.enum, sa.nodes[v].rule, s) & split_dims(sb.enum, sb.nodes[v].rule, t)
+
+
+def _nests_inside(sa: Sharding, sb: Sharding, p: fx.Node, read, a1: int, a2: int, b2: int) -> bool:
+    """Would the first axis add a split of a dim the second still splits there (the lowering's chain:
+    a dim split over several axes nests them in axis order, so the first's split must come first)?"""
+    if read is None:
+        return False
+    v, k = read
+    have, need = sa.nodes[p].options[a1].out, sa.nodes[v].options[a2].ins[k]
+    other = sb.nodes[v].options[b2].ins[k]
+    if not isinstance(need, tuple) or need == have or not isinstance(other, tuple):
+        return False
+    layout = sa.nodes[v].rule.operands[k][1]
+    if isinstance(layout, tuple):
+        return False
+    da, db = sa.enum.where(layout, need[1]), sb.enum.where(layout, other[1])
+    return da is not None and db is not None and da[0] == db[0]
 
 
 def _splits(sh: Sharding, pr, i: int) -> list[bool]:

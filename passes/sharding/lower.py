@@ -28,8 +28,9 @@ Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorPa
                 runs as ``linear_2d`` (the input gathered over tp_col, the weight block over tp_row,
                 inside the op; or SUMMA).  Grid modes (``stats``): a layer norm over features split on
                 one of those axes runs as ``layer_norm_2d``.
-  pending bias, several axes -- the bias is brought to the linear's output places on the other axes
-                (``pending``), and added once the sum is reduced, which is the first collective on it.
+  pending bias, several axes -- the bias is brought whole to the axes that sum and to the linear's
+                output places on the others (``pending``), and added once the sum is reduced, which is
+                the first collective on it.
 """
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, r
 from autosplit.tp.shards import ShardedParam
 
 _VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
+# ops whose backward makes a new tensor for their input's gradient (a GEMM's, a norm's): a copy_to_axis
+# read only by these owns its gradient (autograd sums several readers' into a new tensor too)
+# (op names or module classes, lower case without underscores)
+FRESH_GRADIENT = {"linear", "linear2d", "conv1d", "conv2d", "conv3d", "matmul", "bmm", "layernorm", "layernorm2d",
+                  "scaleddotproductattention", "multiheadattention", "localmultiheadattention"}
 
 
 def out_of_place(node: fx.Node) -> None:
@@ -117,7 +123,9 @@ class Lowering:
     def _new(self, after, fn, args, like, axis, place):
         with self.graph.inserting_after(after):
             node = self.graph.call_function(fn, args)
-        node.meta.update(module_path=like.meta.get("module_path", ""), val=like.meta.get("val"))
+        # axis_size: the ranks the collective runs over, for the cost model (cost_model/comm.py)
+        node.meta.update(module_path=like.meta.get("module_path", ""), val=like.meta.get("val"),
+                         axis_size=self.n(axis))
         self.spec.setdefault(node, {})[axis] = place
         return node
 
@@ -145,6 +153,10 @@ class Lowering:
             for node in list(self.graph.nodes):
                 self.size_reads(axis, node)
         for node in self.graph.nodes:
+            if node.target is C.copy_to_axis and node.users and \
+                    all(op_name(u, self.gm).lower().replace("_", "") in FRESH_GRADIENT for u in node.users):
+                node.args = (*node.args[:2], True)      # its gradient is its own: summed in place
+        for node in self.graph.nodes:
             spec = {}
             for axis in self.axes:
                 place = self.spec.get(node, {}).get(axis)
@@ -167,9 +179,12 @@ class Lowering:
             skip = set()
             if grid2d:                # linear_2d gathers its input over tp_col and its weight over tp_row
                 skip = {self.grid[1]} if k == 0 else {self.grid[0]} if k == 1 else set()
-            if held and k == 2:       # the bias waits for the sum: placed on the other axes only
+            if held and k == 2:
+                # the bias waits for the sum: whole on the axes that sum (the add after the sum slices or
+                # copies it there, _add_bias, so those axes' transitions are a whole consumer's), placed
+                # on the others
                 self.pending[node] = self.chain(p, {a: c.ins[k] for a, c in chosen.items()},
-                                                {a: c.sharded for a, c in chosen.items()}, skip=held)
+                                                {a: c.sharded and a not in held for a, c in chosen.items()})
                 continue
             src = self.chain(p, {a: c.ins[k] for a, c in chosen.items()}, {a: c.sharded for a, c in chosen.items()},
                              skip=skip)
@@ -516,6 +531,7 @@ class Lowering:
         w, b = D.arg(node, 2, "weight"), D.arg(node, 3, "bias")
         eps = D.arg(node, 4, "eps", 1e-5)
         node.target, node.args, node.kwargs = C.layer_norm_2d, (x, features, w, b, eps, col), {}
+        node.meta["axis_size"] = self.n(col)
 
     # -- sizes ----------------------------------------------------------------------------------
     def spell_sizes(self, node: fx.Node) -> None:
