@@ -10,7 +10,7 @@ order below meets them:
     TraceModel                nn.Module -> GraphModule, meta['module_path']       passes/trace_model.py
     ExampleShapeProp          meta['val'] on meta tensors                         passes/shape_prop.py
     CheckSingleOutput         refuse a tuple / dict output                        passes/check_output.py
-    TensorParallel            1D / 1D + sequence parallel / 2D rewrite, meta['spec'], state.tp_plan
+    TensorParallel            1D / 1D + sequence parallel / 2D / 2.5D / 3D rewrite (auto: the fastest), meta['spec'], state.tp_plan
                                                                                   passes/tensor_parallel.py
     [ExampleShapeProp]        tp > 1: again, for tp rank 0's local shapes
     [AutocastDtypeProp]       autocast: the dtypes torch.autocast gives           passes/autocast_prop.py

@@ -86,7 +86,8 @@ def summary_table(plan: Plan) -> str:
             foot += [f"  {line}" for line in block_lines(tp.regions)]
         else:
             split = sum(1 for line in tp.regions if ": whole" not in line)
-            foot.append(f"tensor parallel (tp={tp.tp}, {plan.tp_mode}{', sequence parallel' if tp.sequence_parallel else ''}): "
+            mode = plan.tp_mode + (f" -> {tp.mode}" if tp.mode else "")
+            foot.append(f"tensor parallel (tp={tp.tp}, {mode}{', sequence parallel' if tp.sequence_parallel else ''}): "
                         f"{split} of {len(tp.regions)} layers split, {len(tp.sharded)} parameters split "
                         f"(plan.explain(node) shows one op's candidates); per block:")
             foot += [f"  {line}" for line in block_lines(tp.regions)]
@@ -120,7 +121,8 @@ def _grid_note(plan: Plan) -> list[str]:
         what = (f"activations B/{rows} rows over {'tp_dep and ' if 'tp_dep' in size else ''}tp_row, "
                 f"C/{size['tp_col']} channels over tp_col; weights split {size['tp_col'] ** 2} ways"
                 f"{', whole over tp_dep (gradients summed over it)' if 'tp_dep' in size else ''}")
-    lines = [f"tensor parallel (tp={tp.tp}, {plan.tp_mode}): {grid}, tp rank in mixed radix over them; {what}; "
+    mode = plan.tp_mode + (f" -> {tp.mode}" if tp.mode else "")
+    lines = [f"tensor parallel (tp={tp.tp}, {mode}): {grid}, tp rank in mixed radix over them; {what}; "
              f"{len(tp.sharded)} parameters split; per tp rank: params {_bytes(params)}, saved activations "
              f"{_bytes(acts)} per microbatch"]
     forms: dict = {}

@@ -130,8 +130,11 @@ def broadcast_time(nbytes: float, n: int, profile) -> float:
     return _pipelined((n - 1).bit_length() * p.link_latency, nbytes / bw)
 
 
-def linear_2d_time(x_bytes: float, w_bytes: float, q: int, form: str, profile) -> tuple[float, float]:
-    """(forward s, backward s) of ``linear_2d`` with local blocks of ``x_bytes`` and ``w_bytes``.
+def linear_2d_time(x_bytes: float, w_bytes: float, q: int, form: str, profile,
+                   nodes: tuple = (None, None)) -> tuple[float, float]:
+    """(forward s, backward s) of ``linear_2d`` with local blocks of ``x_bytes`` and ``w_bytes``;
+    ``nodes``: the nodes the x gather's group (tp_col) and the w gather's (tp_row) span (None:
+    consecutive ranks).
 
     allgather: forward gathers x over a row and w over a column (each ring, (q-1) blocks per rank);
       backward re-gathers both and reduce-scatters both gradients.
@@ -143,7 +146,7 @@ def linear_2d_time(x_bytes: float, w_bytes: float, q: int, form: str, profile) -
     if form == "summa":
         fwd = q * (broadcast_time(x_bytes, q, profile) + broadcast_time(w_bytes, q, profile))
         return fwd, 2 * fwd
-    gx, gw = all_gather_time(q * x_bytes, q, profile), all_gather_time(q * w_bytes, q, profile)
+    gx, gw = all_gather_time(q * x_bytes, q, profile, nodes[0]), all_gather_time(q * w_bytes, q, profile, nodes[1])
     return gx + gw, 2 * (gx + gw)
 
 
@@ -155,21 +158,26 @@ def axis_size(axis: str, tp: int) -> int:
 def collective_time(node, n: int, profile) -> tuple[float, float]:
     """(forward s, backward s) of a collective graph node (one with ``target.comm_kind``) over n ranks
     (``n`` is tp; a node on a grid's axis runs over its ``meta["axis_size"]``, which the sharding
-    engine's lowering records: 2D's tp_row and tp_col sqrt(tp), 2.5D's tp_dep d, 3D's q each)."""
+    engine's lowering records: 2D's tp_row and tp_col sqrt(tp), 2.5D's tp_dep d, 3D's q each; an outer
+    axis's ranks sit ``meta["axis_stride"]`` apart, so its group spans the nodes ``group_nodes`` says)."""
     kinds = getattr(node.target, "comm_kind", None)
     if not kinds:
         return 0.0, 0.0
     if kinds[0] == "linear_2d":
         x, w = (a.meta.get("val") for a in node.args[:2])
-        return linear_2d_time(tensor_bytes(x), tensor_bytes(w), node.args[4], node.args[5], profile)
+        q = node.args[4]
+        spans = tuple(group_nodes(profile, q, st) if st > 1 else None for st in node.meta.get("axis_strides", (1, 1)))
+        return linear_2d_time(tensor_bytes(x), tensor_bytes(w), q, node.args[5], profile, spans)
     axis = next((a for a in node.args if isinstance(a, str)), "tp")
     n = node.meta.get("axis_size") or axis_size(axis, n)
+    stride = node.meta.get("axis_stride", 1)
+    nodes = group_nodes(profile, n, stride) if stride > 1 else None      # an outer axis of a grid: strided
     if hasattr(node.target, "comm_bytes"):                 # an op that computes too (layer_norm_2d)
         nbytes = node.target.comm_bytes(node)
-        return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)
+        return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile, nodes) if k else 0.0 for k in kinds)
     values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
     nbytes = max(tensor_bytes(v) for v in values)          # the unsharded side of the collective
-    return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile) if k else 0.0 for k in kinds)
+    return tuple(_COLLECTIVE_TIME[k](nbytes, n, profile, nodes) if k else 0.0 for k in kinds)
 
 
 _COLLECTIVE_TIME = {"all_reduce": all_reduce_time, "all_gather": all_gather_time,

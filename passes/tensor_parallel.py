@@ -22,6 +22,7 @@ from autosplit.cost_model.comm import linear_2d_time
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.sharding.grid import shard_grid
+from autosplit.passes.tp_auto import choose, label
 from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
 from autosplit.passes.sharding.engine import priced_at
 from autosplit.passes.sharding.megatron import shard_1d
@@ -70,19 +71,26 @@ class TensorParallel(MetaPass):
                 n.meta["spec"] = {"tp": Replicate()}
             s.put(tp_plan=None)
             return PassResult(graph_module, False)
-        if opts.tp_mode in GRID_MODES:
-            axes = tp_axes(opts.tp_mode, tp, opts.tp_depth)
-            q = dict(axes).get("tp_col", 1)
-            tp_plan = shard_grid(graph_module, opts.tp_mode, axes, s.profile,
-                                 form_chooser(opts.tp_2d_form, q, s.profile),
-                                 price_vals=layout_vals(graph_module, s.inputs, batch_ways(axes)))
+        if opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
+            budget = (s.budget if s.budget is not None else s.profile.memory_bytes) * s.mesh.pp
+            tp_plan, graph_module, mode, depth, line = choose(graph_module, s.inputs, tp, s.profile, budget,
+                                                              lambda gm, m, d: self.rewrite(gm, m, d, budget))
+            tp_plan.mode = label(mode, depth)
+            tp_plan.notes.insert(0, line)
         else:
-            budget = None
-            if opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
-                budget = (s.budget if s.budget is not None else s.profile.memory_bytes) * s.mesh.pp
-            tp_plan = shard_1d(graph_module, tp, s.profile, opts.sequence_parallel,
-                               price_vals=layout_vals(graph_module, s.inputs, 1), auto=opts.tp_mode == "auto",
-                               memory_budget=budget)
+            tp_plan = self.rewrite(graph_module, opts.tp_mode, opts.tp_depth)
         s.put(tp_plan=tp_plan)
         graph = graph_module.graph
         return PassResult(fx.GraphModule(tp_plan.local_root(0, graph), graph, type(s.model).__name__), True)
+
+    def rewrite(self, gm: fx.GraphModule, mode: str, depth: int | None, budget: float | None = None):
+        """``gm`` rewritten in place for one layout (``mode``: "1d", "auto" (1D's free choice), or a grid
+        mode with ``depth`` for "2.5d"); its TensorParallelPlan."""
+        s, opts, tp = self.state, self.state.options, self.state.mesh.tp
+        if mode in GRID_MODES:
+            axes = tp_axes(mode, tp, depth)
+            q = dict(axes).get("tp_col", 1)
+            return shard_grid(gm, mode, axes, s.profile, form_chooser(opts.tp_2d_form, q, s.profile),
+                              price_vals=layout_vals(gm, s.inputs, batch_ways(axes)))
+        return shard_1d(gm, tp, s.profile, opts.sequence_parallel, price_vals=layout_vals(gm, s.inputs, 1),
+                        auto=mode == "auto", memory_budget=budget)

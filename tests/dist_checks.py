@@ -88,7 +88,9 @@ def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, mic
     assert set(state) == set(ref_state)
     param_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    return {"loss_diff": loss_diff, "param_diff": param_diff, "losses": losses}
+    tp = pm.plan.tp_plan
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "losses": losses,
+            "tp_axes": [a for a, _ in tp.axes] if tp is not None else []}
 
 
 def error_of(fn, *args):

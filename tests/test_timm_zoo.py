@@ -113,11 +113,10 @@ def test_2d_trains_like_one_device(request, name):
 
 
 # 2.5D and 3D on 8 ranks: each mode on a part of the zoo (all sixteen train like one device in both
-# modes, docs/benchmarks.md; the suite keeps the parts that differ most: a bias made by cat (beit,
-# eva02), talking heads (cait), BatchNorm (xcit, levit), pooled attention (mvitv2), nn.MultiheadAttention,
-# relative positions, windows (samvit)).
-GRID_ZOO = {"3d": ("beit", "eva02", "cait", "xcit", "mvitv2", "torchvision_vit"),
-            "2.5d": ("vit_relpos", "deit3", "levit", "samvit")}
+# modes, docs/benchmarks.md; the suite keeps the parts that differ most: a bias made by cat (beit, whose
+# v_bias gradient was wrong under 3D before lower.py's copy), talking heads (cait), BatchNorm (xcit,
+# levit), relative positions (vit_relpos)).
+GRID_ZOO = {"3d": ("beit", "cait", "xcit"), "2.5d": ("vit_relpos", "levit")}
 GRID_KW = {"3d": {}, "2.5d": {"tp_depth": 2}}
 
 

@@ -42,13 +42,10 @@ def test_3d_with_a_pipeline(pool16):
     _check(pool16.run(train_matches_single_device, "tp_timm", (2, 8, 1), "1f1b", 1, microbatches=2, **MODES["3d"]))
 
 
-
-
-
 def _plan(mode, name="tp_timm", mesh=(1, 8, 1), batch=4, **kw):
     torch.manual_seed(0)
     return autosplit.compile(VARIANTS[name](), mesh=mesh, example_input=torch.randn(batch, 3, 32, 32),
-                             device="cpu", **MODES[mode], **kw)
+                             device="cpu", **{**MODES[mode], **kw})
 
 
 def _ways(plan, t: int) -> dict:
@@ -149,3 +146,24 @@ def test_checkpoint_saved_in_3d_resumes_in_25d(pool8, tmp_path):
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses[2:])) <= META_TOL, (r["losses"], ref_losses)
         assert r["warnings"] == [] and r["record"]["tp_mode"] == "3d", r["record"]
     assert _max_diff(results[0]["state"], ref_state) <= META_TOL
+
+
+def test_auto_prices_every_layout_and_keeps_the_fastest_that_fits():
+    """tp_mode="auto" plans 1D's free choice, 2.5D and 3D for tp = 8 and names each one's price: with no
+    budget the fastest (1D here: tiny widths, tp collectives dominate), under a budget 1D's kept bytes
+    exceed, the fastest grid that fits."""
+    free = _plan("2.5d", tp_mode="auto", tp_depth=None)
+    note = free.tp_plan.notes[0]
+    assert all(f"{m} " in note for m in ("1d (free)", "2.5d d=2", "3d")) and free.tp_plan.mode == "1d (free)", note
+    tight = _plan("2.5d", tp_mode="auto", tp_depth=None, memory_budget="300KB")
+    assert tight.tp_plan.mode in ("2.5d d=2", "3d") and tight.tp_plan.axes, tight.tp_plan.notes[0]
+    assert f"tp=8, auto -> {tight.tp_plan.mode}" in tight.summary()
+
+
+def test_auto_trains_a_grid_it_chose(pool8):
+    """parallelize(tp_mode="auto") builds the chosen grid's groups after planning (runtime/world.py
+    ``add_tp_axes``) and trains equal to one device."""
+    results = pool8.run(train_matches_single_device, "tp_hand", (1, 8, 1), "1f1b", 1, microbatches=2,
+                        tp_mode="auto", memory_budget="300KB")
+    _check(results)
+    assert results[0]["tp_axes"] in (["tp_dep", "tp_row", "tp_col"], ["tp_x", "tp_y", "tp_z"]), results[0]

@@ -122,8 +122,8 @@ class RankPlanner:
         bind_axis_groups({a: self.world.group(a) for a in self._axes()}, self.watchdog)
 
     def _axes(self) -> tuple[str, ...]:
-        grid = self.world.grid_mesh
-        return ("tp", *grid.mesh_dim_names[2:]) if grid is not None else ("tp",)
+        tp = self.plan.tp_plan if self.plan is not None else None
+        return ("tp", *(a for a, _ in tp.axes)) if tp is not None else ("tp",)
 
     def close(self) -> None:
         """Release the executor's threads and drop what holds the world's groups (the executor, the
@@ -164,6 +164,8 @@ class RankPlanner:
         mesh = (world.mesh.pp, world.mesh.tp, world.mesh.dp)
         self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts),
                                  warn=False)          # the BatchNorm warning: _warn_batch_norm
+        if self.plan.tp_plan is not None:       # tp_mode="auto" learns its grid's axes here (world.py)
+            world.add_tp_axes(self.plan.tp_plan.axes)
         self.provisional = provisional
         if world.rank == 0:
             log.info("planned:\n%s", self.plan.summary())

@@ -72,6 +72,27 @@ class World:
             raise AutosplitError(f"rank {self.rank} has no '{axis}' group (axes: {sorted(self.axis_groups)})")
         return self.axis_groups[axis]
 
+    def add_tp_axes(self, axes) -> None:
+        """The groups of a grid mode's tp axes (autosplit/tp/axes.py), unless built already: at the start
+        for a fixed tp_mode, after planning for tp_mode="auto".  Every rank plans the same, so every rank
+        builds the same groups in the same order, as DeviceMesh requires; tp rank = mixed radix over the
+        axes (outermost first), inside the consecutive tp ranks."""
+        axes = tuple(axes)
+        if len(axes) < 2 or all(a in self.axis_groups and dist.get_world_size(self.axis_groups[a]) == n
+                                for a, n in axes):
+            return
+        names, sizes = zip(*axes)
+        layout = torch.arange(self.size).reshape(self.mesh.pp, self.mesh.dp, *sizes)
+        grid = DeviceMesh(self.device.type, layout, mesh_dim_names=("pp", "dp", *names))
+        for axis in grid.mesh_dim_names:
+            group = grid.get_group(axis)
+            if group is not dist.group.WORLD and all(group is not g for g in self.created):
+                self.created.append(group)
+                if self.backend == "nccl":     # NCCL's watchdog after ours (init_world)
+                    dist.set_timeout(timedelta(seconds=nccl_timeout_s(self.timeout_s, self.size)), group)
+        self.axis_groups.update({axis: grid.get_group(axis) for axis in names})
+        self.grid_mesh = grid
+
     def rank_at(self, *, pp: int | None = None, tp: int | None = None, dp: int | None = None) -> int:
         """The global rank that differs from this one only on the named axes."""
         c = self.coord
@@ -176,20 +197,9 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
     # The agreement checks exchange a few integers on the host at the start of every call; on NCCL a
     # CPU (gloo) group does it, so reading them never waits for the GPU's queue (no device sync).
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
-    grid = None
-    sub = tp_axes(tp_mode, shape.tp, tp_depth)
-    if len(sub) > 1:
-        # tp rank = mixed radix over the sub-mesh's axes (outermost first), inside the consecutive tp
-        # ranks; every rank builds the same groups in the same order, as DeviceMesh requires.
-        names, sizes = zip(*sub)
-        layout = torch.arange(size).reshape(shape.pp, shape.dp, *sizes)
-        grid = DeviceMesh(device.type, layout, mesh_dim_names=("pp", "dp", *names))
     axis_groups = {axis: device_mesh.get_group(axis) for axis in LAYOUT_ORDER}
-    grid_groups = [grid.get_group(axis) for axis in grid.mesh_dim_names] if grid is not None else []
-    if grid is not None:
-        axis_groups.update({axis: grid.get_group(axis) for axis, _ in sub})
     created, default = [], dist.group.WORLD
-    for group in [*(axis_groups[a] for a in LAYOUT_ORDER), *grid_groups, control]:
+    for group in [*(axis_groups[a] for a in LAYOUT_ORDER), control]:
         if group is not None and group is not default and all(group is not g for g in created):
             created.append(group)
     if backend == "nccl":
@@ -198,6 +208,9 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
         for group in created:
             dist.set_timeout(timedelta(seconds=nccl_timeout_s(timeout_s, size)), group)
     rank = dist.get_rank()
-    return World(grid_mesh=grid, rank=rank, size=size, device=device, backend=backend, mesh=shape,
-                 coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,
-                 control_group=control, created=created, axis_groups=axis_groups)
+    world = World(rank=rank, size=size, device=device, backend=backend, mesh=shape,
+                  coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,
+                  control_group=control, created=created, axis_groups=axis_groups)
+    if tp_mode != "auto":             # "auto" knows its layout once planned (ParallelModule adds it then)
+        world.add_tp_axes(tp_axes(tp_mode, shape.tp, tp_depth))
+    return world

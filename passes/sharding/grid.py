@@ -26,6 +26,8 @@ Terms (engine: engine.py; lowering: lower.py; plan: tp_plan.py; axes: autosplit/
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -67,6 +69,7 @@ def shard_grid(gm: fx.GraphModule, mode: str, axes, profile, form, price_vals: d
         price_vals: the values to price candidates with (engine.py ``priced_at``); default gm's own.
     """
     names, size = [a for a, _ in axes], dict(axes)
+    stride = {a: math.prod(size[b] for b in names[k + 1:]) for k, a in enumerate(names)}   # mixed radix
     rows = names[:-1] if mode in ("2d", "2.5d") else names[:1]
     _check_rows(gm, mode, rows, size)
     functionalize(gm)
@@ -77,24 +80,22 @@ def shard_grid(gm: fx.GraphModule, mode: str, axes, profile, form, price_vals: d
     first = None
     for a in rows:                             # tp_row (tp_dep first), or tp_x
         shardings[a] = analyse(gm, size[a], profile, allowed_fn=batch_classes, must_split_fn=batch_classes,
-                               price_vals=price_vals, grid=True, base=first)
+                               price_vals=price_vals, grid=True, base=first, stride=stride[a])
         first = first or shardings[a]
     if mode == "3d":
         x, y, z = names
         either = lambda sh, table: batch_classes(sh, table) | weight_classes(sh, table)   # noqa: E731
-        shardings[y], shardings[z] = analyse_pair(gm, (size[y], size[z]), profile, first, allowed_fn=either,
+        shardings[y], shardings[z] = analyse_pair(gm, (size[y], size[z]), profile, first, (stride[y], stride[z]),
+                                                  allowed_fn=either,
                                                   must_split_fn=either, must_split_weights=True,
                                                   price_vals=price_vals, grid=True, partial_linears=True)
         store, grid, stats, main = x, None, (y, z), shardings[y]
     else:
         col = names[-1]
         shardings[col] = analyse(gm, size[col], profile, allowed_fn=weight_classes, must_split_fn=weight_classes,
-                                 price_vals=price_vals, grid=True, base=first)
+                                 price_vals=price_vals, grid=True, base=first, stride=stride[col])
         store, grid, stats, main = "tp_row", ("tp_row", col, form), (col,), shardings[col]
-    tp = 1
-    for a in names:
-        tp *= size[a]
-    plan = TensorParallelPlan(tp=tp, root=gm, sharding=main)
+    plan = TensorParallelPlan(tp=math.prod(size.values()), root=gm, sharding=main)
     plan.axes = tuple(axes)
     plan.regions = _regions(shardings, stats)
     plan.notes = opaque_notes(shardings)

@@ -28,18 +28,21 @@ from autosplit.passes.sharding.solve import solve
 from autosplit.passes.sharding.strategies import R
 
 
-def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Sharding, **kw) -> tuple[Sharding, Sharding]:
+def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Sharding, strides=(1, 1),
+                 **kw) -> tuple[Sharding, Sharding]:
     """The Shardings of two axes of the sizes ``axes``, chosen together (module docstring).
 
     Args:
         gm: the traced graph with global shapes.
         axes: (ranks on the first axis, ranks on the second).
+        strides: how far apart each axis's ranks sit (engine.py ``analyse``).
         profile: the DeviceProfile the costs are priced with.
         base: an earlier axis's Sharding of ``gm`` (its factors and op rules are shared).
         kw: ``analyse``'s candidate arguments (allowed_fn, must_split_fn, must_split_weights, grid,
             partial_linears, price_vals), the same for both axes.
     """
-    (sa, pa), (sb, pb) = (analyse(gm, n, profile, base=base, defer=True, **kw) for n in axes)
+    (sa, pa), (sb, pb) = (analyse(gm, n, profile, base=base, defer=True, stride=st, **kw)
+                          for n, st in zip(axes, strides))
     na, nb = axes
     pairs = []                                             # per node: [(option a, option b)]
     costs = []

@@ -34,6 +34,7 @@ Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorPa
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -108,6 +109,13 @@ class Lowering:
     def n(self, axis) -> int:
         return self.sh[axis].n
 
+    def axis_meta(self, axis) -> dict:
+        """For the cost model (cost_model/comm.py ``collective_time``): the ranks a collective over
+        ``axis`` runs on, and how far apart they sit in the tp group (the sizes of the axes inside it:
+        tp rank is mixed radix over the axes, the first outermost)."""
+        inner = self.axes[self.axes.index(axis) + 1:]
+        return {"axis_size": self.n(axis), "axis_stride": math.prod(self.n(b) for b in inner)}
+
     def layout(self, axis, node):
         return self.sh[axis].nodes[node].rule.out if node in self.sh[axis].nodes else None
 
@@ -123,9 +131,8 @@ class Lowering:
     def _new(self, after, fn, args, like, axis, place):
         with self.graph.inserting_after(after):
             node = self.graph.call_function(fn, args)
-        # axis_size: the ranks the collective runs over, for the cost model (cost_model/comm.py)
         node.meta.update(module_path=like.meta.get("module_path", ""), val=like.meta.get("val"),
-                         axis_size=self.n(axis))
+                         **self.axis_meta(axis))
         self.spec.setdefault(node, {})[axis] = place
         return node
 
@@ -500,13 +507,15 @@ class Lowering:
         chosen = form(node, node.args[0].meta["val"], tuple(weight.meta["val"].shape))
         self.plan.forms.append((node.meta.get("module_path") or node.name, chosen))
         args = (x, w, row, col, self.n(col), chosen)
+        spans = {"axis_strides": (self.axis_meta(col)["axis_stride"], self.axis_meta(row)["axis_stride"])}
         if bias is None:
             node.target, node.args, node.kwargs = C.linear_2d, args, {}
+            node.meta.update(spans)
             return
         # the node itself becomes the bias add, so it stays the one the engine's tables name
         with self.graph.inserting_before(node):
             product = self.graph.call_function(C.linear_2d, args)
-        product.meta.update(module_path=node.meta.get("module_path", ""), val=node.meta.get("val"))
+        product.meta.update(module_path=node.meta.get("module_path", ""), val=node.meta.get("val"), **spans)
         self.spec[product] = {a: self._place(a, node) for a in self.axes}
         node.target, node.args, node.kwargs = operator.add, (product, bias), {}
 
@@ -531,7 +540,7 @@ class Lowering:
         w, b = D.arg(node, 2, "weight"), D.arg(node, 3, "bias")
         eps = D.arg(node, 4, "eps", 1e-5)
         node.target, node.args, node.kwargs = C.layer_norm_2d, (x, features, w, b, eps, col), {}
-        node.meta["axis_size"] = self.n(col)
+        node.meta.update(self.axis_meta(col))
 
     # -- sizes ----------------------------------------------------------------------------------
     def spell_sizes(self, node: fx.Node) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autosplit.cost_model.comm import all_gather_time, all_reduce_time, reduce_scatter_time
+from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.roofline import op_time, output_dtype
 from autosplit.passes.op_names import inplace_base, op_name
@@ -63,7 +63,7 @@ class Enumerator:
     """Strategies and transition costs over one axis of ``n`` ranks."""
 
     def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=(),
-                 grid: bool = False, microbatches: int = 1, partial_linears: bool | None = None):
+                 grid: bool = False, microbatches: int = 1, partial_linears: bool | None = None, stride: int = 1):
         self.gm, self.f, self.rules, self.n, self.profile = gm, f, rules, n, profile
         self.microbatches = microbatches       # partial gradients are summed once per step: priced / m
         self.allowed = allowed                 # class roots that may be split (None: any)
@@ -74,6 +74,9 @@ class Enumerator:
         # whether a linear may give a Partial sum (split by input features): not on 2D's axes, where
         # every linear is linear_2d's; 3D's row-parallel axis gives one (reduce-scattered after)
         self.partial_linears = not grid if partial_linears is None else partial_linears
+        # the nodes the axis's group spans: its ranks sit ``stride`` apart (an outer axis of a grid mode's
+        # sub-mesh: autosplit/tp/axes.py), None: consecutive
+        self.nodes = group_nodes(profile, n, stride) if stride > 1 else None
 
     # -- classes and leaves ---------------------------------------------------------------------
     def classes(self, layout) -> dict[int, tuple[int, int]]:
@@ -208,7 +211,7 @@ class Enumerator:
             params = 4.0 * sum(p.numel() * p.element_size() for p in self.gm.get_submodule(n.target).parameters())
         ns.compute = [base / self.n if s.sharded else base for s in ns.options]
         if n.op == "call_module" and params:     # a split op on whole module weights: their gradient is summed
-            whole = all_reduce_time(params / 4.0, self.n, self.profile) / self.microbatches
+            whole = all_reduce_time(params / 4.0, self.n, self.profile, self.nodes) / self.microbatches
             ns.compute = [c + (whole if s.sharded and not any(d is not None for _, d in s.params) and
                                not (ns.rule.kind == "mha" and s.out == P) else 0.0)
                           for c, s in zip(ns.compute, ns.options)]
@@ -227,24 +230,24 @@ class Enumerator:
             if need == R and consumer_sharded and producer.op == "get_attr":
                 if not _is_parameter(self.gm, producer):
                     return 0.0                                  # a buffer: no gradient
-                return all_reduce_time(nbytes, n, prof) / self.microbatches   # its partial gradient, once a step
+                return all_reduce_time(nbytes, n, prof, self.nodes) / self.microbatches   # its partial gradient, once a step
             if need == R and consumer_sharded and producer.op != "placeholder":
-                return all_reduce_time(nbytes, n, prof)        # copy: the gradient is partial
+                return all_reduce_time(nbytes, n, prof, self.nodes)        # copy: the gradient is partial
             return 0.0
         if need == P:
             return None
         if have == P:
             if need == R:
-                return all_reduce_time(nbytes, n, prof) * (2 if consumer_sharded else 1)
-            return reduce_scatter_time(nbytes, n, prof) + all_gather_time(nbytes, n, prof) \
+                return all_reduce_time(nbytes, n, prof, self.nodes) * (2 if consumer_sharded else 1)
+            return reduce_scatter_time(nbytes, n, prof, self.nodes) + all_gather_time(nbytes, n, prof, self.nodes) \
                 if self._leads(layout, need[1]) else None
         if have == R:                                          # this rank's slice; backward all-gathers
             if not self._leads(layout, need[1]):
                 return None
-            return all_gather_time(nbytes, n, prof)
+            return all_gather_time(nbytes, n, prof, self.nodes)
         if need == R and self._leads(layout, have[1]):         # gather; backward slices or reduce-scatters
-            return all_gather_time(nbytes, n, prof) + \
-                (reduce_scatter_time(nbytes, n, prof) if consumer_sharded else 0.0)
+            return all_gather_time(nbytes, n, prof, self.nodes) + \
+                (reduce_scatter_time(nbytes, n, prof, self.nodes) if consumer_sharded else 0.0)
         return None
 
     def _leads(self, layout, cls) -> bool:

@@ -29,6 +29,7 @@ class TensorParallelPlan:
     partial_grads: set[str] = field(default_factory=set)
     forms: list = field(default_factory=list)             # 2D: (layer, "allgather" | "summa") per linear
     axes: tuple = ()                                      # grid modes: ((axis, size), ...) (autosplit/tp/axes.py)
+    mode: str = ""                                        # tp_mode="auto": the layout it chose (passes/tp_auto.py)
     sharding: object = field(default=None, repr=False)    # the engine's Sharding (1D), for explain()
     sequence_parallel: bool = False
     _cache: dict = field(default_factory=dict)
