@@ -109,7 +109,7 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str, full: int) -> torch.Tensor
     out = torch.cat(parts, dim=dim)
     # a fresh tensor, never a view: a model may write the gathered tensor in place (autograd forbids
     # in-place writes to a custom Function's view output); the padded case drops the padding by copy
-    return out if out.shape[dim] == full else out.narrow(dim, 0, full).clone()
+    return out if full is None or out.shape[dim] == full else out.narrow(dim, 0, full).clone()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False) -> torch.Tensor:

@@ -68,9 +68,10 @@ class LayoutGraph:
         grid = tp_mode in GRID_MODES and tp > 1
         self.axes = tp_axes(tp_mode, tp, tp_depth) if grid else ()
         self.unit = batch_ways(self.axes) if grid else 1
-        # the grid modes write the row count into the graph (gather's full size): rewrite at both sizes and
-        # extrapolate those integers too; the 1D rewrites write only head and token counts, so one serves.
-        sizes = (2, 3) if grid else (2,)
+        # one rewrite serves every size: the rewrites write head, token and feature counts into the graph,
+        # never a microbatch's rows (a grid's row gathers leave their size out: lower.py ``grid_rows``);
+        # the second size is a shape propagation, and the check below holds the rest to it
+        sizes = (2,)
         builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in sizes]
         self.gm, self.tp_plan = builds[0]                 # sizes >= 2: a size-1 dim's stride is arbitrary
         self.nodes = list(self.gm.graph.nodes)
@@ -240,3 +241,37 @@ def _scale(x, y, k: int):
     if value < 0:
         raise _NotAffine
     return value
+
+
+class DeferredLayout:
+    """A grid layout's LayoutGraph, built when a configuration of it is first priced (search.py, step 4).
+
+    Rewriting a graph for 2.5D or 3D costs seconds (three engine programs, one over pairs), and most of
+    the grid layouts of a search are pruned by the time bound before any is priced; until then this
+    stands in with bounds that hold for any layout of ``tp`` ranks, from the single-device graph
+    ``base``: FLOPs, saved activations and parameters over tp (a rank does at least its share of the
+    work and holds at least its share of the state; replicated ops and gathered copies only add), and
+    ``base``'s cut positions (the exact count is checked once built)."""
+
+    def __init__(self, build, tp: int, unit: int, base: LayoutGraph):
+        self._build, self.tp, self.unit, self.base = build, tp, unit, base
+        self.graph: LayoutGraph | None = None
+        self.error: str | None = None
+
+    @property
+    def cuts(self):
+        return self.base.cuts
+
+    def floors(self, b: int, profile) -> tuple[float, float, float]:
+        t, saved, params = self.base.floors(b, profile)
+        return t / self.tp, saved / self.tp, params / self.tp
+
+    def resolve(self) -> LayoutGraph | None:
+        """The built graph (once), or None with ``error`` the rewrite's refusal."""
+        if self.graph is None and self.error is None:
+            try:
+                self.graph = self._build()
+                self.graph.at(2 * self.graph.unit)
+            except AutosplitError as exc:
+                self.error = str(exc).splitlines()[0]
+        return self.graph

@@ -6,7 +6,8 @@ candidate.py (Candidate, Rejected, pruned).
 Order of work, cheapest refusals first:
   1. trace the model once; per layout, rewrite a copy for tensor parallelism (a refusal, e.g. heads not
      dividing by tp, rejects the layout, and every multiple of that tp: divisibility refusals are
-     inherited by multiples);
+     inherited by multiples); a grid layout (2D, 2.5D, 3D) is rewritten only when a configuration of
+     it is first priced (layout.py ``DeferredLayout``: bounds from the single-device graph until then);
   2. enumerate meshes, microbatch counts, schedules, checkpointing and dp sharding (space.py), rejecting
      what the compiler would refuse (batch and rows divisibility, stages beyond the graph's cuts,
      zero-bubble with dp_shard);
@@ -37,7 +38,7 @@ from autosplit.model_layers import layer_paths
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
 from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.strategy.costing import PRUNED, Group, price
-from autosplit.strategy.layout import LayoutGraph, fewest_microbatch_rows, trace_model
+from autosplit.strategy.layout import DeferredLayout, LayoutGraph, fewest_microbatch_rows, trace_model
 from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
 
 _SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
@@ -92,6 +93,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
 
     rejected: list[Rejected] = []
     specs = []                                  # (layout, graph, pp, dp, m, b, schedule, v)
+    single = None                               # the tp = 1 graph: a deferred grid layout's bounds
     failed = defaultdict(list)                  # tp_mode -> [(tp, message)]
     for layout in layouts(world_size):
         meshes = [(pp, layout.tp, world_size // (pp * layout.tp)) for pp in divisors(world_size // layout.tp)]
@@ -100,10 +102,13 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             base["tp_depth"] = layout.tp_depth
         known = next(((t, msg) for t, msg in failed[layout.tp_mode] if layout.tp % t == 0), None)
         graph = None
-        if known is None:
+        build = lambda layout=layout: LayoutGraph(traced, inputs, layout.tp, layout.tp_mode,  # noqa: E731
+                                                  layout.sequence_parallel, profile, tp_depth=layout.tp_depth)
+        if known is None and layout.unit > 1 and single is not None:
+            graph = DeferredLayout(build, layout.tp, layout.unit, single)   # built when first priced
+        elif known is None:
             try:
-                graph = LayoutGraph(traced, inputs, layout.tp, layout.tp_mode, layout.sequence_parallel, profile,
-                                    tp_depth=layout.tp_depth)
+                graph = build()
             except AutosplitError as exc:
                 known = (layout.tp, str(exc).splitlines()[0])
                 failed[layout.tp_mode].append(known)
@@ -111,7 +116,10 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             why = known[1] if known[0] == layout.tp else f"as for tp={known[0]} (a divisor): {known[1]}"
             rejected += [Rejected(mesh, base, why, "tensor parallel") for mesh in meshes]
             continue
-        graph.at(2 * graph.unit)
+        if layout.tp == 1:
+            single = graph
+        if not isinstance(graph, DeferredLayout):
+            graph.at(2 * graph.unit)
         n_segments = len(graph.cuts) + 1
         most = min(n_segments, 2 * len(layers)) if layers else n_segments
         for pp, tp, dp in meshes:
@@ -170,6 +178,29 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
+        if isinstance(key[0], DeferredLayout):       # a grid layout, built now if the bound does not prune it
+            deferred, b, checkpoint = key
+            base_key = (deferred.base, b, checkpoint, False)
+            if base_key not in groups:
+                groups[base_key] = Group(deferred.base, b, checkpoint, profile, layers, b * sample_bytes, False)
+            incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
+            # a rank's compute is at least 1/tp of the single-device ops' times (an op split n ways
+            # takes at least 1/n of its time: GEMM efficiency falls with size, launches stay)
+            if m * groups[base_key].work / (deferred.tp * pp) > incumbent:
+                pruned += 1
+                continue
+            graph = deferred.resolve()
+            mesh = (pp, deferred.tp, dp)
+            if graph is None:
+                rejected.append(Rejected(mesh, options, key[0].error, "tensor parallel"))
+                continue
+            most = min(len(graph.cuts) + 1, 2 * len(layers)) if layers else len(graph.cuts) + 1
+            if pp * v > most:
+                rejected.append(Rejected(mesh, options, f"pp({pp}) * chunks_per_rank({v}) = {pp * v} stages > "
+                                         f"{most} (segments the graph can be cut into, at most 2 per layer)",
+                                         "stages"))
+                continue
+            key = (graph, *key[1:])
         cross = pipeline_crosses_nodes(profile, pp, key[0].tp * dp)
         if pp == 1:     # one stage sends nothing: a group of this key priced for either crossing serves it
             cross = next((c for c in (False, True) if (*key, c) in groups), cross)

@@ -9,12 +9,13 @@ Terms:
              is first read, so that compute placed between them overlaps it (passes/tp_overlap.py).
              ``wait`` takes the very tensor ``all_reduce_start`` returned.
   all_gather / reduce_scatter / local_slice -- along a tensor dim (the token dim in sequence
-             parallelism); each one's backward is another of them.  ``all_gather`` feeds
+             parallelism, a grid's batch rows); each one's backward is another of them.  ``all_gather`` feeds
              column-parallel layers, whose input gradients are partial sums (so its backward
              reduce-scatters); ``gather`` feeds replicated ops, whose gradients are already whole (so
              its backward only slices).  ``full`` is the unsharded size of that dim: when it does not
              divide by n, shards are ceil(full / n) long and the last rank's is padded with zeros
-             (padding never reaches the unsharded tensor).
+             (padding never reaches the unsharded tensor).  None: n shards of equal size, whatever it
+             is (a grid's rows: the graph then holds no microbatch size).
   backend -- what runs an op on real tensors: the runtime binds one (autosplit/runtime/
              tp_collectives.py: process groups and autograd functions).  On meta tensors every op only
              computes its output's shape, which is all planning needs, so this module imports no
@@ -107,20 +108,20 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return x if _planning(x) else _backend().wait(x)
 
 
-def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int | None) -> torch.Tensor:
     """Shard(dim) over n ranks -> replicated, ``full`` long: all-gather forward, reduce-scatter backward."""
     dim = _dim(x, dim)
     if _planning(x):
-        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
+        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full or n * x.shape[dim]).clone()
     return _backend().all_gather(x, dim, axis, full)
 
 
-def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int) -> torch.Tensor:
+def gather(x: torch.Tensor, dim: int, axis: str, n: int, full: int | None) -> torch.Tensor:
     """Shard(dim) -> replicated for replicated consumers (a classifier head): all-gather forward; the
     gradient is already whole on every rank, so the backward only keeps this rank's slice."""
     dim = _dim(x, dim)
     if _planning(x):
-        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full).clone()
+        return torch.cat([x] * n, dim=dim).narrow(dim, 0, full or n * x.shape[dim]).clone()
     return _backend().gather(x, dim, axis, full)
 
 

@@ -96,6 +96,7 @@ class Lowering:
         self.ranks = plan.tp
         self.store, self.grid, self.stats = store, grid, tuple(stats)
         self.pending: dict = {}           # weighted node -> its bias, placed on the axes with no pending sum
+        self.rows: dict = {}              # axis -> the classes of the model inputs' rows (``grid_rows``)
         self.param_copies = len(self.axes) > 1
         self.made: dict = {}              # (axis, source, have, need, kind) -> transition node
         self.spec: dict = {}              # node -> {axis: torch placement}
@@ -108,6 +109,16 @@ class Lowering:
     # -- helpers --------------------------------------------------------------------------------
     def n(self, axis) -> int:
         return self.sh[axis].n
+
+    def grid_rows(self, axis, p: fx.Node, have) -> bool:
+        """Is ``have`` (a Shard) a split of the model inputs' rows under a grid mode (several axes)?"""
+        if not self.param_copies or p.op == "get_attr":
+            return False
+        if axis not in self.rows:
+            f = self.sh[axis].factors
+            self.rows[axis] = {f.find(leaf) for r in self.sh[axis].table.values() if r.kind == "input" and r.out
+                               for leaf in f.flat(r.out[0])}
+        return have[1] in self.rows[axis]
 
     def axis_meta(self, axis) -> dict:
         """For the cost model (cost_model/comm.py ``collective_time``): the ranks a collective over
@@ -322,7 +333,10 @@ class Lowering:
         else:
             d = self.split_dim(axis, p)
             fn = C.all_gather if consumer_sharded else C.gather
-            node = self._new(src, fn, (src, d, axis, n, p.meta["val"].shape[d] // outer), p, axis, Replicate())
+            full = p.meta["val"].shape[d] // outer
+            # an even split of a grid's rows: no size in the graph (the same graph serves any microbatch)
+            full = None if self.grid_rows(axis, p, have) and full % n == 0 else full
+            node = self._new(src, fn, (src, d, axis, n, full), p, axis, Replicate())
         self.made[key] = node
         return node
 
