@@ -102,12 +102,8 @@ class LayoutGraph:
             traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
         if tp == 1:
             return gm, None
-        if self.axes:
-            # priced at 2 units whatever b is (engine.py "priced at"): one layout at both sizes, as compile's
-            at2 = traced.propagated_at.get(2 * self.unit)
-            vals = {n.name: v for n, v in zip(traced.graph.nodes, at2)} if at2 is not None and b != 2 * self.unit \
-                else None
-            plan = shard_grid(gm, tp_mode, self.axes, self.profile, lambda node, x, w: "allgather", price_vals=vals)
+        if self.axes:           # built at 2 units only: priced there, as compile prices a layout
+            plan = shard_grid(gm, tp_mode, self.axes, self.profile, lambda node, x, w: "allgather")
         else:
             plan = shard_1d(gm, tp, self.profile, sp)
         gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)

@@ -27,14 +27,8 @@ from scipy.sparse import coo_matrix
 from autosplit.errors import PlanError
 
 
-_SOLVED: dict = {}      # problem -> picks: the last few programs solved (see ``solve``)
-_KEEP = 8
-
-
 def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memory: tuple | None = None) -> list[int]:
-    """Chosen option index per node.  A program solved a moment ago is answered from memory: the
-    search rewrites each layout at two microbatch sizes priced at one (engine.py "priced at"), so the
-    second asks the first's question again; HiGHS's answer to one program is the same every time.
+    """Chosen option index per node.
 
     Args:
         nodes: per node, the compute cost of each option (seconds).
@@ -45,18 +39,6 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
         memory: (per node, the bytes each option keeps on a rank; the budget), or None.  Raises
             Infeasible when no plan fits.
     """
-    key = (tuple(map(tuple, nodes)), tuple((p, c, tuple(pairs.items())) for p, c, pairs in edges),
-           tuple(map(tuple, must)), None if memory is None else (tuple(map(tuple, memory[0])), memory[1]))
-    if key in _SOLVED:
-        return list(_SOLVED[key])
-    picks = _solve(nodes, edges, must, memory)
-    if len(_SOLVED) >= _KEEP:
-        _SOLVED.pop(next(iter(_SOLVED)))
-    _SOLVED[key] = tuple(picks)
-    return picks
-
-
-def _solve(nodes: list, edges: list, must, memory) -> list[int]:
     offset, nvar = [], 0
     for costs in nodes:
         offset.append(nvar)
