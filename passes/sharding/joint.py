@@ -35,9 +35,9 @@ def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Shard
     Args:
         gm: the traced graph with global shapes.
         axes: (ranks on the first axis, ranks on the second).
-        strides: how far apart each axis's ranks sit (engine.py ``analyse``).
         profile: the DeviceProfile the costs are priced with.
         base: an earlier axis's Sharding of ``gm`` (its factors and op rules are shared).
+        strides: how far apart each axis's ranks sit (engine.py ``analyse``).
         kw: ``analyse``'s candidate arguments (allowed_fn, must_split_fn, must_split_weights, grid,
             partial_linears, price_vals), the same for both axes.
     """
@@ -49,8 +49,8 @@ def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Shard
     for i in range(len(pa.costs)):
         v = pa.order[i] if i < len(pa.order) else None
         opts = []
-        for a, ca in enumerate(pa.costs[i]):
-            for b, cb in enumerate(pb.costs[i]):
+        for a in range(len(pa.costs[i])):
+            for b in range(len(pb.costs[i])):
                 if v is None or _compatible(sa, sb, v, a, b):
                     opts.append((a, b))
         pairs.append(opts)
