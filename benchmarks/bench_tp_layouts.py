@@ -58,21 +58,11 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 WARNINGS: dict[str, None] = {}          # the planner's warnings, once each, in order
 
 
-def _root(n: int, k: int) -> int | None:
-    """q >= 2 with q^k = n, or None."""
-    return next((q for q in range(2, n + 1) if q ** k == n), None)
-
-
 def layouts(tp: int) -> list[tuple[str, int | None, str]]:
-    """(mode, tp_depth, grid) for every mode that factors tp."""
-    out = [("1d", None, f"{tp}")]
-    if q := _root(tp, 2):
-        out.append(("2d", None, f"{q}x{q}"))
-    out += [("2.5d", d, f"{q}x{q}x{d}") for d in range(2, tp // 4 + 1)
-            if tp % d == 0 and (q := _root(tp // d, 2))]
-    if q := _root(tp, 3):
-        out.append(("3d", None, f"{q}x{q}x{q}"))
-    return out
+    """(mode, tp_depth, grid) for every mode that factors tp (grid: q x q [x d | x q])."""
+    from autosplit.tp.axes import grid_layouts, tp_axes
+    return [("1d", None, f"{tp}")] + [(m, d, "x".join(str(n) for _, n in reversed(tp_axes(m, tp, d))))
+                                      for m, d in grid_layouts(tp)]
 
 
 def closed_form_divisors(mode: str, tp: int, d: int | None) -> tuple[int, int]:

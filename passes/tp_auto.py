@@ -27,17 +27,12 @@ from autosplit.cost_model.roofline import graph_time
 from autosplit.errors import AutosplitError
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.segment_costs import comm_time
-from autosplit.tp.axes import batch_ways, depths_25d, tp_axes
+from autosplit.tp.axes import batch_ways, grid_layouts, tp_axes
 
 
 def layouts(tp: int, rows: int) -> list[tuple[str, int | None]]:
     """(tp_mode, tp_depth) of every layout for ``tp`` ranks and microbatches of ``rows`` rows."""
-    out = [("auto", None)]
-    grids = [("2d", None)] if int(tp ** 0.5) ** 2 == tp else []
-    grids += [("2.5d", d) for d in depths_25d(tp) if d >= 2]
-    q = round(tp ** (1 / 3))
-    grids += [("3d", None)] if q >= 2 and q ** 3 == tp else []
-    return out + [(m, d) for m, d in grids if rows % batch_ways(tp_axes(m, tp, d)) == 0]
+    return [("auto", None)] + [(m, d) for m, d in grid_layouts(tp) if rows % batch_ways(tp_axes(m, tp, d)) == 0]
 
 
 def label(mode: str, depth: int | None) -> str:

@@ -21,12 +21,11 @@ Terms:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from autosplit.schedule import SPLIT_BACKWARD
 from autosplit.segment_costs import CHECKPOINTS
-from autosplit.tp.axes import GRID_MODES, batch_ways, depths_25d, tp_axes
+from autosplit.tp.axes import GRID_MODES, batch_ways, grid_layouts, tp_axes
 
 
 def divisors(n: int) -> list[int]:
@@ -59,13 +58,7 @@ def layouts(world: int) -> list[Layout]:
         out.append(Layout(tp, "1d", False))
         if tp > 1:
             out.append(Layout(tp, "1d", True))
-            q = math.isqrt(tp)
-            if q * q == tp:
-                out.append(Layout(tp, "2d", False))
-            out += [Layout(tp, "2.5d", False, d) for d in depths_25d(tp) if d >= 2]
-            q = round(tp ** (1 / 3))
-            if q >= 2 and q ** 3 == tp:
-                out.append(Layout(tp, "3d", False))
+            out += [Layout(tp, mode, False, depth) for mode, depth in grid_layouts(tp)]
     return out
 
 

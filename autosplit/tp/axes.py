@@ -60,6 +60,15 @@ def tp_axes(tp_mode: str, tp: int, depth: int | None = None) -> tuple[tuple[str,
     return (("tp_dep", depth), ("tp_row", q), ("tp_col", q))
 
 
+def grid_layouts(tp: int) -> list[tuple[str, int | None]]:
+    """(tp_mode, tp_depth) of every grid layout ``tp`` ranks factor into, q >= 2: "2d" (q x q), "2.5d" at
+    each depth d >= 2 (q x q x d; d = 1 is 2D), "3d" (q^3).  The search's and ``tp_mode="auto"``'s."""
+    out = [("2d", None)] if tp > 1 and math.isqrt(tp) ** 2 == tp else []
+    out += [("2.5d", d) for d in depths_25d(tp) if d >= 2]
+    q = round(tp ** (1 / 3))
+    return out + ([("3d", None)] if q >= 2 and q ** 3 == tp else [])
+
+
 def depths_25d(tp: int) -> list[int]:
     """The depths d >= 1 for which tp = q * q * d with q >= 2."""
     out = []
