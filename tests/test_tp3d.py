@@ -110,8 +110,11 @@ def test_dump_and_summary_name_the_axes(tmp_path):
 @pytest.mark.parametrize("mode,tp,kw,msg", [
     ("3d", 4, {}, "tp=4 is not (nearest cubes: 8 = 2^3"),
     ("3d", 16, {}, "nearest cubes: 8 = 2^3 and 27 = 3^3"),
-    ("2.5d", 8, {"tp_depth": None}, "needs tp_depth=d with tp = q * q * d (q >= 2, d >= 1); tp=8 allows tp_depth in 2 (q=2)"),
+    ("2.5d", 8, {"tp_depth": None},
+     "needs tp_depth=d with tp = q * q * d (q >= 2, d >= 1), got tp_depth=None; tp=8 allows tp_depth in 2 (q=2)"),
     ("2.5d", 8, {"tp_depth": 4}, "tp_depth=4: tp=8 must be q * q * 4 with q >= 2"),
+    ("2.5d", 8, {"tp_depth": 0}, "tp_depth=0: tp=8 must be q * q * 0 with q >= 2 (d must be >= 1"),
+    ("2.5d", 8, {"tp_depth": "2"}, "got tp_depth='2'"),
     ("2.5d", 6, {"tp_depth": 2}, "tp=6 allows no depth"),
     ("2d", 8, {"tp_depth": 2}, "tp_depth=2 applies to tp_mode='2.5d'"),
 ])

@@ -50,13 +50,13 @@ def tp_axes(tp_mode: str, tp: int, depth: int | None = None) -> tuple[tuple[str,
         return (("tp_x", q), ("tp_y", q), ("tp_z", q))
     valid = depths_25d(tp)
     if depth is None or isinstance(depth, bool) or not isinstance(depth, int):
-        raise AutosplitError(f"tp_mode='2.5d' needs tp_depth=d with tp = q * q * d (q >= 2, d >= 1); "
-                             f"tp={tp} allows {_depth_list(tp, valid)}")
+        raise AutosplitError(f"tp_mode='2.5d' needs tp_depth=d with tp = q * q * d (q >= 2, d >= 1), got "
+                             f"tp_depth={depth!r}; tp={tp} allows {_depth_list(tp, valid)}")
     q = math.isqrt(tp // depth) if depth >= 1 and tp % depth == 0 else 0
     if depth < 1 or tp % depth or q * q * depth != tp or q < 2:
+        quotient = f"tp / d = {tp / depth:g}" if depth >= 1 else "d must be >= 1"
         raise AutosplitError(f"tp_mode='2.5d' with tp_depth={depth}: tp={tp} must be q * q * {depth} with q >= 2 "
-                             f"(tp / d = {tp / depth if depth else 'inf':g} is not a square of q >= 2); "
-                             f"tp={tp} allows {_depth_list(tp, valid)}")
+                             f"({quotient}, not a square of q >= 2); tp={tp} allows {_depth_list(tp, valid)}")
     return (("tp_dep", depth), ("tp_row", q), ("tp_col", q))
 
 
