@@ -107,6 +107,7 @@ def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.Grap
             is_layer[run] = layer is not None
         runs[node] = run
     split = split_module(stage, stage, lambda n: runs[n], keep_original_order=True)
+    split.layer_runs = True        # its submod_* children are the runs (runtime/compiled_stages.py compiles each)
     names = [name for name, _ in split.named_children()
              if name.startswith("submod_") and is_layer.get(int(name.removeprefix("submod_")), False)]
     return split, names

@@ -42,12 +42,15 @@ from autosplit.runtime.agreement import check_agreement
 from autosplit.runtime.call_checks import check_call
 from autosplit.runtime.call_gate import CallGate
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autosplit.runtime.compiled_stages import compile_seconds
 from autosplit.runtime.faults import RankFailure, Watchdog
 from autosplit.runtime.gradients import begin_step, clip_grad_norm, finish_step
 from autosplit.runtime.loss_check import loss_fn_problem
 from autosplit.runtime.loss_scaler import LossScaler
 from autosplit.runtime.rank_plan import RankPlanner
 from autosplit.runtime.world import World
+
+log = logging.getLogger("autosplit")
 
 
 _OPEN: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()    # built and not closed, in this process
@@ -109,11 +112,13 @@ class ParallelModule:
         example_input: one microbatch to plan for now, or None (planned at the first call).
         bucket_bytes: size of a data-parallel gradient bucket.
         seed, init_fn: how a meta model's shards are initialized (autosplit/meta_init.py).
+        compile_settings: ``torch.compile`` arguments for every stage module (runtime/compiled_stages.py),
+            or None: eager stages.
     """
 
     def __init__(self, model: torch.nn.Module, world: World, loss_fn: Callable, options: PlanOptions,
                  example_input=None, *, bucket_bytes: int = 25 * 2**20, seed: int = 0,
-                 init_fn: Callable | None = None):
+                 init_fn: Callable | None = None, compile_settings: dict | None = None):
         self._closed, self._serial = False, next(_BUILT)
         # first: whatever raises below, the world's groups are released (as an orphan) once this goes
         self._owned = _Owned(world, self._serial)
@@ -129,7 +134,9 @@ class ParallelModule:
         self.gate = CallGate(world, self.watchdog)
         # a meta model: each rank initializes only its own shards (autosplit/meta_init.py)
         self.initializer = Initializer(model, seed, init_fn) if meta_names(model) else None
-        self.planner = RankPlanner(model, world, self.watchdog, options, loss_fn, bucket_bytes, self.initializer)
+        self.planner = RankPlanner(model, world, self.watchdog, options, loss_fn, bucket_bytes, self.initializer,
+                                   compile_settings)
+        self.compile_seconds = 0.0          # torch.compile's time on this rank, so far (compiled stages)
         self._owned.watchdog, self._owned.planner = self.watchdog, self.planner
         # the plan all ranks agreed on; model checked (a meta model is never whole on a rank, and its
         # values are a function of (seed, name): nothing to compare)
@@ -265,7 +272,18 @@ class ParallelModule:
         loss_sum, _ = self.executor.run(xs, ys, loss_scale=self.scaler.scale / self.num_microbatches, train=True)
         loss = finish_step(self.planner, self.scaler, loss_sum, earlier, self.num_microbatches)
         self.step_count += 1
+        self._report_compile()
         return loss
+
+    def _report_compile(self) -> None:
+        """One log line per rank when its stages compiled (the first step, a new shape or grad mode)."""
+        if self.planner.compile_settings is None:
+            return
+        total = compile_seconds()
+        if total > self.compile_seconds:
+            log.info("rank %d: torch.compile of its stages took %.1f s (%.1f s in all so far)", self.world.rank,
+                     total - self.compile_seconds, total)
+            self.compile_seconds = total
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -304,6 +322,7 @@ class ParallelModule:
         xs = self._microbatches(inputs, "predict")
         self.planner.plan_for(xs[0], self._agree)
         _, outs = self.executor.run(xs, None, train=False)
+        self._report_compile()
         if self.planner.sharding:
             self.planner.sharding.reshard()   # forward only: free the parameters kept for a backward
         self.planner.sync_buffers()           # a forward in training mode may update BatchNorm statistics

@@ -11,6 +11,7 @@ import torch
 
 from autosplit.options import PlanOptions, check_dp_shard
 from autosplit.runtime.auto_mesh import auto_arguments
+from autosplit.runtime.compiled_stages import compile_settings
 from autosplit.host_memory import keep_freed_host_memory
 from autosplit.runtime.parallel_module import ParallelModule, release_orphans
 from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
@@ -25,7 +26,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 leaf_modules: Sequence = (), concrete_args: dict | None = None,
                 stage_bounds: Sequence[int] | None = None, sequence_parallel: bool = False,
                 tp_2d_form: str = "auto", tp_overlap_chunks: int = 1, tp_depth: int | None = None,
-                global_batch: int | None = None,
+                global_batch: int | None = None, compile_stages: bool | dict = False,
                 options: PlanOptions | None = None,
                 **unknown) -> ParallelModule:
     """Turn ``model`` into this rank's part of a (pp, tp, dp) training program.
@@ -67,14 +68,16 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
         fixed = {k: getattr(plan_options, k) for k in ("device", "memory_budget", "leaf_modules", "concrete_args")}
         chosen = auto_arguments(model, example_input, global_batch, fixed, plan_options.autocast)
         return parallelize(model, loss_fn=loss_fn, timeout_s=timeout_s, bucket_mb=bucket_mb, seed=seed,
-                           init_fn=init_fn, **chosen)
+                           init_fn=init_fn, compile_stages=compile_stages, **chosen)
     check_dp_shard(plan_options.dp_shard)     # before any rendezvous: the same error on every rank
+    settings = compile_settings(compile_stages)
     release_orphans()         # groups of modules dropped without close() (parallel_module.py *orphan*)
     world = init_world(mesh, timeout_s, plan_options.tp_mode, plan_options.tp_depth)
     if world.device.type == "cpu":     # activations live in host memory: keep it (autosplit/host_memory.py)
         keep_freed_host_memory()
     return ParallelModule(model, world, loss_fn or torch.nn.CrossEntropyLoss(), plan_options, example_input,
-                          bucket_bytes=int(bucket_mb * 2**20), seed=seed, init_fn=init_fn)
+                          bucket_bytes=int(bucket_mb * 2**20), seed=seed, init_fn=init_fn,
+                          compile_settings=settings)
 
 
 _SIGNATURE_DEFAULTS = dict(num_microbatches=8, device=None)   # where parallelize's default is not PlanOptions'

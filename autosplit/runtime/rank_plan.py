@@ -37,6 +37,7 @@ from autosplit.runtime import tp_collectives
 from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.buffers import BufferSync
 from autosplit.runtime.checkpointing import checkpointed
+from autosplit.runtime.compiled_stages import compile_units
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.fsdp import StageSharding
@@ -61,11 +62,14 @@ class RankPlanner:
         loss_fn: ``loss_fn(logits, labels)``, run on the last stage.
         bucket_bytes: size of a data-parallel gradient bucket.
         initializer: a meta model's Initializer (autosplit/meta_init.py), or None.
+        compile_settings: ``torch.compile`` arguments for every stage (runtime/compiled_stages.py), or
+            None: stages run eagerly.
     """
 
     def __init__(self, model: torch.nn.Module, world, watchdog, options: PlanOptions, loss_fn: Callable,
-                 bucket_bytes: int, initializer: Initializer | None):
+                 bucket_bytes: int, initializer: Initializer | None, compile_settings: dict | None = None):
         self.model, self.world, self.watchdog, self.options = model, world, watchdog, options
+        self.compile_settings = compile_settings
         self.loss_fn, self.bucket_bytes, self.initializer = loss_fn, bucket_bytes, initializer
         self.plan = None
         self.provisional = False
@@ -202,9 +206,12 @@ class RankPlanner:
         # overlaps them with the backward all-reduce / reduce-scatter of the entries' input gradients
         # (runtime/tp_collectives.py), on every stage.  Not under dp_shard: FSDP2 reduce-scatters a
         # module's gradients when its backward ends.
-        overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard
+        # Compiled stages keep the fused backward (inductor's): the split GEMMs' deferral is Python state
+        # that a compiled backward graph cannot carry, so I runs the whole backward and W finds nothing.
+        compiled = self.compile_settings is not None
+        overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard and not compiled
         stages = plan.placement.stages(coord.pp)
-        deferring = plan_deferred_w_stages(plan)
+        deferring = plan_deferred_w_stages(plan) if not compiled else set()
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
         if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
@@ -215,6 +222,9 @@ class RankPlanner:
         else:
             self.raw_modules = modules
             self.modules = [checkpointed(m, self.model, opts.checkpoint) for m in self.raw_modules]
+        if compiled:
+            for s, m in zip(stages, self.modules):
+                compile_units(m, self.compile_settings, f"rank {world.rank} stage {s}")
         self.bind()
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]

@@ -19,7 +19,8 @@ Terms:
   backend -- what runs an op on real tensors: the runtime binds one (autosplit/runtime/
              tp_collectives.py: process groups and autograd functions).  On meta tensors every op only
              computes its output's shape, which is all planning needs, so this module imports no
-             runtime and no process group.
+             runtime and no process group.  While torch.compile traces a stage, the ops go to a second
+             backend (runtime/traceable_collectives.py: custom ops dynamo records without a graph break).
   comm_kind -- on each op, (forward, backward) collective kinds, read by the cost model.
 
 2D (SUMMA / Optimus) vocabulary, over the axes ``tp_row`` and ``tp_col`` of a q x q grid:
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 _BACKEND: list = [None]
+_TRACEABLE: list = [None]
 
 
 def bind(backend) -> None:
@@ -47,7 +49,19 @@ def bind(backend) -> None:
     _BACKEND[0] = backend
 
 
+def bind_traceable(backend) -> None:
+    """Install the implementation dynamo traces (autosplit/runtime/traceable_collectives.py)."""
+    _TRACEABLE[0] = backend
+
+
 def _backend():
+    if torch.compiler.is_compiling():
+        # a stage under torch.compile: collectives as custom ops with fake implementations (no graph break)
+        if _TRACEABLE[0] is None:
+            raise RuntimeError("a tensor-parallel stage is being compiled, but autosplit.runtime."
+                               "traceable_collectives was not loaded: compile stages with parallelize(..., "
+                               "compile_stages=True)")
+        return _TRACEABLE[0]
     if _BACKEND[0] is None:
         raise RuntimeError("this stage runs tensor-parallel collectives, but no process group is bound to "
                            "its axis: run stage modules under autosplit.parallelize")
@@ -55,8 +69,9 @@ def _backend():
 
 
 def _planning(x: torch.Tensor) -> bool:
-    """A meta or fake tensor (shape and dtype propagation): compute the output's shape only."""
-    return x.device.type == "meta" or is_fake(x)
+    """A meta or fake tensor (shape and dtype propagation): compute the output's shape only.  Not while
+    dynamo traces a stage: its tensors are fake there too, but the graph it records must communicate."""
+    return not torch.compiler.is_compiling() and (x.device.type == "meta" or is_fake(x))
 
 
 def axis_rank(axis: str) -> int:

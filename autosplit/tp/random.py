@@ -82,9 +82,16 @@ class TpRandom(nn.Module):
         return self.fn(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if _device_of(args, kwargs).type == "meta" or getattr(getattr(self, "inner", None), "p", None) == 0:
+            return self._call(args, kwargs)     # planning, or a dropout that draws nothing (p read per call)
+        return self._forked(args, kwargs)
+
+    # Why dynamo does not trace the fork: the seed is a host read (.item()) and fork_rng a context over
+    # generator states, both graph breaks; and inductor's own random kernels would not draw torch's
+    # masks anyway.  So a compiled stage runs each sharded dropout eagerly, here: one deliberate break.
+    @torch._dynamo.disable
+    def _forked(self, args, kwargs):
         device = _device_of(args, kwargs)
-        if device.type == "meta":
-            return self._call(args, kwargs)
         seed = int(torch.randint(0, 2**62, (1,)).item())        # one draw of the default CPU stream
         rank = ops.axis_rank(self.axis)
         if device.type == "cuda":

@@ -1,0 +1,102 @@
+"""``compile_stages``: run this rank's stage modules through ``torch.compile``.
+
+Terms:
+  settings  -- the keyword arguments handed to ``torch.compile`` (``backend``, default inductor;
+               ``mode``; ``dynamic``; ``fullgraph``; ``options``): ``compile_stages=True`` is ``{}``, a
+               dict gives them.
+  unit      -- what one ``torch.compile`` call covers: a stage GraphModule's ``forward``; under
+               activation checkpointing the module inside each ``Checkpointed`` (the recomputation
+               re-runs the compiled forward, as torchtitan orders compile inside checkpointing); for a
+               stage split into layer runs (``checkpoint="block"``, FSDP2 layer units) each run.  Why the
+               ``forward`` and not the module's ``__call__``: the hooks around a call (FSDP2's
+               all-gather and reshard, torch's checkpoint) stay outside the graph, eager, where they are
+               built to run; the graph holds only the stage's own ops, and so has no break.
+  signature -- the (shape, dtype) of a unit's tensor inputs and the grad mode: dynamo compiles once per
+               signature (a guard failure recompiles), so a new signature is logged where it happens;
+               a fixed microbatch compiles each unit once for training and once for ``predict``.
+  compile time -- torch's own timers (``torch._dynamo.utils.compilation_time_metrics``: dynamo's trace
+               and the backend's forward compile, and the backward compiled at its first run), read
+               after each step: ``compile_seconds`` and one log line per rank when it grew.
+Collectives inside a unit are traceable custom ops (runtime/traceable_collectives.py), loaded here.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from autosplit.errors import AutosplitError
+from autosplit.runtime import traceable_collectives  # noqa: F401  (binds the ops dynamo traces)
+from autosplit.runtime.checkpointing import Checkpointed
+
+log = logging.getLogger("autosplit")
+
+SETTINGS = ("backend", "mode", "dynamic", "fullgraph", "options")
+# the timers that, summed, are one compile: a frame's (trace + forward compile) and a lazy backward's
+_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_settings(value) -> dict | None:
+    """``compile_stages``' value as ``torch.compile`` keyword arguments, or None (off); a bad value is
+    refused naming what is accepted."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(SETTINGS))
+        if unknown:
+            raise AutosplitError(f"compile_stages={value!r}: unknown key{'s' if len(unknown) > 1 else ''} "
+                                 f"{', '.join(map(repr, unknown))}; a dict takes torch.compile's "
+                                 f"{', '.join(SETTINGS)}")
+        return dict(value)
+    raise AutosplitError(f"compile_stages={value!r}: expected True, False, or a dict of torch.compile "
+                         f"arguments ({', '.join(SETTINGS)})")
+
+
+class _CompiledForward:
+    """A unit's compiled ``forward``, logging each new input signature (a compile) once."""
+
+    def __init__(self, forward, settings: dict, label: str):
+        self.compiled = torch.compile(forward, **settings)
+        self.label = label
+        self.signatures: set = set()
+
+    def __call__(self, *args, **kwargs):
+        signature = (tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor)),
+                     torch.is_grad_enabled())
+        if signature not in self.signatures:
+            again = " (recompiles)" if self.signatures else ""
+            log.info("%s: compiling for inputs %s, grad %s%s", self.label,
+                     [s for s, _ in signature[0]], "on" if signature[1] else "off", again)
+            self.signatures.add(signature)
+        return self.compiled(*args, **kwargs)
+
+
+def _is_split(module: torch.nn.Module) -> bool:
+    """A stage split into runs by runtime/checkpointing.py ``split_layers``."""
+    return isinstance(module, fx.GraphModule) and getattr(module, "layer_runs", False)
+
+
+def compile_units(module: torch.nn.Module, settings: dict, label: str) -> int:
+    """Compile every unit of the executor's ``module`` in place (see the module docstring); returns
+    how many units were compiled."""
+    if isinstance(module, Checkpointed):
+        return compile_units(module.module, settings, label)
+    if _is_split(module):
+        return sum(compile_units(child, settings, f"{label} {name}") for name, child in module.named_children()
+                   if name.startswith("submod_"))
+    module.forward = _CompiledForward(module.forward, settings, label)
+    return 1
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling (torch's timers; 0 where this torch keeps none)."""
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    return sum(sum(metrics.get(name, ())) for name in _TIMERS)
+
+
+def graph_breaks() -> int:
+    """Graph breaks dynamo has counted in this process."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
