@@ -242,14 +242,29 @@ def _tuple(value, n: int) -> list[int]:
     return list(value) if isinstance(value, (tuple, list)) else [value] * n
 
 
+# (split_linear, split_conv) as dynamo traces them: autosplit/weight_grad_ops.py installs them on import
+TRACED: list = []
+
+
+def _traced(k: int):
+    if not TRACED:
+        raise RuntimeError("a stage with split weight GEMMs is being compiled, but autosplit.weight_grad_ops "
+                           "was not loaded: compile stages with parallelize(..., compile_stages=True)")
+    return TRACED[k]
+
+
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose weight gradient is deferred (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return _traced(0)(x, weight, bias)
     return _SplitLinear.apply(x, weight, bias)
 
 
 def split_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
                dilation=1, groups: int = 1) -> torch.Tensor:
     """``F.conv{1,2,3}d`` (by ``x.dim()``) whose weight gradient is deferred; numeric padding only."""
+    if torch.compiler.is_compiling():
+        return _traced(1)(x, weight, bias, stride, padding, dilation, groups)
     return _SplitConv.apply(x, weight, bias, stride, padding, dilation, groups)
 
 

@@ -17,7 +17,8 @@ Terms:
   compile time -- torch's own timers (``torch._dynamo.utils.compilation_time_metrics``: dynamo's trace
                and the backend's forward compile, and the backward compiled at its first run), read
                after each step: ``compile_seconds`` and one log line per rank when it grew.
-Collectives inside a unit are traceable custom ops (runtime/traceable_collectives.py), loaded here.
+Collectives inside a unit are traceable custom ops (runtime/traceable_collectives.py), and so are the
+weight gradients a zero-bubble W computes (autosplit/weight_grad_ops.py); both are loaded here.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import torch.fx as fx
 from autosplit.errors import AutosplitError
 from autosplit.runtime import traceable_collectives  # noqa: F401  (binds the ops dynamo traces)
 from autosplit.runtime.checkpointing import Checkpointed
+from autosplit.runtime.fsdp import unsharded_params
+from autosplit.weight_grad_ops import register_weights
 
 log = logging.getLogger("autosplit")
 
@@ -82,6 +85,7 @@ def _is_split(module: torch.nn.Module) -> bool:
 def compile_units(module: torch.nn.Module, settings: dict, label: str) -> int:
     """Compile every unit of the executor's ``module`` in place (see the module docstring); returns
     how many units were compiled."""
+    register_weights(module)            # the split GEMMs' Parameters, by storage (weight_grad_ops.py)
     if isinstance(module, Checkpointed):
         return compile_units(module.module, settings, label)
     if _is_split(module):
@@ -89,6 +93,35 @@ def compile_units(module: torch.nn.Module, settings: dict, label: str) -> int:
                    if name.startswith("submod_"))
     module.forward = _CompiledForward(module.forward, settings, label)
     return 1
+
+
+def unalias_grads(module: torch.nn.Module) -> None:
+    """Give every parameter of ``module`` a ``.grad`` that overlaps no other's (call after each backward).
+
+    Why: a compiled backward may return one parameter's gradient as a view into another's (torch 2.14:
+    with a one-row microbatch, the class token's gradient is the first row of the position embedding's,
+    the sum over the broadcast batch being a no-op), and autograd then keeps both as ``.grad``.  The
+    next microbatch's in-place accumulation into one would add into the other too: wrong gradients
+    (tests/test_compile_stages.py shows it).  Overlap, not a shared storage, is the fault: the dp
+    buckets' ``.grad`` views share one flat buffer on purpose, side by side.  A sweep over the
+    gradients' element spans, sorted by (storage, start), copies each one that overlaps an earlier one.
+    Under dp_shard the gradients accumulate on FSDP2's unsharded parameters, which are checked too.
+    """
+    spans = []
+    for p in [*module.parameters(), *unsharded_params(module)]:
+        g = p.grad
+        if g is None or type(g) is not torch.Tensor or g.numel() == 0:
+            continue
+        start = g.storage_offset()
+        end = start + sum((n - 1) * st for n, st in zip(g.shape, g.stride())) + 1
+        spans.append((g.untyped_storage().data_ptr(), start, end, p))
+    spans.sort(key=lambda t: t[:3])
+    reach = (None, 0)                   # (storage, furthest end so far in it)
+    for address, start, end, p in spans:
+        if address == reach[0] and start < reach[1]:
+            p.grad = p.grad.clone()
+            continue
+        reach = (address, max(end, reach[1]) if address == reach[0] else end)
 
 
 def compile_seconds() -> float:

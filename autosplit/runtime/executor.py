@@ -46,7 +46,8 @@ F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 class PipelineExecutor:
     def __init__(self, world, plan, modules: list[torch.nn.Module], loss_fn: Callable, watchdog,
-                 autocast_dtype: torch.dtype | None = None, on_last_backward: Callable | None = None):
+                 autocast_dtype: torch.dtype | None = None, on_last_backward: Callable | None = None,
+                 after_backward: Callable | None = None):
         self.world, self.plan, self.loss_fn, self.watchdog = world, plan, loss_fn, watchdog
         pp, r = plan.mesh.pp, world.coord.pp
         self.pp, self.n_stages, self.m = pp, plan.n_stages, plan.num_microbatches
@@ -64,6 +65,7 @@ class PipelineExecutor:
                           for s in self.modules}
         self.autocast_dtype = autocast_dtype
         self.on_last_backward = on_last_backward or (lambda stage, final=(): None)
+        self.after_backward = after_backward        # (stage module) -> None, after each B / I
         self.transport = make_transport(world.backend, world.group("pp")) if pp > 1 else None
         if self.transport is not None and world.backend == "nccl":
             # NCCL's first operation on a communicator must involve all of its ranks (see
@@ -207,6 +209,8 @@ class PipelineExecutor:
                 pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.after_backward is not None:
+            self.after_backward(self.modules[s])
         if a.kind is B:
             self._weight_grad(a)        # what the collectives left (arms the stage if last)
         if s == 0:

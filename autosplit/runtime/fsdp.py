@@ -284,3 +284,20 @@ def grad_square(g: torch.Tensor, count_replicated: bool) -> torch.Tensor:
     if isinstance(g, DTensor):
         return g.to_local().detach().double().square().sum()
     return g.detach().double().square().sum() if count_replicated else g.new_zeros((), dtype=torch.float64)
+
+
+def unsharded_params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters FSDP2 keeps for the units under ``module`` (gradients accumulate on
+    them between reduce-scatters).  Private FSDP2 state (``_get_fsdp_state``): where this torch keeps it
+    elsewhere, none are found and the caller checks only ``module.parameters()``."""
+    found = []
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            p = getattr(fsdp_param, "_unsharded_param", None)
+            if p is not None:
+                found.append(p)
+    return found
+

@@ -37,7 +37,7 @@ from autosplit.runtime import tp_collectives
 from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
 from autosplit.runtime.buffers import BufferSync
 from autosplit.runtime.checkpointing import checkpointed
-from autosplit.runtime.compiled_stages import compile_units
+from autosplit.runtime.compiled_stages import compile_units, unalias_grads
 from autosplit.runtime.data_parallel import GradBuckets
 from autosplit.runtime.executor import PipelineExecutor
 from autosplit.runtime.fsdp import StageSharding
@@ -206,12 +206,12 @@ class RankPlanner:
         # overlaps them with the backward all-reduce / reduce-scatter of the entries' input gradients
         # (runtime/tp_collectives.py), on every stage.  Not under dp_shard: FSDP2 reduce-scatters a
         # module's gradients when its backward ends.
-        # Compiled stages keep the fused backward (inductor's): the split GEMMs' deferral is Python state
-        # that a compiled backward graph cannot carry, so I runs the whole backward and W finds nothing.
+        # Compiled stages defer W where the schedule needs it (autosplit/weight_grad_ops.py); the backward
+        # overlap under tp is left to the compiled graph (its collectives are opaque ops, run in order).
         compiled = self.compile_settings is not None
         overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard and not compiled
         stages = plan.placement.stages(coord.pp)
-        deferring = plan_deferred_w_stages(plan) if not compiled else set()
+        deferring = plan_deferred_w_stages(plan)
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
         if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
@@ -237,7 +237,8 @@ class RankPlanner:
         if self.executor is not None:     # a re-plan: the old executor's transport thread goes
             self.executor.close()
         self.executor = PipelineExecutor(world, plan, self.modules, checked_loss(self.loss_fn), self.watchdog,
-                                         opts.autocast, self.buckets.arm if self.buckets else None)
+                                         opts.autocast, self.buckets.arm if self.buckets else None,
+                                         unalias_grads if compiled else None)
 
     def sync_buffers(self) -> None:
         """Buffers a forward updated (BatchNorm statistics) become dp rank 0's on every replica
