@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--bf16", action="store_true", help="autocast to bfloat16")
     p.add_argument("--checkpoint", action="store_true", help="recompute each stage's forward in backward")
+    p.add_argument("--compile-stages", action="store_true", help="run every stage module through torch.compile")
+    p.add_argument("--compile-mode", default=None, choices=("default", "reduce-overhead", "max-autotune"),
+                   help="torch.compile's mode (with --compile-stages)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with tp > 1, also shard tokens between tensor-parallel regions")
     p.add_argument("--save", default=None, help="write the full state dict here (rank 0) at the end")
@@ -205,6 +208,8 @@ def main(argv=None) -> int:
                                autocast=torch.bfloat16 if args.bf16 else None,
                                checkpoint="stage" if args.checkpoint else None,
                                sequence_parallel=args.sequence_parallel,
+                               compile_stages=({"mode": args.compile_mode} if args.compile_mode else True)
+                               if args.compile_stages else False,
                                **({"tp_2d_form": args.tp_2d_form} if args.tp_mode == "2d" else {}))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"world: {world_size} ranks, backend {pm.world.backend}, device {pm.world.device.type}; "

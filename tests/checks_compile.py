@@ -1,27 +1,101 @@
 """Checks run inside gloo worlds for compiled stages (tests/test_compile_stages.py)."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
+
 import torch
 import torch._dynamo
 
+import autosplit
 from autosplit.runtime.compiled_stages import graph_breaks
 from autosplit.weight_grad import DEFERRED
-from tests.dist_checks import train_matches_single_device
+from tests.dist_checks import batches, train_matches_single_device
+from tests.models import VARIANTS
 
 
-def compiled_matches(name: str, mesh, schedule: str = "1f1b", backend: str = "inductor", **kw) -> dict:
-    """train_matches_single_device with compiled stages, plus the graph breaks and graphs dynamo counted."""
+@contextlib.contextmanager
+def _logged(records: list):
+    """The autosplit logger's INFO messages, collected into ``records``."""
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("autosplit")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+
+
+def _fresh_counters() -> None:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    deferred = []
+
+
+def _dynamo_counts() -> dict:
+    return {"graph_breaks": graph_breaks(), "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "breaks": list(torch._dynamo.utils.counters["graph_break"])}
+
+
+def compiled_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, backend: str = "inductor",
+                     **kw) -> dict:
+    """train_matches_single_device with compiled stages, plus what dynamo counted (graph breaks,
+    graphs), the weight GEMMs deferred to W, and the compile lines logged."""
+    _fresh_counters()
+    deferred, records = [], []
     defer = DEFERRED.defer
     DEFERRED.defer = lambda w, work: (deferred.append(w), defer(w, work))[1]    # counted, then queued
     try:
-        out = train_matches_single_device(name, mesh, schedule, 1, compile_stages={"backend": backend}, **kw)
+        with _logged(records):
+            out = train_matches_single_device(name, mesh, schedule, chunks, compile_stages={"backend": backend}, **kw)
     finally:
         del DEFERRED.defer
-    out["deferred"] = len(deferred)
-    out["graph_breaks"] = graph_breaks()
-    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    out["breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
-    return out
+    return {**out, **_dynamo_counts(), "deferred": len(deferred),
+            "logged": [r for r in records if "compil" in r]}
+
+
+def compiled_predict(name: str, mesh, backend: str = "aot_eager", **kw) -> dict:
+    """``predict`` with compiled stages against the model's own forward, then a training step: the
+    grad mode changes, so each unit compiles once more (logged as a recompile) and only once."""
+    _fresh_counters()
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    x, y = batches(2, 8)
+    want = model(x[0]).detach()
+    records = []
+    with _logged(records):
+        pm = autosplit.parallelize(copy.deepcopy(model), mesh=mesh, num_microbatches=2, example_input=x[0, :4],
+                                   compile_stages={"backend": backend}, **kw)
+        got = pm.predict(x[0])
+        pm.step(x[0], y[0])
+        pm.step(x[1], y[1])
+        pm.predict(x[1])
+    return {"diff": (got - want).abs().max().item(), **_dynamo_counts(), "compile_seconds": pm.compile_seconds,
+            "logged": [r for r in records if "compil" in r]}
+
+
+def compiled_like_eager(name: str, mesh, backend: str = "aot_eager", steps: int = 3, **kw) -> dict:
+    """Losses of the same parallel training eager and compiled (for autocast, whose single-device
+    reference rounds differently from any split)."""
+    losses = {}
+    for compiled in (False, True):
+        _fresh_counters()
+        torch.manual_seed(0)
+        model = VARIANTS[name]()
+        xs, ys = batches(steps, 8)
+        pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=2, example_input=xs[0, :8 // mesh[2] // 2],
+                                   compile_stages={"backend": backend} if compiled else False, **kw)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        rows = 8 // pm.dp_size
+        run = []
+        for x, y in zip(xs, ys):
+            sl = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
+            run.append(pm.step(x[sl], y[sl]))
+            opt.step()
+            opt.zero_grad()
+        losses[compiled] = run
+        pm.close()
+    return {"eager": losses[False], "compiled": losses[True], **_dynamo_counts()}
