@@ -1,9 +1,7 @@
 """Checks run inside gloo worlds for compiled stages (tests/test_compile_stages.py)."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
 
 import torch
 import torch._dynamo
@@ -11,23 +9,8 @@ import torch._dynamo
 import autosplit
 from autosplit.runtime.compiled_stages import graph_breaks
 from autosplit.weight_grad import DEFERRED
-from tests.dist_checks import batches, train_matches_single_device
+from tests.dist_checks import batches, logged, train_matches_single_device
 from tests.models import VARIANTS
-
-
-@contextlib.contextmanager
-def _logged(records: list):
-    """The autosplit logger's INFO messages, collected into ``records``."""
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("autosplit")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
 
 
 def _fresh_counters() -> None:
@@ -49,7 +32,7 @@ def compiled_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, b
     defer = DEFERRED.defer
     DEFERRED.defer = lambda w, work: (deferred.append(w), defer(w, work))[1]    # counted, then queued
     try:
-        with _logged(records):
+        with logged(records):
             out = train_matches_single_device(name, mesh, schedule, chunks, compile_stages={"backend": backend}, **kw)
     finally:
         del DEFERRED.defer
@@ -66,7 +49,7 @@ def compiled_predict(name: str, mesh, backend: str = "aot_eager", **kw) -> dict:
     x, y = batches(2, 8)
     want = model(x[0]).detach()
     records = []
-    with _logged(records):
+    with logged(records):
         pm = autosplit.parallelize(copy.deepcopy(model), mesh=mesh, num_microbatches=2, example_input=x[0, :4],
                                    compile_stages={"backend": backend}, **kw)
         got = pm.predict(x[0])

@@ -2,24 +2,18 @@
 ``parallelize(mesh="auto")`` against single-device training.  Each returns plain data."""
 from __future__ import annotations
 
-import logging
 
 import torch
 
 import autosplit
-from tests.dist_checks import batches, reference_training
+from tests.dist_checks import batches, logged, reference_training
 from tests.models import VARIANTS
 
 
 def auto_mesh_matches_single_device(name: str = "timm_cls", batch: int = 8, steps: int = 3, lr: float = 0.1):
     """Losses and parameters after SGD steps with the search's choice vs one device, and what was logged."""
     records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("autosplit")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with logged(records):
         torch.manual_seed(0)
         model = VARIANTS[name]()
         xs, ys = batches(steps, batch)
@@ -35,9 +29,6 @@ def auto_mesh_matches_single_device(name: str = "timm_cls", batch: int = 8, step
             opt.step()
             opt.zero_grad()
         state = pm.full_state_dict()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
     return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "param_diff": max((state[k] - ref_state[k]).abs().max().item() for k in ref_state),
             "mesh": (pm.plan.mesh.pp, pm.plan.mesh.tp, pm.plan.mesh.dp), "schedule": pm.plan.schedule, "m": pm.plan.num_microbatches,

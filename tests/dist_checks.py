@@ -1,7 +1,9 @@
 """Functions run on every rank of a test pool (see dist_pool.py); each returns plain data to assert on."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 
 import torch
 import torch.distributed as dist
@@ -351,24 +353,30 @@ def dying_rank(victim: int, stamp_path: str):
     return {"error": err, "ended": time.time()}
 
 
-def logged_summary() -> list[str]:
-    """What the library logs to ``logging.getLogger("autosplit")`` while planning (it prints nothing)."""
-    import logging
-    records = []
+@contextlib.contextmanager
+def logged(records: list):
+    """Inside, the messages of ``logging.getLogger("autosplit")`` (INFO and up) go into ``records``."""
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logger = logging.getLogger("autosplit")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
+        yield logger
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+
+
+def logged_summary() -> list[str]:
+    """What the library logs to ``logging.getLogger("autosplit")`` while planning (it prints nothing)."""
+    records = []
+    with logged(records) as logger:
         pm = _small(mesh=(2, 1, 1))
         list(pm.parameters())                           # plans (from the model's declared input size)
         logger.setLevel(logging.DEBUG)
         x, y = batches(1, 4)
         pm.step(x[0], y[0])                             # DEBUG: every action and transfer group
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
     return records
 
 
