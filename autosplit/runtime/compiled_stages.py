@@ -91,6 +91,9 @@ def compile_units(module: torch.nn.Module, settings: dict, label: str) -> int:
     if _is_split(module):
         return sum(compile_units(child, settings, f"{label} {name}") for name, child in module.named_children()
                    if name.startswith("submod_"))
+    # a re-plan may hand back a module compiled before (FSDP2 keeps its units and takes the new graph):
+    # drop the old compiled forward, which runs the old graph, and compile the class's current one
+    module.__dict__.pop("forward", None)
     module.forward = _CompiledForward(module.forward, settings, label)
     return 1
 
