@@ -136,7 +136,7 @@ class ParallelModule:
         self.initializer = Initializer(model, seed, init_fn) if meta_names(model) else None
         self.planner = RankPlanner(model, world, self.watchdog, options, loss_fn, bucket_bytes, self.initializer,
                                    compile_settings)
-        self.compile_seconds = 0.0          # torch.compile's time on this rank, so far (compiled stages)
+        self.compile_seconds = 0.0          # torch.compile's time for this module's stages on this rank
         self._owned.watchdog, self._owned.planner = self.watchdog, self.planner
         # the plan all ranks agreed on; model checked (a meta model is never whole on a rank, and its
         # values are a function of (seed, name): nothing to compare)
@@ -268,22 +268,25 @@ class ParallelModule:
         ys = [y[0] for y in self._microbatches((labels,), "step labels")]
         self.planner.plan_for(xs[0], self._agree)
         self.watchdog.check()
+        compiled_before = compile_seconds()
         earlier = begin_step(self.planner.partial_params)
         loss_sum, _ = self.executor.run(xs, ys, loss_scale=self.scaler.scale / self.num_microbatches, train=True)
         loss = finish_step(self.planner, self.scaler, loss_sum, earlier, self.num_microbatches)
         self.step_count += 1
-        self._report_compile()
+        self._report_compile(compiled_before)
         return loss
 
-    def _report_compile(self) -> None:
-        """One log line per rank when its stages compiled (the first step, a new shape or grad mode)."""
+    def _report_compile(self, before: float) -> None:
+        """One log line per rank when its stages compiled (the first step, a new shape or grad mode).
+        ``before``: the process's compile seconds when this step began (torch's timers are per
+        process; steps of two modules never interleave, so the growth is this module's)."""
         if self.planner.compile_settings is None:
             return
-        total = compile_seconds()
-        if total > self.compile_seconds:
+        took = compile_seconds() - before
+        if took > 0:
+            self.compile_seconds += took
             log.info("rank %d: torch.compile of its stages took %.1f s (%.1f s in all so far)", self.world.rank,
-                     total - self.compile_seconds, total)
-            self.compile_seconds = total
+                     took, self.compile_seconds)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -321,8 +324,9 @@ class ParallelModule:
         inputs = tuple(images) if isinstance(images, (tuple, list)) else (images,)
         xs = self._microbatches(inputs, "predict")
         self.planner.plan_for(xs[0], self._agree)
+        compiled_before = compile_seconds()
         _, outs = self.executor.run(xs, None, train=False)
-        self._report_compile()
+        self._report_compile(compiled_before)
         if self.planner.sharding:
             self.planner.sharding.reshard()   # forward only: free the parameters kept for a backward
         self.planner.sync_buffers()           # a forward in training mode may update BatchNorm statistics
