@@ -82,3 +82,15 @@ def compiled_like_eager(name: str, mesh, backend: str = "aot_eager", steps: int 
         losses[compiled] = run
         pm.close()
     return {"eager": losses[False], "compiled": losses[True], **_dynamo_counts()}
+
+
+def compiled_zoo(names: list[str], mesh) -> dict:
+    """Per timm / torchvision architecture (tests/models_zoo.py): checks_zoo's comparison with one device
+    with compiled stages (aot_eager), and the graph breaks dynamo counted for it."""
+    from tests import checks_zoo
+    out = {}
+    for name in names:
+        _fresh_counters()
+        r = checks_zoo._one(name, mesh, "1d", compile_stages={"backend": "aot_eager"})
+        out[name] = {**{k: r.get(k) for k in ("loss_diff", "param_diff", "refused")}, **_dynamo_counts()}
+    return out
