@@ -14,13 +14,19 @@ from tests.models import VARIANTS
 
 
 def _fresh_counters() -> None:
+    """Dynamo's state and counters from scratch: the graphs compiled by an earlier check in this pool
+    process (and the fake tensors they hold) go."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
 
 
 def _dynamo_counts() -> dict:
-    return {"graph_breaks": graph_breaks(), "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-            "breaks": list(torch._dynamo.utils.counters["graph_break"])}
+    """What dynamo counted; then its state goes (the graphs and fake tensors a later test in this pool
+    process would otherwise find)."""
+    counts = {"graph_breaks": graph_breaks(), "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+              "breaks": list(torch._dynamo.utils.counters["graph_break"])}
+    torch._dynamo.reset()
+    return counts
 
 
 def compiled_matches(name: str, mesh, schedule: str = "1f1b", chunks: int = 1, backend: str = "inductor",

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 import autosplit
@@ -137,7 +138,9 @@ def live_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta:
+        # fake tensors (a compiled graph's shapes, held by dynamo's caches in a pool process that
+        # compiled before) have no storage
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta and not is_fake(obj):
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
