@@ -107,7 +107,7 @@ def unalias_grads(module: torch.nn.Module) -> None:
     next microbatch's in-place accumulation into one would add into the other too: wrong gradients
     (tests/test_compile_stages.py shows it).  Overlap, not a shared storage, is the fault: the dp
     buckets' ``.grad`` views share one flat buffer on purpose, side by side.  A sweep over the
-    gradients' element spans, sorted by (storage, start), copies each one that overlaps an earlier one.
+    gradients' byte spans, sorted by (storage, start), copies each one that overlaps an earlier one.
     Under dp_shard the gradients accumulate on FSDP2's unsharded parameters, which are checked too.
     """
     spans = []
@@ -115,8 +115,9 @@ def unalias_grads(module: torch.nn.Module) -> None:
         g = p.grad
         if g is None or type(g) is not torch.Tensor or g.numel() == 0:
             continue
-        start = g.storage_offset()
-        end = start + sum((n - 1) * st for n, st in zip(g.shape, g.stride())) + 1
+        size = g.element_size()            # spans in bytes: one storage may hold tensors of two dtypes
+        start = g.storage_offset() * size
+        end = start + (sum((n - 1) * st for n, st in zip(g.shape, g.stride())) + 1) * size
         spans.append((g.untyped_storage().data_ptr(), start, end, p))
     spans.sort(key=lambda t: t[:3])
     reach = (None, 0)                   # (storage, furthest end so far in it)
