@@ -12,7 +12,7 @@ Terms: see autosplit/weight_grad.py (split GEMM, key, defer, W).
                  op the weight's storage, so ``register_weights`` maps storages to Parameters when a
                  stage is compiled.  A weight it does not know gets its gradient at once (correct,
                  only not deferred).
-  copies      -- what is queued is copied first (the output gradient and the input): inductor may
+  copies      -- what is queued is copied first (the output gradient, the input, a conv's weight): inductor may
                  reuse a buffer of its backward graph once the graph no longer reads it, and W runs
                  after that graph has returned.
 """
@@ -43,20 +43,22 @@ def _parameter(w: Tensor):
     return p if p is not None and p.shape == w.shape else None
 
 
-def _deferred(work, param) -> bool:
-    if WG.DEFERRED.key is None or param is None:
+def _deferred(param_like: Tensor, work) -> bool:
+    """Queue ``work()`` (built only then: it copies its tensors) for W under the current key, if there is
+    one and ``param_like``'s Parameter is known; False: the caller computes the gradient now."""
+    param = _parameter(param_like) if WG.DEFERRED.key is not None else None
+    if param is None:
         return False
-    WG.DEFERRED.defer(param, work)
+    WG.DEFERRED.defer(param, work())
     return True
 
 
 @torch.library.custom_op("autosplit::linear_weight_grad", mutates_args=())
 def linear_weight_grad(g2: Tensor, x: Tensor, w: Tensor, param: Tensor) -> Tensor:
     """dW = g2^T x (g2: (rows, out), x: (..., in)), or zeros with the GEMM queued under the key."""
-    work = WG._LinearW(g2, x)
-    if _deferred(WG._LinearW(g2.clone(), x.clone()), _parameter(param)):
+    if _deferred(param, lambda: WG._LinearW(g2.clone(), x.clone())):
         return torch.zeros_like(w)
-    return work.grad()
+    return WG._LinearW(g2, x).grad()
 
 
 @linear_weight_grad.register_fake
@@ -68,7 +70,7 @@ def _(g2, x, w, param):
 def conv_weight_grad(grad: Tensor, x: Tensor, w: Tensor, param: Tensor, stride: list[int], padding: list[int],
                      dilation: list[int], groups: int) -> Tensor:
     args = (None, stride, padding, dilation, False, [0] * len(stride), groups)
-    if _deferred(WG._ConvW(grad.clone(), x.clone(), w, args), _parameter(param)):
+    if _deferred(param, lambda: WG._ConvW(grad.clone(), x.clone(), w.clone(), args)):
         return torch.zeros_like(w)
     return WG._ConvW(grad, x, w, args).grad()
 

@@ -300,4 +300,3 @@ def unsharded_params(module: torch.nn.Module) -> list[torch.Tensor]:
             if p is not None:
                 found.append(p)
     return found
-
