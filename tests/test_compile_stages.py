@@ -124,3 +124,9 @@ def test_compile_settings_refuse_what_torch_compile_does_not_take():
         compile_settings({"backnd": "inductor"})
     with pytest.raises(AutosplitError, match=r"compile_stages='yes': expected True, False, or a dict"):
         compile_settings("yes")
+    # values torch.compile refuses: one AutosplitError naming the argument, not torch's own error types
+    for bad, said in (({"backend": "nope"}, "Invalid backend: 'nope'"), ({"mode": "fast"}, "Unrecognized mode=fast"),
+                      ({"dynamic": "x"}, "AssertionError"), ({"options": {"bogus": 1}}, "bogus")):
+        with pytest.raises(AutosplitError, match=r"compile_stages=.*torch.compile refuses it") as caught:
+            compile_settings(bad)
+        assert said in str(caught.value), str(caught.value)

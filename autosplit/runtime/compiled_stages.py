@@ -53,9 +53,22 @@ def compile_settings(value) -> dict | None:
             raise AutosplitError(f"compile_stages={value!r}: unknown key{'s' if len(unknown) > 1 else ''} "
                                  f"{', '.join(map(repr, unknown))}; a dict takes torch.compile's "
                                  f"{', '.join(SETTINGS)}")
+        _check_with_torch(value)
         return dict(value)
     raise AutosplitError(f"compile_stages={value!r}: expected True, False, or a dict of torch.compile "
                          f"arguments ({', '.join(SETTINGS)})")
+
+
+def _check_with_torch(settings: dict) -> None:
+    """Let ``torch.compile`` judge the values (a backend's name, a mode, ``dynamic``, inductor's options):
+    wrapping a function checks them and compiles nothing (that waits for the first call).  Here, before any
+    rendezvous, a bad value is one AutosplitError on every rank, not torch's own error type at the first
+    stage built."""
+    try:
+        torch.compile(lambda x: x, **settings)
+    except Exception as exc:    # torch raises InvalidBackend, RuntimeError or AssertionError, by value
+        raise AutosplitError(f"compile_stages={settings!r}: torch.compile refuses it: {type(exc).__name__}: "
+                             f"{str(exc)[:300]}") from exc
 
 
 class _CompiledForward:
