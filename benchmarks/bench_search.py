@@ -4,14 +4,18 @@ devices (H100 profile, 80 GiB per device).  Each model is built on the meta devi
     python benchmarks/bench_search.py [--only NAME]
 
 Prints, per case: wall seconds, CPU seconds of this process (the machine is shared; CPU time is what
-the search itself costs), peak traced Python memory (tracemalloc) and max RSS, and the first choice.
-The times come from a run without tracemalloc (which slows allocation-heavy Python several times);
-the traced peak from a second run of the same search.
+the search itself costs), the search's phases (``SearchResult.phases``: trace, tensor-parallel
+rewrites, compute floors, group costs, pricing, enumeration; wall seconds), peak traced Python memory
+(tracemalloc, ``--traced``) and max RSS, and the first choice.  The times come from a run without
+tracemalloc (which slows allocation-heavy Python several times); the traced peak from a second run of
+the same search.  Each case runs in its own process (``--only``), so max RSS is that case's.
 """
 from __future__ import annotations
 
 import argparse
 import resource
+import subprocess
+import sys
 import time
 import tracemalloc
 
@@ -28,7 +32,7 @@ CASES = {   # name: (model factory, world, global batch)
 }
 
 
-def run(name: str) -> dict:
+def run(name: str, traced: bool = False) -> dict:
     factory, world, batch = CASES[name]
     with torch.device("meta"):
         model = factory()
@@ -38,12 +42,16 @@ def run(name: str) -> dict:
     wall, cpu = time.perf_counter(), time.process_time()
     result = search()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    tracemalloc.start()
-    search()
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return {"case": name, "wall_s": wall, "cpu_s": cpu, "peak_traced_MiB": peak / 2**20,
-            "max_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = None
+    if traced:
+        tracemalloc.start()
+        search()
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    phases = getattr(result, "phases", {})
+    return {"case": name, "wall_s": wall, "cpu_s": cpu, **{f"{k.replace(' ', '_')}_s": v for k, v in phases.items()},
+            "peak_traced_MiB": peak, "max_rss_MiB": rss,
             "priced": result.evaluated, "pruned": result.pruned, "rejected": len(result.rejected),
             "best": result[0].label if result else None,
             "best_ms": result[0].step_time * 1e3 if result else None, "table": result.table()}
@@ -52,9 +60,15 @@ def run(name: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", choices=sorted(CASES), default=None)
+    p.add_argument("--traced", action="store_true", help="also the peak traced Python memory (a second search)")
     args = p.parse_args()
-    for name in [args.only] if args.only else CASES:
-        r = run(name)
+    if args.only is None:           # one process per case: max RSS is the case's own
+        for name in CASES:
+            subprocess.run([sys.executable, __file__, "--only", name] + (["--traced"] if args.traced else []),
+                           check=False)
+        return
+    for name in [args.only]:
+        r = run(name, args.traced)
         print(r.pop("table"))
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 

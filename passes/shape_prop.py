@@ -101,8 +101,8 @@ def _pure_target(target) -> bool:
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if name.endswith("_") or name in ("setitem", "delitem", "__setitem__", "__delitem__"):
         return False
-    if isinstance(target, str) or isinstance(target, torch._ops.OpOverload):
-        return True
+    if isinstance(target, str) or isinstance(target, torch._ops.OpOverload) or getattr(target, "meta_pure", False):
+        return True     # meta_pure: a function that says so (autosplit.tp.ops' collectives)
     return (getattr(target, "__module__", None) or "").split(".")[0] in ("torch", "_operator", "operator", "builtins")
 
 

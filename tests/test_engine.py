@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import autosplit
-from autosplit.passes.sharding.factors import Factors, index_set
+from autosplit.passes.sharding.factors import Factors, index_set, index_sets
 from autosplit.passes.sharding.solve import solve
+from autosplit.tp.shards import RankSlices
 from tests import checks_zoo as C
+from tests.models import tp_timm
 from tests.models_zoo import IMAGE, build
 
 TOL = 1e-5
@@ -44,6 +46,27 @@ def test_index_set_of_a_strided_factor():
     heads = f.flat([qkv])[1]
     got = index_set(f, [qkv], heads, 2, 1)          # rank 1 of 2 holds heads 2, 3 of each of q, k, v
     assert got.tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+def test_rank_indices_cost_one_arange_not_one_per_rank():
+    """A 1024-way layout of a 6144-wide ViT kept one full arange per rank and parameter (38 GB: the
+    ViT-22B search was killed for memory); now every rank's indices view one arange, and a plan's
+    per-rank slices are built only for the ranks read (the search reads rank 0's)."""
+    f = Factors()
+    width = f.new(4096)
+    ranks = index_sets(f, [width], width, 1024)
+    assert [r.tolist() for r in ranks[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len({r.untyped_storage().data_ptr() for r in ranks}) == 1          # one arange for all 1024
+    plan = autosplit.compile(tp_timm(), mesh=(1, 4, 1), example_input=torch.empty(2, 3, 32, 32), tp_mode="2d",
+                             tp_2d_form="allgather")
+    slices = [sp.slices for sp in plan.tp_plan.sharded.values()]
+    assert slices and all(isinstance(s, RankSlices) and len(s) == 4 for s in slices)
+    stored = [s for s in slices if len({ix.untyped_storage().data_ptr() for r in range(4) for ix in s[r].values()}) == 1]
+    assert stored                                   # a stored split's ranks share one arange too
+    lazy = RankSlices(1024, lambda r: {0: torch.tensor([r])})
+    assert lazy[5][0].item() == 5 and lazy[-1][0].item() == 1023 and lazy._done.keys() == {5, 1023}
+    with pytest.raises(IndexError):
+        lazy[1024]
 
 
 def _brute(nodes, edges, must):

@@ -193,3 +193,33 @@ def test_batch_norm_2d_keeps_one_row_microbatches():
     ranked = autosplit.search(XCiTLike(), 4, X, global_batch=4, device="h100", top=50)
     assert any(4 // c.mesh[2] // c.options["num_microbatches"] == 1 for c in ranked), ranked.table()
     assert not [r.why for r in ranked.rejected if "rows" in r.why and "<" in r.why]
+
+
+@pytest.mark.parametrize("family", ["tp_timm", "tp_torchvision", "eva02"])
+def test_compute_floors_bound_every_layout(family):
+    """The floors the search prunes with (strategy/floors.py): a built layout's equals the compute compile
+    prices (its nodes' roofline times, without recomputation and collectives); a grid layout's, taken
+    from the single-device graph before the rewrite, stays under the compute of the rewritten graph."""
+    import timm
+    from autosplit.strategy.costing import _node_parts
+    from autosplit.strategy.layout import DeferredLayout
+    models = {"tp_timm": tp_timm, "tp_torchvision": tp_torchvision,
+              "eva02": lambda: timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=32,
+                                                 patch_size=4, embed_dim=64, depth=2, num_heads=4)}
+    model = models[family]()
+    profile = get_profile("h100")
+    traced = trace_model(model, (X,))
+    single = LayoutGraph(traced, (X,), 1, "1d", False, profile)
+    for tp, mode, depth in [(1, "1d", None), (2, "1d", None), (4, "2d", None), (8, "2.5d", 2), (8, "3d", None)]:
+        build = lambda: LayoutGraph(traced, (X,), tp, mode, False, profile, tp_depth=depth)  # noqa: E731
+        graph = build()
+        deferred = DeferredLayout(build, tp, graph.unit, single) if graph.unit > 1 else None
+        for b in (graph.unit, 2 * graph.unit, 5 * graph.unit):
+            graph.at(b)
+            parts = _node_parts(graph, b, profile)
+            compute = float(parts[:, :2].sum())
+            floor = graph.floors(b, profile)[0]
+            assert floor == pytest.approx(compute, rel=1e-9), (tp, mode, b)
+            if deferred is not None:
+                assert deferred.floors(b, profile)[0] <= compute * (1 + 1e-9), (tp, mode, b)
+                assert deferred.floors(b, profile)[0] > single.floors(b, profile)[0] / tp   # tighter than 1/tp

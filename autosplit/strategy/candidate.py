@@ -66,9 +66,11 @@ def describe(mesh, options: dict) -> str:
 class SearchResult(list):
     """The ranked Candidates (fastest first), with ``rejected``, ``pruned`` and ``seconds``."""
 
-    def __init__(self, ranked, rejected: list[Rejected], pruned: int, evaluated: int, seconds: float):
+    def __init__(self, ranked, rejected: list[Rejected], pruned: int, evaluated: int, seconds: float,
+                 phases: dict[str, float] | None = None):
         super().__init__(ranked)
         self.rejected, self.pruned, self.evaluated, self.seconds = rejected, pruned, evaluated, seconds
+        self.phases = phases or {}      # phase -> seconds (search.py ``PHASES``)
 
     def rejected_counts(self) -> Counter:
         return Counter(r.kind for r in self.rejected)
@@ -90,5 +92,6 @@ class SearchResult(list):
         for r in self.rejected:
             examples.setdefault(r.kind, r)
         lines += [f"  e.g. {describe(r.mesh, r.options)}: {r.why}" for r in examples.values()]
-        lines.append(f"searched in {self.seconds:.2f} s")
+        lines.append(f"searched in {self.seconds:.2f} s" + (" (" + ", ".join(
+            f"{k} {v:.1f}" for k, v in self.phases.items()) + ")" if self.phases else ""))
         return "\n".join(lines)

@@ -24,11 +24,10 @@ import copy
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autosplit.cost_model import AnnotateCosts
 from autosplit.cost_model.profiles import get_profile
-from autosplit.cost_model.roofline import output_dtype
 from autosplit.errors import AutosplitError
 from autosplit.passes.batch_norm import fewest_rows, find_batch_norms, one_row_refusal
 from autosplit.passes.check_output import check_single_output
@@ -37,6 +36,7 @@ from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
 from autosplit.passes.sharding.grid import shard_grid
 from autosplit.passes.sharding.megatron import shard_1d
+from autosplit.strategy.floors import at_size, node_table, time_floor
 from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
 from autosplit.trace import trace
 
@@ -110,25 +110,23 @@ class LayoutGraph:
         MetaShapeProp(_with_batch(self.inputs, b))(gm)
         return gm, plan
 
-    def floors(self, b: int, profile) -> tuple[float, float, float]:
-        """(seconds of FLOPs at peak, saved bytes, parameter bytes) of one microbatch of b through the whole
-        graph: a lower bound of its compute time (a roofline op takes at least flops / peak) and its exact
-        saved activations; affine in b, from the costs at 2 unit and 3 unit (computed once)."""
+    def floors(self, b: int, profile, ways: int = 1) -> tuple[float, float, float]:
+        """(seconds, saved bytes, parameter bytes) of one microbatch of b through the whole graph: a lower
+        bound of its compute time (floors.py: the roofline compile prices, without recomputation and
+        tp collectives; ``ways`` > 1: of any layout splitting each op at most that many ways) and its
+        exact saved activations; affine in b, from the graph at 2 unit and 3 unit (read once)."""
         if not hasattr(self, "_floors"):
-            # a measured profile's FLOP classes may beat its matmul peak (fits of small chains): bound by the fastest
-            rates = [r for cls in ("matmul", "attention") for _, r in (profile.compute or {}).get(cls, ())]
-            boost = max([1.0] + [r / profile.flops_for(torch.float32) for r in rates])
-            rows = []
+            tables, saved = [], []
             for size in (2 * self.unit, 3 * self.unit):
                 self.at(size)
-                tensors = [n for n in self.nodes if any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val")))]
-                rows.append((sum((n.meta["cost"].fwd_flops + n.meta["cost"].bwd_flops)
-                                 / (boost * profile.flops_for(output_dtype(n))) for n in tensors),
-                             sum(n.meta["cost"].saved_bytes for n in self.nodes)))
-            self._floors = rows, sum(n.meta["cost"].param_bytes for n in self.nodes)
-        ((t2, s2), (t3, s3)), params = self._floors
+                tables.append(node_table(self.nodes, profile))
+                saved.append(sum(n.meta["cost"].saved_bytes for n in self.nodes))
+            self._floors = tables, saved, sum(n.meta["cost"].param_bytes for n in self.nodes), {}
+        (one, two), (s2, s3), params, times = self._floors
         k = b // self.unit - 2
-        return t2 + k * (t3 - t2), s2 + k * (s3 - s2), params
+        if (b, ways) not in times:
+            times[b, ways] = time_floor(at_size(one, two, k), profile, ways)
+        return times[b, ways], s2 + k * (s3 - s2), params
 
     def at(self, b: int) -> fx.GraphModule:
         """The graph with every node's ``val`` and ``cost`` at microbatch size b (shapes of tp rank 0)."""
@@ -245,8 +243,9 @@ class DeferredLayout:
     Rewriting a graph for 2.5D or 3D costs seconds (three engine programs, one over pairs), and most of
     the grid layouts of a search are pruned by the time bound before any is priced; until then this
     stands in with bounds that hold for any layout of ``tp`` ranks, from the single-device graph
-    ``base``: FLOPs, saved activations and parameters over tp (a rank does at least its share of the
-    work and holds at least its share of the state; replicated ops and gathered copies only add), and
+    ``base``: floors.py's split floor of its compute, saved activations and parameters over tp (a rank
+    does at least its share of the work and holds at least its share of the state; replicated ops and
+    gathered copies only add), and
     ``base``'s cut positions (the exact count is checked once built)."""
 
     def __init__(self, build, tp: int, unit: int, base: LayoutGraph):
@@ -259,8 +258,8 @@ class DeferredLayout:
         return self.base.cuts
 
     def floors(self, b: int, profile) -> tuple[float, float, float]:
-        t, saved, params = self.base.floors(b, profile)
-        return t / self.tp, saved / self.tp, params / self.tp
+        t, saved, params = self.base.floors(b, profile, ways=self.tp)
+        return t, saved / self.tp, params / self.tp
 
     def resolve(self) -> LayoutGraph | None:
         """The built graph (once), or None with ``error`` the rewrite's refusal."""

@@ -23,10 +23,11 @@ Order of work, cheapest refusals first:
   4. pricing a configuration (costing.price; its group's costs built on first use) cuts, bounds again
      with the stage times (step_time.lower_bound), checks memory, and runs the timed schedule.
 The result is deterministic (no clocks or randomness in the choices), so every rank of a job that
-searches reaches the same ranking.
+searches reaches the same ranking.  ``SearchResult.phases`` says where the time went (``PHASES``).
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from collections import defaultdict
@@ -42,6 +43,31 @@ from autosplit.strategy.layout import DeferredLayout, LayoutGraph, fewest_microb
 from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
 
 _SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
+
+# Where a search's time goes: tracing and shape propagation; the tensor-parallel rewrites (1D when
+# enumerated, grid layouts when first priced); the compute floors (strategy/floors.py); the groups'
+# cut-independent costs; pricing (cut, memory, schedule); what is left: enumerating and sorting.
+PHASES = ("trace", "rewrite", "bounds", "group costs", "pricing", "enumerate")
+
+
+class _Clock(dict):
+    """Seconds per phase: ``with clock("rewrite"): ...``."""
+
+    def __init__(self):
+        super().__init__((k, 0.0) for k in PHASES)
+        self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] += time.perf_counter() - t
+
+    def done(self) -> dict[str, float]:
+        self["enumerate"] = time.perf_counter() - self.start - sum(v for k, v in self.items() if k != "enumerate")
+        return dict(self)
 
 
 def _options(layout, schedule, v, m, checkpoint, shard, budget) -> dict:
@@ -77,7 +103,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         ``.step_time`` s, ``.memory`` bytes, ``.parts``), with ``.rejected`` (each with ``.why``),
         ``.pruned``, ``.table()``.
     """
-    start = time.perf_counter()
+    clock = _Clock()
     validate.model(model)
     for name, value in (("world_size", world_size), ("global_batch", global_batch), ("top", top)):
         validate.positive_int(name, value)
@@ -88,7 +114,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     profile = get_profile(device)
     layers = layer_paths(model)
     sample_bytes = sum(x[:1].numel() * x.element_size() for x in inputs)
-    traced = trace_model(model, inputs, leaves, concrete_args)
+    with clock("trace"):
+        traced = trace_model(model, inputs, leaves, concrete_args)
     min_rows, one_row = fewest_microbatch_rows(traced)   # 2 where a BatchNorm sees one value per channel per row
 
     rejected: list[Rejected] = []
@@ -108,7 +135,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             graph = DeferredLayout(build, layout.tp, layout.unit, single)   # built when first priced
         elif known is None:
             try:
-                graph = build()
+                with clock("rewrite"):
+                    graph = build()
             except AutosplitError as exc:
                 known = (layout.tp, str(exc).splitlines()[0])
                 failed[layout.tp_mode].append(known)
@@ -119,7 +147,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if layout.tp == 1:
             single = graph
         if not isinstance(graph, DeferredLayout):
-            graph.at(2 * graph.unit)
+            with clock("rewrite"):
+                graph.at(2 * graph.unit)
         n_segments = len(graph.cuts) + 1
         most = min(n_segments, 2 * len(layers)) if layers else n_segments
         for pp, tp, dp in meshes:
@@ -155,7 +184,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
 
     groups, bounded = {}, []
     for layout, graph, pp, dp, m, b, schedule, v in specs:
-        flops_time, saved, params = graph.floors(b, profile)
+        with clock("bounds"):
+            flops_time, saved, params = graph.floors(b, profile)
         for checkpoint in checkpoints():
             for shard, why in shardings(dp, schedule):
                 options = _options(layout, schedule, v, m, checkpoint, shard, budget)
@@ -182,14 +212,16 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             deferred, b, checkpoint = key
             base_key = (deferred.base, b, checkpoint, False)
             if base_key not in groups:
-                groups[base_key] = Group(deferred.base, b, checkpoint, profile, layers, b * sample_bytes, False)
+                with clock("group costs"):
+                    groups[base_key] = Group(deferred.base, b, checkpoint, profile, layers, b * sample_bytes, False)
             incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
             # a rank's compute is at least 1/tp of the single-device ops' times (an op split n ways
             # takes at least 1/n of its time: GEMM efficiency falls with size, launches stay)
             if m * groups[base_key].work / (deferred.tp * pp) > incumbent:
                 pruned += 1
                 continue
-            graph = deferred.resolve()
+            with clock("rewrite"):
+                graph = deferred.resolve()
             mesh = (pp, deferred.tp, dp)
             if graph is None:
                 rejected.append(Rejected(mesh, options, key[0].error, "tensor parallel"))
@@ -207,14 +239,16 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         key = (*key, cross)
         if key not in groups:                 # priced once per (layout, b, checkpoint, crossing), when first needed
             graph, b, checkpoint, cross = key
-            groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes, cross)
+            with clock("group costs"):
+                groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes, cross)
         group = groups[key]
         mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
         if m * group.work / pp > incumbent:   # the same bound with the group's full op times
             pruned += 1
             continue
-        result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
+        with clock("pricing"):
+            result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
         if result is PRUNED:
             pruned += 1
             continue
@@ -229,4 +263,5 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if len(best) > top:
             heapq.heappop(best)
     ranked = sorted(found, key=lambda c: (c.step_time, c.label))[:top]
-    return SearchResult(ranked, rejected, pruned, len(found), time.perf_counter() - start)
+    phases = clock.done()
+    return SearchResult(ranked, rejected, pruned, len(found), sum(phases.values()), phases)

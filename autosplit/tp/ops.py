@@ -202,3 +202,8 @@ linear_2d.cost_rule, layer_norm_2d.cost_rule = "linear_2d", "layer_norm"
 layer_norm_2d.comm_kind = ("all_reduce", "all_reduce")
 layer_norm_2d.comm_bytes = lambda node: 2 * node.meta["val"].numel() // node.meta["val"].shape[-1] * \
     node.meta["val"].element_size()
+# On meta tensors each op's result depends only on its inputs' shapes and its plain arguments (no
+# process group, no state): shape propagation may replay it from its memo (passes/shape_prop.py).
+for _fn in (pad, shard, copy_to_axis, all_reduce, all_reduce_start, wait, all_gather, gather, reduce_scatter,
+            local_slice, linear_2d, sum_stats, layer_norm_2d):
+    _fn.meta_pure = True

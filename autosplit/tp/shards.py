@@ -15,16 +15,38 @@ Pure data: no process group.  The runtime gathers (``place``) and scatters (``se
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+class RankSlices(Sequence):
+    """Per tp rank, its slice, computed when first read: a plan of a 1024-way layout would otherwise
+    build a million index dicts for the few ranks anyone asks about (the search reads rank 0's)."""
+
+    def __init__(self, n: int, slice_of: Callable[[int], dict[int, torch.Tensor]]):
+        self._n, self._slice_of, self._done = n, slice_of, {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, rank):
+        if isinstance(rank, slice):
+            return [self[r] for r in range(*rank.indices(self._n))]
+        if not -self._n <= rank < self._n:
+            raise IndexError(f"tp rank {rank} of {self._n}")
+        rank %= self._n
+        if rank not in self._done:
+            self._done[rank] = self._slice_of(rank)
+        return self._done[rank]
 
 
 @dataclass
 class ShardedParam:
     name: str
     full_shape: tuple[int, ...]
-    slices: list[dict[int, torch.Tensor]]        # per tp rank: dim -> indices kept along dim
+    slices: Sequence[dict[int, torch.Tensor]]    # per tp rank: dim -> indices kept along dim
 
     @classmethod
     def along(cls, name: str, dim: int, full_shape, indices: list[torch.Tensor]) -> "ShardedParam":

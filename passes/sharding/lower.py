@@ -46,12 +46,12 @@ from autosplit.errors import PlanError, at_node
 from autosplit.passes import op_dims as D
 from autosplit.passes.op_dims import shape_index, whole_shape
 from autosplit.passes.op_names import inplace_base, op_name
-from autosplit.passes.sharding.factors import index_set
+from autosplit.passes.sharding.factors import index_sets
 from autosplit.passes.sharding.strategies import WEIGHTED, P, R
 from autosplit.passes.sharding.tp_plan import fetch
 from autosplit.tp import ops as C
 from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
-from autosplit.tp.shards import ShardedParam
+from autosplit.tp.shards import RankSlices, ShardedParam
 
 _VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
 # ops whose backward makes a new tensor for their input's gradient (a GEMM's, a norm's): a copy_to_axis
@@ -137,7 +137,7 @@ class Lowering:
     def indices(self, axis, layout_dim, cls) -> list[torch.Tensor]:
         f, n = self.sh[axis].factors, self.n(axis)
         leaf = next(x for x in f.flat(layout_dim) if f.find(x) == cls)
-        return [index_set(f, layout_dim, leaf, n, r) for r in range(n)]
+        return index_sets(f, layout_dim, leaf, n)
 
     def _new(self, after, fn, args, like, axis, place):
         with self.graph.inserting_after(after):
@@ -440,19 +440,24 @@ class Lowering:
             if isinstance(s.out, tuple):
                 d = self.split_dim(axis, node)
                 per_axis[axis] = (d, self.indices(axis, self.layout(axis, node)[d], s.out[1]))
-        slices = []
-        for rank in range(self.ranks):
-            at = self.coords(rank)
-            sl = {d: idx[at[axis]] for axis, (d, idx) in per_axis.items()}
-            if node in self.stored:
-                d, _ = self.stored[node]
-                base = sl.get(d, torch.arange(shape[d]))
-                part = len(base) // self.n(self.store)
-                sl[d] = base[at[self.store] * part:(at[self.store] + 1) * part]
-                self.spec.setdefault(node, {})[self.store] = Shard(d)
-            slices.append(sl)
-        if all(not sl for sl in slices):
+        if not per_axis and node not in self.stored:
             return
+        stored = self.stored[node][0] if node in self.stored else None
+        if stored is not None:
+            self.spec.setdefault(node, {})[self.store] = Shard(stored)
+        whole = torch.arange(shape[stored]) if stored is not None else None   # one for every rank: slices view it
+
+        coords, store, ways = self.coords, self.store, self.n(self.store) if stored is not None else 1
+
+        def slice_of(rank: int) -> dict[int, torch.Tensor]:
+            at = coords(rank)
+            sl = {d: idx[at[axis]] for axis, (d, idx) in per_axis.items()}
+            if stored is not None:
+                base = sl.get(stored, whole)
+                part = len(base) // ways
+                sl[stored] = base[at[store] * part:(at[store] + 1) * part]
+            return sl
+        slices = RankSlices(self.ranks, slice_of)
         sp = ShardedParam(node.target, shape, slices)
         self.plan.sharded[node.target] = sp
         tensor = fetch(self.gm, node.target)
