@@ -41,6 +41,15 @@ from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
 from autosplit.trace import trace
 
 
+try:
+    # The search only propagates and prices its graphs (fx.Interpreter reads the graph, never the
+    # generated forward): torch's lazy GraphModule skips generating Python code for 2000-node graphs
+    # until something calls forward (a tenth of a layout's rewrite).
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:             # a torch without it: the eager one
+    _GraphModule = fx.GraphModule
+
+
 def _with_batch(inputs: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
     """The example inputs with batch dim b, on the meta device."""
     return tuple(torch.empty((b, *x.shape[1:]), dtype=x.dtype, device="meta") for x in inputs)
@@ -93,7 +102,7 @@ class LayoutGraph:
         self.unknown_ops: list[str] = []
 
     def _build(self, traced, b, tp, tp_mode, sp):
-        gm = fx.GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
+        gm = _GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
         if getattr(traced, "propagated_at", {}).get(b) is not None:     # the shared trace, propagated once per b
             for n, val in zip(gm.graph.nodes, traced.propagated_at[b]):
                 n.meta["val"] = val
@@ -106,7 +115,7 @@ class LayoutGraph:
             plan = shard_grid(gm, tp_mode, self.axes, self.profile, lambda node, x, w: "allgather")
         else:
             plan = shard_1d(gm, tp, self.profile, sp)
-        gm = fx.GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
+        gm = _GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
         MetaShapeProp(_with_batch(self.inputs, b))(gm)
         return gm, plan
 

@@ -203,8 +203,14 @@ class Enumerator:
         n = ns.node
         base, saved, params = 0.0, 0.0, 0.0
         if ns.rule.kind not in ("input", "param") and isinstance(n.meta.get("val"), torch.Tensor):
-            cost = node_cost(n, self.gm)
-            base, saved = sum(op_time(cost, output_dtype(n), self.profile)), float(cost.saved_bytes)
+            # a grid mode prices every node once per axis, from the same value: priced once per graph
+            known = self.gm.__dict__.setdefault("_engine_op_prices", {})
+            val, hit = n.meta["val"], known.get(n)
+            if hit is None or hit[0] is not val or hit[1] is not self.profile:
+                cost = node_cost(n, self.gm)
+                hit = known[n] = (val, self.profile, sum(op_time(cost, output_dtype(n), self.profile)),
+                                  float(cost.saved_bytes))
+            base, saved = hit[2], hit[3]
         if ns.rule.kind == "param" and _is_parameter(self.gm, n):
             params = 4.0 * operand_bytes(n)
         elif n.op == "call_module":
