@@ -14,9 +14,10 @@ Order of work, cheapest refusals first:
   3. for each configuration two sound lower bounds, from each layout's costs at two sizes (affine in b):
        memory >= (dp state of all parameters + saved activations without checkpointing) / pp: the
          fullest rank holds at least the mean of what all ranks hold;
-       step time >= m * (FLOPs at peak of one microbatch through all stages) / pp: some rank is at
-         least that busy (an op takes at least flops / peak), and the timed schedule runs a rank's
-         computes one after another;
+       step time >= m * (compute floor of one microbatch through all stages) / pp: some rank is at
+         least that busy (floors.py: the roofline compile prices, or for a grid layout not yet
+         rewritten a floor of any split of the ops), and the timed schedule runs a rank's computes
+         one after another;
      reject what the memory bound puts over the budget, and price the rest in increasing order of the
      time bound, stopping once the bound exceeds the ``top``-th best step time found (everything
      after it is slower than ``top`` configurations already found: pruned, never wrongly);
@@ -185,7 +186,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     groups, bounded = {}, []
     for layout, graph, pp, dp, m, b, schedule, v in specs:
         with clock("bounds"):
-            flops_time, saved, params = graph.floors(b, profile)
+            time_floor, saved, params = graph.floors(b, profile)    # strategy/floors.py
         for checkpoint in checkpoints():
             for shard, why in shardings(dp, schedule):
                 options = _options(layout, schedule, v, m, checkpoint, shard, budget)
@@ -199,7 +200,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
-                bounded.append((m * flops_time / pp, describe((pp, layout.tp, dp), options), (graph, b, checkpoint),
+                bounded.append((m * time_floor / pp, describe((pp, layout.tp, dp), options), (graph, b, checkpoint),
                                 pp, dp, schedule, v, m, shard, options))
 
     bounded.sort(key=lambda c: (c[0], c[1]))
