@@ -67,10 +67,9 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--only", name] + (["--traced"] if args.traced else []),
                            check=False)
         return
-    for name in [args.only]:
-        r = run(name, args.traced)
-        print(r.pop("table"))
-        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    r = run(args.only, args.traced)
+    print(r.pop("table"))
+    print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Terms:
                   of the single-device graph runs on every tp rank, on at least 1/T of its FLOPs and
                   bytes (even splits; replicated ops and gathered copies only add) and with the same
                   launches; a GEMM split T ways runs its FLOPs no faster than the best split of its
-                  dims allows (``_split_rate``).
+                  dims allows (``_shape_efficiency``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from autosplit.cost_model.kernels import gemm_shape
+from autosplit.cost_model.kernels import gemm_efficiency, gemm_shape
 from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.roofline import output_dtype
 
@@ -84,15 +84,12 @@ def _shape_efficiency(dims: np.ndarray, profile, ways: int) -> np.ndarray:
     least when the batch takes the split first (it costs no efficiency), then the largest of m, n, k
     are cut down to a common level (water-filling: log(e^x + half) is convex in x = log d).  Exact
     kernels split by divisors; the continuous split is a bound of every one of them."""
-    half, out = profile.gemm_half_dim, np.full(len(dims), float(profile.gemm_efficiency))
-    if half <= 0:
-        return out
+    out = np.full(len(dims), float(profile.gemm_efficiency))
     for i, (batch, *mnk) in enumerate(dims):
         if not all(mnk):
             continue                          # no shape known: priced without the shape term
         left = ways / min(ways, batch) if batch >= 1 else ways
-        for d in _water_fill(sorted(mnk, reverse=True), left):
-            out[i] *= d / (d + half)
+        out[i] = gemm_efficiency(profile, (1, *_water_fill(sorted(mnk, reverse=True), left)))
     return out
 
 

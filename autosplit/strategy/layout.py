@@ -254,8 +254,7 @@ class DeferredLayout:
     stands in with bounds that hold for any layout of ``tp`` ranks, from the single-device graph
     ``base``: floors.py's split floor of its compute, saved activations and parameters over tp (a rank
     does at least its share of the work and holds at least its share of the state; replicated ops and
-    gathered copies only add), and
-    ``base``'s cut positions (the exact count is checked once built)."""
+    gathered copies only add), and ``base``'s cut positions (the exact count is checked once built)."""
 
     def __init__(self, build, tp: int, unit: int, base: LayoutGraph):
         self._build, self.tp, self.unit, self.base = build, tp, unit, base

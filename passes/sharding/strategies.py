@@ -203,14 +203,15 @@ class Enumerator:
         n = ns.node
         base, saved, params = 0.0, 0.0, 0.0
         if ns.rule.kind not in ("input", "param") and isinstance(n.meta.get("val"), torch.Tensor):
-            # a grid mode prices every node once per axis, from the same value: priced once per graph
+            # a grid mode prices every node once per axis, from the same values: priced once per graph
+            # while the node's value, its inputs' values and the profile are the very same objects
             known = self.gm.__dict__.setdefault("_engine_op_prices", {})
-            val, hit = n.meta["val"], known.get(n)
-            if hit is None or hit[0] is not val or hit[1] is not self.profile:
+            seen = (n.meta["val"], *(a.meta.get("val") for a in n.all_input_nodes), self.profile)
+            hit = known.get(n)
+            if hit is None or len(hit[0]) != len(seen) or any(a is not b for a, b in zip(hit[0], seen)):
                 cost = node_cost(n, self.gm)
-                hit = known[n] = (val, self.profile, sum(op_time(cost, output_dtype(n), self.profile)),
-                                  float(cost.saved_bytes))
-            base, saved = hit[2], hit[3]
+                hit = known[n] = (seen, sum(op_time(cost, output_dtype(n), self.profile)), float(cost.saved_bytes))
+            base, saved = hit[1], hit[2]
         if ns.rule.kind == "param" and _is_parameter(self.gm, n):
             params = 4.0 * operand_bytes(n)
         elif n.op == "call_module":
