@@ -32,6 +32,7 @@ from autosplit.errors import AutosplitError
 from autosplit.passes.batch_norm import fewest_rows, find_batch_norms, one_row_refusal
 from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
+from autosplit.passes.repeats import Repeats, expand
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
 from autosplit.passes.sharding.grid import shard_grid
@@ -70,32 +71,39 @@ class LayoutGraph:
     """The rank-0 graph of one layout, rescalable to any microbatch size (see the module docstring)."""
 
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
-                 sequence_parallel: bool, profile="h100", tp_depth: int | None = None):
+                 sequence_parallel: bool, profile="h100", tp_depth: int | None = None, repeats: Repeats | None = None):
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy); ``profile``
-        prices the sharding engine's candidates (compile's ``device``); ``tp_depth``: 2.5D's d."""
+        prices the sharding engine's candidates (compile's ``device``); ``tp_depth``: 2.5D's d;
+        ``repeats``: ``traced`` reduced to four of its identical layers (passes/repeats.py): the rewrite
+        works on it and copies the rest, or rewrites ``traced`` where the layers came out different
+        (``tp_plan`` is then the reduced graph's plan: the search prices graphs, it builds no modules)."""
         self.inputs, self.tp, self.profile = inputs, tp, get_profile(profile)
         grid = tp_mode in GRID_MODES and tp > 1
         self.axes = tp_axes(tp_mode, tp, tp_depth) if grid else ()
         self.unit = batch_ways(self.axes) if grid else 1
         # one rewrite serves every size: the rewrites write head, token and feature counts into the graph,
         # never a microbatch's rows (a grid's row gathers leave their size out: lower.py ``grid_rows``);
-        # the second size is a shape propagation, and the check below holds the rest to it
-        sizes = (2,)
-        builds = [self._build(traced, k * self.unit, tp, tp_mode, sequence_parallel) for k in sizes]
-        self.gm, self.tp_plan = builds[0]                 # sizes >= 2: a size-1 dim's stride is arbitrary
-        self.nodes = list(self.gm.graph.nodes)
-        first = [_leaves(n.meta.get("val")) for n in self.nodes]
-        if len(builds) == 1:
-            MetaShapeProp(_with_batch(inputs, 3 * self.unit))(self.gm)
-            others = self.nodes
-        else:
-            others = list(builds[1][0].graph.nodes)
-        if [(n.name, n.target) for n in self.nodes] != [(n.name, n.target) for n in others]:
-            raise AutosplitError(f"the tensor-parallel rewrite (tp={tp}, {tp_mode}) of this model gives different "
-                                 f"graphs for microbatch sizes {2 * self.unit} and {3 * self.unit}; the search "
-                                 f"cannot price it at other sizes")
-        self._affine = list(zip(first, [_leaves(n.meta.get("val")) for n in others]))
-        self._args = _baked_args(self.nodes, others)
+        # the second size is a shape propagation (sizes >= 2: a size-1 dim's stride is arbitrary)
+        reduced = repeats is not None and tp > 1
+        gm, self.tp_plan = self._build(repeats.graph if reduced else traced, 2 * self.unit, tp, tp_mode,
+                                       sequence_parallel)
+        earlier = {n: n.meta.get("val") for n in gm.graph.nodes}
+        MetaShapeProp(_with_batch(inputs, 3 * self.unit))(gm)
+        self.expanded = False           # layers put back as copies of a rewritten one (passes/repeats.py)
+        if reduced:
+            out = expand(gm, repeats, earlier)
+            if out is None:             # the rewrite treated identical layers differently: the whole graph
+                gm, self.tp_plan = self._build(traced, 2 * self.unit, tp, tp_mode, sequence_parallel)
+                earlier = {n: n.meta.get("val") for n in gm.graph.nodes}
+                MetaShapeProp(_with_batch(inputs, 3 * self.unit))(gm)
+            else:
+                graph, root, origin = out
+                gm = _GraphModule(root, graph, type(traced).__name__)
+                earlier = {n: earlier[origin.get(n, n)] for n in graph.nodes}
+                self.expanded = True
+        self.gm = gm
+        self.nodes = list(gm.graph.nodes)
+        self._affine = [(_leaves(earlier[n]), _leaves(n.meta.get("val"))) for n in self.nodes]
         self.gemms = set(weight_gemm_nodes(self.gm))
         self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
         self.b = None
@@ -144,8 +152,6 @@ class LayoutGraph:
         if b % self.unit:
             raise AutosplitError(f"microbatch size {b} does not divide by the {self.unit} ways the grid splits rows")
         k = b // self.unit - 2                    # b = unit * (2 + k): value = first + k * (second - first)
-        for n, spec, one, two in self._args:      # sizes the rewrite wrote into the graph (2D's gathered rows)
-            n.args, n.kwargs = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
         try:
             for n, ((one, spec), (two, _)) in zip(self.nodes, self._affine):
                 n.meta["val"] = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
@@ -156,20 +162,6 @@ class LayoutGraph:
         self.unknown_ops, self.b = annotate.unknown_ops, b
         self.cuts = find_cuts(self.gm)
         return self.gm
-
-
-def _baked_args(nodes: list[fx.Node], others: list[fx.Node]) -> list:
-    """(node, spec, leaves at 2 unit, leaves at 3 unit) of every node whose arguments differ between the
-    two builds: integers the rewrite derived from the microbatch size, extrapolated like the shapes."""
-    index = {o: n for n, o in zip(nodes, others)}
-    out = []
-    for n, o in zip(nodes, others):
-        mine, spec = tree_flatten((n.args, n.kwargs))
-        theirs, _ = tree_flatten((o.args, o.kwargs))
-        theirs = [index.get(x, x) if isinstance(x, fx.Node) else x for x in theirs]
-        if mine != theirs:
-            out.append((n, spec, mine, theirs))
-    return out
 
 
 def _parameter_owners(gm: fx.GraphModule, nodes: list[fx.Node]):

@@ -37,6 +37,7 @@ from autosplit import validate
 from autosplit.cost_model import get_profile
 from autosplit.errors import AutosplitError
 from autosplit.model_layers import layer_paths
+from autosplit.passes.repeats import reduce
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
 from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.strategy.costing import PRUNED, Group, price
@@ -117,6 +118,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     sample_bytes = sum(x[:1].numel() * x.element_size() for x in inputs)
     with clock("trace"):
         traced = trace_model(model, inputs, leaves, concrete_args)
+        repeats = reduce(traced, layers)        # identical layers rewritten once (passes/repeats.py)
     min_rows, one_row = fewest_microbatch_rows(traced)   # 2 where a BatchNorm sees one value per channel per row
 
     rejected: list[Rejected] = []
@@ -131,7 +133,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         known = next(((t, msg) for t, msg in failed[layout.tp_mode] if layout.tp % t == 0), None)
         graph = None
         build = lambda layout=layout: LayoutGraph(traced, inputs, layout.tp, layout.tp_mode,  # noqa: E731
-                                                  layout.sequence_parallel, profile, tp_depth=layout.tp_depth)
+                                                  layout.sequence_parallel, profile, tp_depth=layout.tp_depth,
+                                                  repeats=repeats)
         if known is None and layout.unit > 1 and single is not None:
             graph = DeferredLayout(build, layout.tp, layout.unit, single)   # built when first priced
         elif known is None:
