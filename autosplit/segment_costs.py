@@ -56,9 +56,11 @@ class SegmentCosts:
         """Forward time spent again in backward: all of a stage's nodes, or those inside layers."""
         if self.checkpoint is None:
             return 0.0
-        if self.checkpoint == "block":
-            nodes = [n for n in nodes if layer_of(n, self.layers) is not None]
-        return graph_time(nodes, self.profile)[0]
+        return graph_time([n for n in nodes if self.recomputed(n)], self.profile)[0]
+
+    def recomputed(self, node: fx.Node) -> bool:
+        """Whether backward runs ``node``'s forward again (``recompute_time`` sums the forward of these)."""
+        return self.checkpoint is not None and (self.checkpoint != "block" or layer_of(node, self.layers) is not None)
 
     def activations(self, first: int, last: int) -> tuple[int, int]:
         """(kept per microbatch, recompute) bytes of a stage holding segments first..last."""

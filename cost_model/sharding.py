@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autosplit.model_layers import path_layer
 from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
 
 GRANULARITIES = ("stage", "layer")
@@ -81,12 +82,16 @@ def dp_buckets(param_bytes: float, sharding: str | None, largest_unit: float = 0
 def unit_bytes(nodes, layers) -> float:
     """Bytes of the largest FSDP unit over ``nodes`` (fx nodes with ``meta['cost']``): the parameters
     of one layer (``layers``: module paths), or of everything outside the layers together."""
+    return max(unit_sums(nodes, layers).values(), default=0.0)
+
+
+def unit_sums(nodes, layers) -> dict[str | None, float]:
+    """Parameter bytes per FSDP unit over ``nodes``: per layer, and None for everything outside them."""
     per_unit: dict[str | None, float] = {}
     for n in nodes:
-        path = n.meta.get("module_path", "")
-        layer = next((x for x in layers if path == x or path.startswith(x + ".")), None)
+        layer = path_layer(n.meta.get("module_path", ""), layers)
         per_unit[layer] = per_unit.get(layer, 0.0) + n.meta["cost"].param_bytes
-    return max(per_unit.values(), default=0.0)
+    return per_unit
 
 
 def candidates(dp_shard, dp: int) -> list[str | None]:
@@ -106,11 +111,22 @@ class StageDataParallel:
         self.segments, self.params, self.layers = segments, params, list(layers)
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
         self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
+        self._units: list[dict] | None = None
+
+    def _unit(self, first: int, last: int) -> float:
+        """``unit_bytes`` of segments first..last, from per-segment sums computed once (a memory-budgeted
+        cut asks for thousands of ranges)."""
+        if self._units is None:
+            self._units = [unit_sums(s, self.layers) for s in self.segments]
+        total: dict[str | None, float] = {}
+        for part in self._units[first:last + 1]:
+            for layer, size in part.items():
+                total[layer] = total.get(layer, 0.0) + size
+        return max(total.values(), default=0.0)
 
     def __call__(self, first: int, last: int, param_bytes: float | None = None) -> DataParallelCost:
         """``param_bytes``: the stage module's own count, where known (default: its segments' sum)."""
-        nodes = [n for s in self.segments[first:last + 1] for n in s]
-        unit = unit_bytes(nodes, self.layers) if self.sharding == "layer" else 0.0
+        unit = self._unit(first, last) if self.sharding == "layer" else 0.0
         total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
         return dp_cost(total, unit, self.dp, self.m, self.sharding, self.profile,
                        self.ratio, self.nodes)

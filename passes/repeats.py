@@ -169,13 +169,17 @@ def reduce(traced: fx.GraphModule, layers: list[str]) -> Repeats | None:
 
 def _fresh(obj):
     """A distinct object of the same kind, shape and dtype as a layer 1 target (a copied layer's own:
-    parameters of two layers must not alias, ``named_parameters`` would count them once)."""
+    parameters of two layers must not alias, ``named_parameters`` would count them once).  Tensors
+    on the meta device: the search reads shapes, never values."""
     if isinstance(obj, nn.Parameter):
-        return nn.Parameter(torch.empty_like(obj, device="meta"), requires_grad=obj.requires_grad)
+        return nn.Parameter(torch.empty(obj.shape, dtype=obj.dtype, device="meta"), requires_grad=obj.requires_grad)
     if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj, device="meta")
-    if isinstance(obj, nn.Module):
-        return copy.deepcopy(obj)
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, nn.Module):          # a shallow copy with its own parameters, buffers and children
+        clone = copy.copy(obj)
+        for field in ("_parameters", "_buffers", "_modules"):
+            clone.__dict__[field] = {k: None if v is None else _fresh(v) for k, v in obj.__dict__[field].items()}
+        return clone
     return obj
 
 

@@ -70,10 +70,10 @@ class Group:
         self.segment_of = np.repeat(np.arange(len(ends)), np.diff([-1, *ends]))
         # per node, as compile sums them per stage: fwd, bwd + recompute, W, tp fwd, tp bwd
         base = _node_parts(layout_graph, b, profile)
-        if checkpoint is not None:
+        if checkpoint is not None:        # a recomputed node's forward runs again in backward (its f)
             base = base.copy()
-            rec = SegmentCosts([], [], 1, profile, [], checkpoint=checkpoint, layers=layers).recompute_time
-            base[:, 1] += [rec([n]) if f else 0.0 for n, f in zip(nodes, base[:, 0])]
+            rule = SegmentCosts([], [], 1, profile, [], checkpoint=checkpoint, layers=layers)
+            base[:, 1] += np.where([rule.recomputed(n) for n in nodes], base[:, 0], 0.0)
         self.node_parts = base
         self.send = [p2p_time(c.nbytes, profile, cross_node) for c in cuts] + [0.0]
         # the bounds' inputs, from the nodes (compile's SegmentCosts is built only when a configuration of
@@ -129,16 +129,21 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
     tp collective's forward and backward (collective_time), without recomputation; cached on the graph per b."""
     cache = layout_graph.__dict__.setdefault("node_parts", {})
     if b not in cache:
-        gemms, tp = layout_graph.gemms, layout_graph.tp
+        gemms, tp, origin = layout_graph.gemms, layout_graph.tp, layout_graph.origin
         prof = get_profile(profile)
-        rows = []
+        rows, row_of = [], {}
         for n in layout_graph.nodes:
+            source = origin.get(n)
+            if source is not None and (source in gemms) == (n in gemms):
+                rows.append(row_of[source])       # a copied layer's node: its source's op on its shapes
+                continue
             if not any(isinstance(x, torch.Tensor) for x in tree_leaves(n.meta.get("val"))):
                 rows.append((0.0, 0.0, 0.0, *collective_time(n, tp, profile)))
-                continue
-            f, bw = node_time(n, prof, n.meta["cost"])      # as compile's graph_time prices it
-            w = min(weight_grad_time(n, profile), bw) if n in gemms else 0.0
-            rows.append((f, bw, w, *collective_time(n, tp, profile)))
+            else:
+                f, bw = node_time(n, prof, n.meta["cost"])      # as compile's graph_time prices it
+                w = min(weight_grad_time(n, profile), bw) if n in gemms else 0.0
+                rows.append((f, bw, w, *collective_time(n, tp, profile)))
+            row_of[n] = rows[-1]
         cache[b] = np.array(rows, dtype=float).reshape(-1, 5)
     return cache[b]
 

@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autosplit.cost_model import AnnotateCosts
+from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.profiles import get_profile
 from autosplit.errors import AutosplitError
 from autosplit.passes.batch_norm import fewest_rows, find_batch_norms, one_row_refusal
@@ -90,6 +91,7 @@ class LayoutGraph:
         earlier = {n: n.meta.get("val") for n in gm.graph.nodes}
         MetaShapeProp(_with_batch(inputs, 3 * self.unit))(gm)
         self.expanded = False           # layers put back as copies of a rewritten one (passes/repeats.py)
+        origin: dict = {}               # a copied node -> its source in the rewritten graph
         if reduced:
             out = expand(gm, repeats, earlier)
             if out is None:             # the rewrite treated identical layers differently: the whole graph
@@ -99,11 +101,15 @@ class LayoutGraph:
             else:
                 graph, root, origin = out
                 gm = _GraphModule(root, graph, type(traced).__name__)
-                earlier = {n: earlier[origin.get(n, n)] for n in graph.nodes}
                 self.expanded = True
-        self.gm = gm
+        self.gm, self.origin = gm, origin
         self.nodes = list(gm.graph.nodes)
-        self._affine = [(_leaves(earlier[n]), _leaves(n.meta.get("val"))) for n in self.nodes]
+        pairs = {}                      # a copied layer's leaves are its source's (passes/repeats.py)
+        for n in self.nodes:
+            source = origin.get(n, n)
+            if source not in pairs:
+                pairs[source] = (_leaves(earlier[source]), _leaves(source.meta.get("val")))
+        self._affine = [pairs[origin.get(n, n)] for n in self.nodes]
         self.gemms = set(weight_gemm_nodes(self.gm))
         self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
         self.b = None
@@ -152,14 +158,25 @@ class LayoutGraph:
         if b % self.unit:
             raise AutosplitError(f"microbatch size {b} does not divide by the {self.unit} ways the grid splits rows")
         k = b // self.unit - 2                    # b = unit * (2 + k): value = first + k * (second - first)
+        origin = self.origin                      # a copied layer's node: its source's value and cost
         try:
             for n, ((one, spec), (two, _)) in zip(self.nodes, self._affine):
-                n.meta["val"] = tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec)
+                source = origin.get(n)            # (sources come first: layer 1 precedes its copies)
+                n.meta["val"] = (source.meta["val"] if source is not None else
+                                 tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec))
         except _NotAffine:
             MetaShapeProp(_with_batch(self.inputs, b))(self.gm)
-        annotate = AnnotateCosts()
-        annotate(self.gm)
-        self.unknown_ops, self.b = annotate.unknown_ops, b
+        if origin:      # AnnotateCosts' node_cost on every other node (the same op on the same shapes)
+            unknown: set[str] = set()
+            for n in self.nodes:
+                source = origin.get(n)
+                n.meta["cost"] = source.meta["cost"] if source is not None else node_cost(n, self.gm, unknown)
+            self.unknown_ops = sorted(unknown)
+        else:
+            annotate = AnnotateCosts()
+            annotate(self.gm)
+            self.unknown_ops = annotate.unknown_ops
+        self.b = b
         self.cuts = find_cuts(self.gm)
         return self.gm
 
