@@ -37,12 +37,18 @@ class SegmentCosts:
 
     def __init__(self, segments, cuts, tp: int, profile, in_flight: list[int], *,
                  checkpoint: str | None = None, layers: Sequence[str] = (), input_bytes: int = 0,
-                 cross_node: bool = False):
+                 cross_node: bool = False, node_parts=None):
+        """``node_parts``: per node of the segments in order, (fwd, bwd, W, tp fwd, tp bwd) seconds as
+        the strategy search prices them (strategy/costing.py ``_node_parts``): the segment times are
+        then summed from them in the same order, to the same floats, instead of pricing every node again."""
         self.segments, self.cuts, self.tp, self.profile, self.in_flight = segments, cuts, tp, profile, in_flight
         self.cross_node = cross_node        # pipeline transfers go over the network (comm.pipeline_crosses_nodes)
         self.checkpoint, self.layers, self.input_bytes = checkpoint, list(layers), input_bytes
-        self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s)
-                     for s in segments]
+        if node_parts is None:
+            self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s)
+                         for s in segments]
+        else:
+            self.time = self._summed(node_parts)
         self.out_time = [self.boundary_time(k) for k in range(len(segments))]
         self.params = [sum(n.meta["cost"].param_bytes for n in s) for s in segments]
         self.saved = [sum(n.meta["cost"].saved_bytes for n in s) for s in segments]
@@ -57,6 +63,20 @@ class SegmentCosts:
         if self.checkpoint is None:
             return 0.0
         return graph_time([n for n in nodes if self.recomputed(n)], self.profile)[0]
+
+    def _summed(self, node_parts) -> list[float]:
+        """The segment times of ``__init__`` from per-node parts, summed as graph_time, comm_time and
+        recompute_time sum them (left to right; a node without tensors adds 0.0, which changes no sum)."""
+        rows, times, at = node_parts.tolist(), [], 0
+        for seg in self.segments:
+            part = rows[at:at + len(seg)]
+            fwd = sum(r[0] for r in part)
+            bwd = sum(r[1] for r in part)
+            comm = sum(r[3] + r[4] for r in part)
+            again = sum(r[0] for r, n in zip(part, seg) if self.recomputed(n)) if self.checkpoint else 0.0
+            times.append(fwd + bwd + comm + again)
+            at += len(seg)
+        return times
 
     def recomputed(self, node: fx.Node) -> bool:
         """Whether backward runs ``node``'s forward again (``recompute_time`` sums the forward of these)."""
@@ -77,20 +97,27 @@ class SegmentCosts:
             inputs = self.cuts[first - 1].nbytes if first > 0 else self.input_bytes
             return inputs, saved
         nodes = [n for seg in self.segments[first:last + 1] for n in seg]
-        return _block_activations(nodes, self.layers)
+        if not hasattr(self, "_layer"):        # each node's layer, looked up once (stages ask thousands of ranges)
+            self._layer = {n: layer_of(n, self.layers) for seg in self.segments for n in seg}
+        return _block_activations(nodes, self.layers, self._layer)
 
     def memory(self, stage: int, first: int, last: int) -> float:
         kept, recompute = self.activations(first, last)
         return OPTIMIZER_FACTOR * sum(self.params[first:last + 1]) + self.in_flight[stage] * kept + recompute
 
 
-def _block_activations(nodes: list[fx.Node], layers: Sequence[str]) -> tuple[int, int]:
+def _block_activations(nodes: list[fx.Node], layers: Sequence[str], layers_of: dict | None = None
+                       ) -> tuple[int, int]:
     """Runs of consecutive nodes of one layer are recomputed (runtime/checkpointing.py splits the same
-    way): each keeps only the tensors entering it; nodes outside layers keep what they save."""
+    way): each keeps only the tensors entering it; nodes outside layers keep what they save.
+    ``layers_of``: node -> its layer, where already looked up."""
     kept, recompute = 0, 0
     runs: list[tuple[str | None, list[fx.Node]]] = []
     for n in nodes:
-        layer = runs[-1][0] if n.op == "get_attr" and runs else layer_of(n, layers)
+        if n.op == "get_attr" and runs:
+            layer = runs[-1][0]
+        else:
+            layer = layers_of[n] if layers_of is not None else layer_of(n, layers)
         if not runs or runs[-1][0] != layer:
             runs.append((layer, []))
         runs[-1][1].append(n)

@@ -107,11 +107,12 @@ class StageDataParallel:
     """``dp_cost`` of a stage spanning segments first..last (see segment_costs.SegmentCosts)."""
 
     def __init__(self, segments, params: list[float], layers, dp: int, microbatches: int, sharding: str | None,
-                 profile, gather_ratio: float = 1.0, tp: int = 1):
+                 profile, gather_ratio: float = 1.0, tp: int = 1, units: list[dict] | None = None):
+        """``units``: ``unit_sums`` of each segment, where already computed (the search keeps them per group)."""
         self.segments, self.params, self.layers = segments, params, list(layers)
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
         self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
-        self._units: list[dict] | None = None
+        self._units = units
 
     def _unit(self, first: int, last: int) -> float:
         """``unit_bytes`` of segments first..last, from per-segment sums computed once (a memory-budgeted

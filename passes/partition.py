@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+import numpy as np
+
 from autosplit.errors import PlanError
 
 
@@ -136,34 +138,41 @@ def rank_balanced_bounds(bounds: Sequence[int], seg_time: Sequence[float], out_t
     S, K = len(start), len(seg_time)
     if len(set(stage_rank)) == S:
         return start
-    prefix = [0.0, *accumulate(seg_time)]
-    params = [0, *accumulate(seg_params)] if seg_params is not None else None
+    # Every candidate of a round is keyed at once with numpy, by the same float operations in the same
+    # order as a Python loop over the stages would (np.add.accumulate adds left to right), and the first
+    # candidate in (cut, shift) order reaching the least key is taken: the plain loop's choice.
+    prefix = np.array([0.0, *accumulate(seg_time)])
+    out = np.array([*out_time[:K - 1], 0.0])                 # nothing is sent after the last segment
+    params = np.array([0, *accumulate(seg_params)]) if seg_params is not None else None
     n_ranks = max(stage_rank) + 1
+    held = [[s for s in range(S) if stage_rank[s] == r] for r in range(n_ranks)]
 
-    def key(bs):
-        costs, load, empty, a = [], [0.0] * n_ranks, 0, 0
-        for s, b in enumerate(bs):
-            c = prefix[b + 1] - prefix[a] + (out_time[b] if b < K - 1 else 0.0)
-            costs.append(c)
-            load[stage_rank[s]] += c
-            empty += params is not None and params[b + 1] == params[a]
-            a = b + 1
-        return (empty, max(load), max(costs), sum(c * c for c in costs))
+    def keys(cuts: np.ndarray) -> list[tuple]:
+        """(stages without parameters, busiest rank's load, slowest stage, sum of squared stage costs) per
+        row of ``cuts`` (candidates x S last segments)."""
+        firsts = np.concatenate([np.zeros((len(cuts), 1), dtype=cuts.dtype), cuts[:, :-1] + 1], axis=1)
+        costs = prefix[cuts + 1] - prefix[firsts] + out[cuts]
+        empty = (params[cuts + 1] == params[firsts]).sum(axis=1) if params is not None else np.zeros(len(cuts), int)
+        loads = np.stack([np.add.accumulate(costs[:, h], axis=1)[:, -1] if h else np.zeros(len(cuts))
+                          for h in held], axis=1)
+        squares = np.add.accumulate(costs * costs, axis=1)[:, -1]
+        return list(zip(empty.tolist(), loads.max(axis=1).tolist(), costs.max(axis=1).tolist(), squares.tolist()))
 
-    cut, best = list(start), key(start)
+    cut, best = list(start), keys(np.array([start]))[0]
     for _ in range(4 * S):                       # each round strictly improves the key: no cycle
-        move = None
+        candidates = []
         for i in range(S - 1):                   # the last bound is the graph's end
             lo, hi = (cut[i - 1] + 1 if i else 0), cut[i + 1] - 1
             for new in range(max(lo, cut[i] - max_shift), min(hi, cut[i] + max_shift) + 1):
                 if new != cut[i]:
-                    cand = [*cut[:i], new, *cut[i + 1:]]
-                    k = key(cand)
-                    if k < best:
-                        best, move = k, cand
-        if move is None:
+                    candidates.append([*cut[:i], new, *cut[i + 1:]])
+        if not candidates:
             break
-        cut = move
+        ranked = keys(np.array(candidates))
+        k = min(range(len(ranked)), key=ranked.__getitem__)     # the first of the least keys
+        if not ranked[k] < best:
+            break
+        cut, best = candidates[k], ranked[k]
     return cut if cut_fits(cut, feasible) else start
 
 

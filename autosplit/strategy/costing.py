@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model import collective_time, get_profile, p2p_time
 from autosplit.cost_model.roofline import node_time
-from autosplit.cost_model.sharding import StageDataParallel
+from autosplit.cost_model.sharding import StageDataParallel, unit_sums
 from autosplit.cost_model.step_time import (StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of,
                                            step_collectives, tp_overlaps)
 from autosplit.cost_model.weight_grad import weight_grad_time
@@ -90,8 +90,16 @@ class Group:
             self.graph.at(self.b)
             self._seg = SegmentCosts(self.segments, self.graph.cuts, self.graph.tp, self.profile, [],
                                      checkpoint=self.checkpoint, layers=self.layers, input_bytes=self.input_bytes,
-                                     cross_node=self.cross_node)
+                                     cross_node=self.cross_node, node_parts=_node_parts(self.graph, self.b,
+                                                                                        self.profile))
         return self._seg
+
+    @property
+    def units(self) -> list[dict]:
+        """FSDP unit bytes per segment (cost_model/sharding.py ``unit_sums``), for every dp_shard="layer" price."""
+        if not hasattr(self, "_units"):
+            self._units = [unit_sums(s, self.layers) for s in self.segments]
+        return self._units
 
     @property
     def n_segments(self) -> int:
@@ -172,7 +180,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp,
                                                             group.profile.device_type)
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0,
-                            tp=group.graph.tp)
+                            tp=group.graph.tp, units=group.units if sharding == "layer" else None)
     overlap = tp_overlaps(group.profile, group.graph.tp, sharding)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]

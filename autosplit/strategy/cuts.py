@@ -39,6 +39,7 @@ class CutSolver:
         out = np.array([*out_time[:K - 1], 0.0])
         self.j, self.k = np.arange(K)[:, None], np.arange(K)[None, :]
         self.cost = (prefix[1:][None, :] - prefix[:K][:, None]) + out[None, :]    # (j, k): stage = segments j..k
+        self.square = self.cost * self.cost
         if seg_params is not None:
             params = np.array([0, *accumulate(seg_params)])
             self.empty = (params[1:][None, :] == params[:K][:, None]).astype(np.int64)
@@ -48,19 +49,23 @@ class CutSolver:
         self.back: list[np.ndarray] = []
 
     def _extend(self) -> None:
+        """best[s] from best[s-1], on the (first j, last k) pairs with j, k >= s only: the rest are
+        unreachable (stage s needs s segments before it), so the minima and their first index (plus s)
+        are those of the whole matrix."""
         s, K, inf = len(self.best), self.K, np.inf
-        ok = (self.j <= self.k) & (self.k >= s)
+        j, k = (self.j[s:], self.k[:, s:]) if s else (self.j[:1], self.k)
+        cost, square, empty = ((a[s:, s:] if s else a[:1, :]) for a in (self.cost, self.square, self.empty))
         if s == 0:
-            ok &= self.j == 0
-            pe, pm, pq = np.zeros(K, dtype=np.int64), np.zeros(K), np.zeros(K)
+            ok = j <= k
+            pe, pm, pq = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1)
         else:
-            ok &= self.j >= s
+            ok = j <= k
             be, bm, bq = self.best[-1]
-            pe, pm, pq = (np.concatenate([[fill], a[:-1]]) for a, fill in ((be, 0), (bm, inf), (bq, inf)))
-            ok &= np.isfinite(pm)[:, None]
-        e = np.where(ok, pe[:, None] + self.empty, np.iinfo(np.int64).max)
-        m = np.maximum(pm[:, None], self.cost)
-        q = pq[:, None] + self.cost * self.cost
+            pe, pm, pq = be[s - 1:K - 1], bm[s - 1:K - 1], bq[s - 1:K - 1]     # best[s-1] ending at j - 1
+            ok = ok & np.isfinite(pm)[:, None]
+        e = np.where(ok, pe[:, None] + empty, np.iinfo(np.int64).max)
+        m = np.maximum(pm[:, None], cost)
+        q = pq[:, None] + square
         e_min = e.min(axis=0)
         first = ok & (e == e_min[None, :])
         m_min = np.where(first, m, inf).min(axis=0)
@@ -68,8 +73,12 @@ class CutSolver:
         q_min = np.where(second, q, inf).min(axis=0)
         third = second & (q == q_min[None, :])
         reached = third.any(axis=0)
-        self.back.append(np.where(reached, third.argmax(axis=0), -1))
-        self.best.append((np.where(reached, e_min, 0), np.where(reached, m_min, inf), np.where(reached, q_min, inf)))
+        pad = K - reached.shape[0]                     # columns k < s: unreachable
+        back = np.where(reached, third.argmax(axis=0) + s, -1)
+        self.back.append(np.concatenate([np.full(pad, -1), back]))
+        self.best.append((np.concatenate([np.zeros(pad, dtype=np.int64), np.where(reached, e_min, 0)]),
+                          np.concatenate([np.full(pad, inf), np.where(reached, m_min, inf)]),
+                          np.concatenate([np.full(pad, inf), np.where(reached, q_min, inf)])))
 
     def bounds(self, n_stages: int) -> list[int]:
         """Last segment of each of ``n_stages`` stages (``balanced_bounds`` without a budget)."""
