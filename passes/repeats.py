@@ -10,21 +10,24 @@ Terms:
   span       -- a layer's nodes in graph order: from the first node whose ``module_path`` lies in the
                 layer to the node before the next layer's first (nodes a rewrite inserts there with no
                 path go with the layer before); every node of the layer must lie in its span.
-  signature  -- per node of a span: op; target (one inside the layer with the layer's path cut off);
-                arguments, each node in them as ("own", i) (the span's i-th), ("prev", i) (the
-                previous span's i-th) or the node itself (outside both: the same node for every layer);
-                and the value's leaves (shape, stride, dtype).  Two consecutive spans with equal
-                signatures compute the same thing, each on its predecessor's outputs.
+  signature  -- per node of a span: op; target (one inside the layer with the layer's path cut off; a
+                tensor read from outside it that is no parameter, e.g. a constant fx lifted out of the
+                layer's forward, by its value alone); arguments, each node in them as ("own", i) (the
+                span's i-th), ("prev", i) (the previous span's i-th) or the node itself (outside both:
+                the same node for every layer), strings without fx's "Proxy(name)"; and the value's
+                leaves (shape, stride, dtype).  Two consecutive spans with equal signatures compute the
+                same thing, each on its predecessor's outputs.
   reduced    -- the traced graph with layers 0, 1, R-2 and R-1 only: layers 2..R-3 removed, R-2 reading
                 layer 1 where it read R-3.  Valid where layers 1..R-2 have equal signatures and nothing
                 reads a layer but itself and the next one.
   expanded   -- the reduced graph's rewrite with layers 2..R-3 put back as copies of layer 1's rewritten
-                span: targets and module paths renamed to the layer's own, each copy reading the copy
+                span: targets and module paths renamed to the layer's own (its parameters distinct
+                meta tensors; a tensor only layer 1 reads, distinct per copy), each copy reading the copy
                 before it where layer 1 read layer 0.  It is the graph the whole rewrite gives where
                 the rewrite treats identical layers alike; ``expand`` checks that it treated layers 1
                 and R-2 alike (equal signatures at both sizes, nothing else reading layer 1), and
                 returns None otherwise (the caller then rewrites the whole graph).
-  ``tests/test_search.py`` compares expanded graphs with whole rewrites, node by node.
+  ``tests/test_repeats.py`` compares expanded graphs with whole rewrites, node by node.
 """
 from __future__ import annotations
 
@@ -48,7 +51,6 @@ class Repeats:
 
     graph: fx.GraphModule            # the reduced graph (meta['val'] and module paths as traced)
     layers: list[str]                # all R layer paths, in graph order
-    private: set[str]                # tensors outside layer 1's path that only layer 1 reads (fx's constants)
 
     @property
     def kept(self) -> list[str]:
@@ -147,14 +149,6 @@ def reduce(traced: fx.GraphModule, layers: list[str]) -> Repeats | None:
         return None
     if not all(_read_only_by_next(parts[k], parts[k + 1]) for k in range(1, len(layers) - 1)):
         return None
-    # a tensor read by layer 1 alone (a constant fx lifted out of its forward: each layer has its own):
-    # each copy gets its own, as a tensor read on both sides of a cut would tie the layers together
-    readers: dict[str, int] = {}
-    for n in graph.nodes:
-        if n.op == "get_attr":
-            readers[n.target] = readers.get(n.target, 0) + 1
-    private = {n.target for n in parts[1] if n.op == "get_attr" and not _inside(n.target, layers[1])
-               and readers[n.target] == sum(m.target == n.target for m in parts[1])}
     where = {n: i for i, n in enumerate(parts[-3])}          # layer R-3, whose outputs R-2 reads
     one = parts[1]
     for n in parts[-2]:
@@ -164,7 +158,7 @@ def reduce(traced: fx.GraphModule, layers: list[str]) -> Repeats | None:
         for n in reversed(part):
             graph.erase_node(n)
     graph.lint()
-    return Repeats(fx.GraphModule(traced, graph, type(traced).__name__), list(layers), private)
+    return Repeats(fx.GraphModule(traced, graph, type(traced).__name__), list(layers))
 
 
 def _fresh(obj):
@@ -214,6 +208,11 @@ def expand(gm: fx.GraphModule, repeats: Repeats, earlier: dict[fx.Node, object]
             or signature(s1, s0, layers[1], params, earlier) != signature(s2, s1, layers[-2], params, earlier)):
         return None
     root = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    # a tensor outside layer 1's path that only layer 1 reads (a constant fx lifted out of its forward,
+    # one per layer): each copy gets its own, as a tensor read on both sides of a cut ties them together
+    inside = set(s1)
+    shared = {n.target for n in graph.nodes if n.op == "get_attr" and n not in inside}
+    private = {n.target for n in s1 if n.op == "get_attr" and not _inside(n.target, layers[1])} - shared
     at0 = {n: i for i, n in enumerate(s0)}
     origin, prev = {}, s1
     with graph.inserting_before(s2[0]):
@@ -225,7 +224,7 @@ def expand(gm: fx.GraphModule, repeats: Repeats, earlier: dict[fx.Node, object]
                 if _inside(n.target, layers[1]):
                     c.target = layer + n.target[len(layers[1]):]
                     root[c.target] = _fresh(root[n.target])
-                elif n.op == "get_attr" and n.target in repeats.private:
+                elif n.op == "get_attr" and n.target in private:
                     c.target = f"{n.target}_{layer.replace('.', '_')}"
                     root[c.target] = _fresh(root[n.target])
                 if _inside(n.meta.get("module_path", ""), layers[1]):
