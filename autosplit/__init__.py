@@ -21,7 +21,7 @@ _PUBLIC = {
     "parallelize": "autosplit.runtime.parallelize",
     "materialize": "autosplit.meta_init",      # not autosplit/materialize.py: a submodule of that name
                                                # would replace the function once imported
-    "latest_checkpoint": "autosplit.runtime.checkpoint_files",
+    "latest_checkpoint": "autosplit.runtime.state.checkpoint_files",
     "measure_profile": "autosplit.profiling.job",   # not autosplit.profiling.measure_profile: that module's
                                                    # own function measures inside an existing World
     "Plan": "autosplit.plan",

@@ -30,10 +30,10 @@ import autosplit
 from autosplit.cli_options import add_plan_options, plan_options
 from autosplit.cli_search import add_search_parser, run_search
 from autosplit.cost_model.profiles import get_profile
-from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 from autosplit.profiling.cli import add_profile_parser, run_profile
+from autosplit.report.dump import dump_plan
 
 
 def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args) -> int:
-    from autosplit.runtime.checkpoint_files import export_state_dict
+    from autosplit.runtime.state.checkpoint_files import export_state_dict
     state = export_state_dict(args.checkpoint, args.out)
     n = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({n:,} elements) to {args.out}")

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autosplit.dump import dump_plan
 from autosplit.errors import AutosplitError, RankError
 from autosplit.mesh import MeshShape
 from autosplit.passes.batch_norm import BatchNormLayer, batch_norm_note
 from autosplit.passes.sharding.describe import explain
-from autosplit.report import plan_dict, summary_table
+from autosplit.report.dump import dump_plan
+from autosplit.report.summary import plan_dict, summary_table
 from autosplit.schedule.placement import Placement, placement_of
 from autosplit.stage_info import StageInfo, TensorInfo
 

@@ -8,7 +8,7 @@ Terms: see passes/cut_points.py (segment, cut) and plan.py (memory).
   checkpoint -- None; "stage": a stage keeps only its inputs per microbatch, and one microbatch's full
                 activations while recomputing; "block": the tensors entering each layer (and what ops
                 outside the layers save), plus one layer's activations while recomputing.  Layers are
-                autosplit.model_layers.layer_paths, as in runtime/checkpointing.py, so the model matches the run.
+                autosplit.model_layers.layer_paths, as in runtime/stage/checkpointing.py, so the model matches the run.
 
 memory(stage) = 4 x parameter bytes + in_flight x kept + recompute.
 """
@@ -108,7 +108,7 @@ class SegmentCosts:
 
 def _block_activations(nodes: list[fx.Node], layers: Sequence[str], layers_of: dict | None = None
                        ) -> tuple[int, int]:
-    """Runs of consecutive nodes of one layer are recomputed (runtime/checkpointing.py splits the same
+    """Runs of consecutive nodes of one layer are recomputed (runtime/stage/checkpointing.py splits the same
     way): each keeps only the tensors entering it; nodes outside layers keep what they save.
     ``layers_of``: node -> its layer, where already looked up."""
     kept, recompute = 0, 0

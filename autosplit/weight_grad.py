@@ -28,7 +28,7 @@ Terms:
 Hooks: autograd runs a parameter's post-accumulate-grad hooks even when the backward gave it no
 gradient (the split op returns None for the weight), so during I such a hook does not mean the
 weight's gradient is complete; whoever counts on those hooks (the dp buckets) must start listening
-only after the outer backward, when W is about to run (see runtime/executor.py, *armed*).
+only after the outer backward, when W is about to run (see runtime/pipeline/executor.py, *armed*).
 
 The backward runs on autograd's thread for the device (on CUDA not the caller's), which is why the key
 is a plain attribute of the store and not thread-local: the executor sets it before ``backward()``

@@ -74,7 +74,7 @@ def tracked(step, pm, calls: list):
     (torch's timers), graph breaks and graphs compiled, and ``pm.compile_seconds`` after it."""
     import torch._dynamo
 
-    from autosplit.runtime.compiled_stages import compile_seconds, graph_breaks
+    from autosplit.runtime.pipeline.compiled_stages import compile_seconds, graph_breaks
 
     def graphs():
         return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -93,7 +93,7 @@ def run_rank(rank: int, args) -> dict:
     from timm.models import VisionTransformer
 
     import autosplit
-    from autosplit.runtime.compiled_stages import graph_breaks
+    from autosplit.runtime.pipeline.compiled_stages import graph_breaks
     steps, pms, out = {}, [], {"rank": rank, "calls": {}}
     for setup, (vit, batch, mesh, microbatches, _) in SETUPS.items():
         torch.manual_seed(0)
@@ -115,7 +115,7 @@ def run_rank(rank: int, args) -> dict:
         print(f"built; warm-up and {args.steps} timed rounds of {', '.join(configs)}", flush=True)
 
     def probe():        # seconds this rank waited in tp collectives (both the eager and the traceable ops count)
-        from autosplit.runtime.tp_collectives import EXPOSED
+        from autosplit.runtime.parallel.tp_collectives import EXPOSED
         return {"input_grad": EXPOSED["input_grad"], "other": sum(EXPOSED.values()) - EXPOSED["input_grad"]}
     out.update(rotate(steps, configs, args.warmup, args.steps, probe=probe))
     out["graph_breaks"] = graph_breaks()
@@ -200,7 +200,7 @@ def render(per_rank: list[dict], args, command: str, total_s: float) -> str:
               *md_table(["configuration", "p10 ms", "p90 ms", "CPU ms", "steps", "first step s", "compile s",
                          "pm.compile_seconds", "graphs", "graph breaks", "compile s, timed steps", "tp wait ms, input grads + other"], detail)]
     reasons = sorted({b for r in per_rank for b in r["break_reasons"]})
-    lines += ["", "Dynamo graph breaks per rank (`autosplit.runtime.compiled_stages.graph_breaks()`, expected 0): "
+    lines += ["", "Dynamo graph breaks per rank (`autosplit.runtime.pipeline.compiled_stages.graph_breaks()`, expected 0): "
               + ", ".join(f"rank {r['rank']}: {r['graph_breaks']}" for r in per_rank)
               + (f" (reasons: {'; '.join(reasons)})" if reasons else "") + ".", ""]
     lines += md_table(["check", "value", "target"],

@@ -33,7 +33,7 @@ def _model(width: int):
 
 
 def _state_bytes(pm, opt) -> dict:
-    from autosplit.runtime.fsdp import local_part
+    from autosplit.runtime.parallel.fsdp import local_part
 
     def nbytes(t):
         t = local_part(t)

@@ -57,7 +57,7 @@ def _worker(rank, port, args, results):
         import timm
         import torch
         import autosplit
-        from autosplit.runtime.fsdp import local_part
+        from autosplit.runtime.parallel.fsdp import local_part
         torch.set_num_threads(1)
         with torch.device("meta"):
             model = timm.models.VisionTransformer(img_size=32, patch_size=4, embed_dim=1024, depth=8,

@@ -73,7 +73,7 @@ def _rank(rank: int, args: dict) -> dict:
     import timm
     import autosplit
     from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
-    from autosplit.runtime import tp_collectives
+    from autosplit.runtime.parallel import tp_collectives
     m, mesh = args["microbatches"], args["mesh"]
     rows = BATCH // mesh[2]                                  # this replica's batch
     torch.manual_seed(0)

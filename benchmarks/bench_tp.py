@@ -184,7 +184,7 @@ def run_rank(rank: int, args) -> dict:
     out["ours_error"] = None
     try:
         import autosplit
-        from autosplit.runtime import tp_collectives
+        from autosplit.runtime.parallel import tp_collectives
         for name, overlap, chunks in (("ours_fwd", True, 2), ("ours_fused", False, 1), ("ours", True, 1)):
             tp_collectives.OVERLAP_BACKWARD = overlap         # read at build time; False: the fused backward
             pm = autosplit.parallelize(copy.deepcopy(base), mesh=(1, TP, 1), loss_fn=torch.nn.CrossEntropyLoss(),
@@ -204,7 +204,7 @@ def run_rank(rank: int, args) -> dict:
     configs = [c for c in CONFIGS if c in steps and c in args.configs]
 
     def probe():        # seconds waited in tp collectives, and how many all-reduces ran
-        from autosplit.runtime.tp_collectives import COUNTS, EXPOSED
+        from autosplit.runtime.parallel.tp_collectives import COUNTS, EXPOSED
         comm = (("copy", "bwd"), ("all_reduce", "fwd"), ("grad_all_reduce", "bwd"))   # the calls that all-reduce
         return {**EXPOSED, "all_reduces": sum(COUNTS[k] for k in comm)}
     out.update(rotate(steps, configs, args.warmup, args.steps, args.block,

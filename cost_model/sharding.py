@@ -1,6 +1,6 @@
 """Memory and traffic of sharded data parallelism (``dp_shard``: FSDP2 over the dp axis), per stage.
 
-Terms (runtime/fsdp.py runs what this predicts):
+Terms (runtime/parallel/fsdp.py runs what this predicts):
   P          -- the stage's parameter bytes on this rank (its tensor-parallel shard), float32.
   state      -- what a rank keeps between steps: parameter, gradient and two Adam moments.
                 Replicated: 4 P.  Sharded: 4 P / dp (parameters the ranks cannot shard, tp partial-sum
@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autosplit.model_layers import path_layer
 from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
+from autosplit.model_layers import path_layer
 
 GRANULARITIES = ("stage", "layer")
-DP_BUCKET_BYTES = 25 * 2**20    # the runtime's default gradient bucket (runtime/data_parallel.py)
+DP_BUCKET_BYTES = 25 * 2**20    # the runtime's default gradient bucket (runtime/parallel/data_parallel.py)
 STATE_FACTOR = 4            # parameter + gradient + two Adam moments
 
 
@@ -71,7 +71,7 @@ def dp_cost(param_bytes: float, largest_unit: float, dp: int, microbatches: int,
 
 def dp_buckets(param_bytes: float, sharding: str | None, largest_unit: float = 0.0) -> int:
     """Pieces a stage's dp sync goes out in while its final backward runs: replicated, its 25 MiB
-    buckets (runtime/data_parallel.py); "layer", one reduce-scatter per layer unit (FSDP2 reduces a unit
+    buckets (runtime/parallel/data_parallel.py); "layer", one reduce-scatter per layer unit (FSDP2 reduces a unit
     as soon as its backward is done); "stage", one reduce-scatter after the whole backward."""
     if sharding == "stage" or param_bytes <= 0:
         return 1

@@ -18,14 +18,14 @@ Terms:
                   lasts the producing boundary's ``send``; a group is done when all its transfers are.
   tp overlap -- under tp (without dp_shard) the runtime's B launches the entries' input-gradient
                 all-reduces (reduce-scatters under sequence parallelism) asynchronously and runs the weight-
-                gradient GEMMs queued so far while they are in flight (runtime/tp_collectives.py): a B then
+                gradient GEMMs queued so far while they are in flight (runtime/parallel/tp_collectives.py): a B then
                 exposes tp_bwd - ``tp_hidden`` of its collectives, tp_hidden = min(tp_bwd, W) on a GPU, whose
                 NCCL kernels run beside the GEMMs.  0 on a CPU host: there the gloo collective and the GEMMs
                 share the rank's core, and the profile's collectives are timed as a step meets them.  An I
                 (its W deferred) hides nothing.
   dp sync    -- per rank one stream: a stage's ``dp`` seconds run in ``dp_buckets`` equal pieces; piece j
                 is ready j / k of the way through the stage's final backward (B, or W where W is deferred:
-                the runtime arms its buckets there, runtime/data_parallel.py), and pieces follow each other
+                the runtime arms its buckets there, runtime/parallel/data_parallel.py), and pieces follow each other
                 and the rank's previous dp sync on one stream.  So the sync ends max(dp - b (k-1)/k, dp / k)
                 after that backward (b: its duration, k: the pieces): DDP's overlap of bucketed all-reduces
                 with the backward still running.  One piece (FSDP's "stage" reduce-scatter): all of it after.
@@ -37,7 +37,7 @@ Terms:
                 active no earlier, and the rank's next compute starts no earlier than its last post.
   fixed      -- seconds every rank spends per step outside the schedule, waiting in collectives over
                 the whole world: the call check's all-gather before its first action
-                (runtime/call_gate.py) and the loss all-reduce after its last (runtime/gradients.py);
+                (runtime/faults/call_gate.py) and the loss all-reduce after its last (runtime/parallel/gradients.py);
                 ``step_collectives`` prices them.  Added to every rank's end and to dp_comm.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
@@ -327,8 +327,8 @@ def predict_plan(plan, device=None) -> StepPrediction:
                         profile.resume, profile.pass_overhead)
 
 
-CALL_ROW_BYTES = 5 * 8      # runtime/call_gate.py: one row of five int64 per rank
-LOSS_BYTES = 2 * 8          # runtime/gradients.py global_mean: loss and overflow flag, float64
+CALL_ROW_BYTES = 5 * 8      # runtime/faults/call_gate.py: one row of five int64 per rank
+LOSS_BYTES = 2 * 8          # runtime/parallel/gradients.py global_mean: loss and overflow flag, float64
 
 
 def step_collectives(profile, world_size: int) -> float:

@@ -28,9 +28,9 @@ from torchvision import transforms
 from tqdm import tqdm
 
 import autosplit
-from autosplit.options import LINEAR_2D_FORMS, TP_MODES
-from autosplit.dump import dump_plan
 from autosplit.mesh import MeshShape
+from autosplit.options import LINEAR_2D_FORMS, TP_MODES
+from autosplit.report.dump import dump_plan
 from autosplit.schedule import SCHEDULES
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
             torch.save(state, args.save)
             log(f"saved the full state dict ({len(state)} tensors) to {args.save}")
     if args.export and rank0:
-        from autosplit.runtime.checkpoint_files import export_state_dict
+        from autosplit.runtime.state.checkpoint_files import export_state_dict
         state = export_state_dict(args.checkpoint_dir, args.export)
         log(f"exported {len(state)} tensors to {args.export}")
     dist.barrier()

@@ -17,8 +17,8 @@ Terms:
   running statistics -- ``running_mean`` / ``running_var`` / ``num_batches_tracked``: updated once per
                  microbatch forward, in microbatch order (every schedule runs a stage's forwards in
                  microbatch order; recomputation under checkpointing restores them,
-                 runtime/checkpointing.py); under dp, dp rank 0's are broadcast after every step
-                 (runtime/buffers.py, DDP's ``broadcast_buffers``).
+                 runtime/stage/checkpointing.py); under dp, dp rank 0's are broadcast after every step
+                 (runtime/parallel/buffers.py, DDP's ``broadcast_buffers``).
   label       -- the layers' module paths, numbered siblings that differ in one index merged:
                  "blocks.{0-3}.attn.qkv.bn".
   values per channel -- what a layer's statistics are taken over: its input's dim 0 times the dims after

@@ -230,7 +230,7 @@ def measure_check_cost(steps: int = 40, mesh=(2, 1, 1)) -> dict:
     agreement (plan fields + model checksums) on this rank."""
     import statistics
     import time
-    from autosplit.runtime.agreement import check_agreement, model_checksums
+    from autosplit.runtime.faults.agreement import check_agreement, model_checksums
     pm = _pm(mesh=mesh)
     x, y = _batch(4)
     pm.step(x, y)

@@ -7,7 +7,7 @@ import torch
 import torch._dynamo
 
 import autosplit
-from autosplit.runtime.compiled_stages import graph_breaks
+from autosplit.runtime.pipeline.compiled_stages import graph_breaks
 from autosplit.weight_grad import DEFERRED
 from tests.dist_checks import batches, logged, train_matches_single_device
 from tests.models import VARIANTS

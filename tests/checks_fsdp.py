@@ -1,5 +1,5 @@
 """Functions run on every rank of a test pool (see dist_pool.py) for tests/test_fsdp.py: sharded data
-parallelism (``dp_shard``, runtime/fsdp.py) against single-device training.  Each returns plain data."""
+parallelism (``dp_shard``, runtime/parallel/fsdp.py) against single-device training.  Each returns plain data."""
 from __future__ import annotations
 
 import copy

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autosplit.runtime.p2p import Posted
+from autosplit.runtime.pipeline.p2p import Posted
 from autosplit.schedule import Group, Schedule
 from tests.dist_checks import _small, error_of
 from tests.schedule_orders import _comm

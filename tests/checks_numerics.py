@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autosplit
-from autosplit.runtime import call_gate
+from autosplit.runtime.faults import call_gate
 from tests.dist_checks import batches, max_diff, train_accumulating, train_steps
 from tests.models import VARIANTS
 

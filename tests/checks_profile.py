@@ -12,9 +12,9 @@ from tests.models import VARIANTS
 
 def measured_then_cached(directory: str) -> dict:
     os.environ["AUTOSPLIT_PROFILE_DIR"] = directory
-    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.faults.deadlines import Watchdog
     from autosplit.profiling.measure_profile import measure_profile
-    from autosplit.runtime.world import init_world
+    from autosplit.runtime.parallel.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
     state = torch.get_rng_state()
@@ -30,9 +30,9 @@ def measured_then_cached(directory: str) -> dict:
 
 def pipeline_measured() -> list:
     """pipeline_bench.measure_pipeline over this live world's ranks as one host."""
-    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.faults.deadlines import Watchdog
     from autosplit.profiling.pipeline_bench import measure_pipeline
-    from autosplit.runtime.world import init_world
+    from autosplit.runtime.parallel.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
     return measure_pipeline(world, watchdog, world.size)
@@ -40,9 +40,9 @@ def pipeline_measured() -> list:
 
 def wake_measured() -> float:
     """sharing_bench.measure_wake in this live world (every rank gets the host's figure)."""
-    from autosplit.runtime.faults import Watchdog
+    from autosplit.runtime.faults.deadlines import Watchdog
     from autosplit.profiling.sharing_bench import measure_wake
-    from autosplit.runtime.world import init_world
+    from autosplit.runtime.parallel.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
     return measure_wake(world, watchdog, world.size, trips=20)

@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def _world():
-    from autosplit.runtime.faults import Watchdog
-    from autosplit.runtime.world import init_world
+    from autosplit.runtime.faults.deadlines import Watchdog
+    from autosplit.runtime.parallel.world import init_world
     world = init_world((1, 1, -1))
     watchdog = Watchdog(world.store, world.rank, world.mesh, world.timeout_s, world.backend)
     try:

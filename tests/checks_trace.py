@@ -1,4 +1,4 @@
-"""Run on every rank of a test pool: one traced step (runtime/trace_step.py)."""
+"""Run on every rank of a test pool: one traced step (runtime/pipeline/trace_step.py)."""
 from __future__ import annotations
 
 import torch

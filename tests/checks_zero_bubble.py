@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autosplit.runtime.data_parallel import GradBuckets
+from autosplit.runtime.parallel.data_parallel import GradBuckets
 from autosplit.weight_grad import DEFERRED
 from tests.dist_checks import train_matches_single_device
 from tests.models import VARIANTS

@@ -234,7 +234,7 @@ def mixed_precision():
 
 def count_tp_collectives(name: str, microbatches: int = 2, **kw):
     """Collectives per transformer block and microbatch, forward and backward, in one training step."""
-    from autosplit.runtime.tp_collectives import COUNTS
+    from autosplit.runtime.parallel.tp_collectives import COUNTS
     torch.manual_seed(0)
     model = VARIANTS[name]()
     depth = len([m for m in model.modules() if type(m).__name__ in ("Block", "EncoderBlock", "HandBlock")])
@@ -242,7 +242,7 @@ def count_tp_collectives(name: str, microbatches: int = 2, **kw):
                                example_input=torch.randn(2, 3, 32, 32), **kw)
     x, y = batches(1, 2 * microbatches)
     COUNTS.clear()
-    from autosplit.runtime import tp_collectives as collectives
+    from autosplit.runtime.parallel import tp_collectives as collectives
     reduced = []                     # (tensor given to the all-reduce, tensor reduced) per call
     original = collectives.dist.all_reduce
     collectives.dist.all_reduce = lambda t, *a, **k: reduced.append(t) or original(t, *a, **k)
@@ -315,7 +315,7 @@ def replay_order(reorder, timeout_s: float):
     """1F1B on two ranks in the order ``reorder(schedule)`` gives, run once on plain gloo, then on the
     strict transport: {"gloo": error or None, "strict": error or None, "seconds": the strict run's}."""
     import time
-    from autosplit.runtime.p2p import GlooTransport, StrictTransport
+    from autosplit.runtime.pipeline.p2p import GlooTransport, StrictTransport
     from autosplit.schedule import build_schedule
     pm = _small(mesh=(2, 1, 1), microbatches=2, example_input=torch.randn(1, 3, 32, 32), timeout_s=timeout_s)
     pm.executor.train_items = reorder(build_schedule("1f1b", 2, 2))[pm.pp_rank]

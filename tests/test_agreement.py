@@ -4,7 +4,7 @@ import torch
 
 import autosplit
 from autosplit.passes.check_output import check_single_output
-from autosplit.runtime.agreement import model_checksums, plan_fields, plan_fingerprint
+from autosplit.runtime.faults.agreement import model_checksums, plan_fields, plan_fingerprint
 from autosplit.trace import trace
 from tests.checks_bad_input import _DictOut, _TupleOut
 from tests.models import timm_cls, tp_timm

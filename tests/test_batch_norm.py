@@ -178,7 +178,7 @@ def test_fewest_microbatch_rows_from_the_graph(name, rows, why):
 def test_recomputation_copies_only_the_buffers_its_forward_writes(monkeypatch):
     """A checkpointed layer's recomputation restores the buffers its forward wrote (a BatchNorm's
     statistics: updated once per microbatch) and copies none of a layer that only reads its buffers."""
-    from autosplit.runtime.checkpointing import Checkpointed
+    from autosplit.runtime.stage.checkpointing import Checkpointed
 
     class ReadsBuffer(nn.Module):
         def __init__(self):
@@ -197,7 +197,7 @@ def test_recomputation_copies_only_the_buffers_its_forward_writes(monkeypatch):
                                {f"1.{s}" for s in stats}),
                               (FunctionalBN(), torch.randn(3, 3, 8, 8),
                                {"mean", "var", *(f"block.1.{s}" for s in stats)})):
-        layer = torch.fx.symbolic_trace(model)     # a stage's layers are graphs (runtime/checkpointing.py)
+        layer = torch.fx.symbolic_trace(model)     # a stage's layers are graphs (runtime/stage/checkpointing.py)
         out = Checkpointed(layer)(x.requires_grad_())
         after = {n: b.clone() for n, b in layer.named_buffers()}
         cloned.clear()

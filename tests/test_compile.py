@@ -227,7 +227,7 @@ def test_every_node_carries_a_spec():
 
 
 def test_block_checkpointing_wraps_each_layer():
-    from autosplit.runtime.checkpointing import Checkpointed, checkpointed
+    from autosplit.runtime.stage.checkpointing import Checkpointed, checkpointed
     model = timm_cls(depth=4)
     plan = autosplit.compile(model, mesh=(2, 1, 1), example_input=torch.randn(2, 3, 32, 32))
     stage = plan.modules[1]
@@ -243,7 +243,7 @@ def test_block_checkpointing_wraps_each_layer():
 def test_checkpointing_lowers_measured_saved_bytes(granularity):
     """Bytes autograd actually saves in one stage's forward (counted by saved-tensor hooks), with and
     without recomputation: checkpointing keeps much less, as the plan predicts."""
-    from autosplit.runtime.checkpointing import checkpointed
+    from autosplit.runtime.stage.checkpointing import checkpointed
     torch.manual_seed(0)
     model = timm_cls(depth=4)
     plan = autosplit.compile(model, mesh=(1, 1, 1), example_input=torch.randn(4, 3, 32, 32))

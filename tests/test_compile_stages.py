@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.compiled_stages import compile_settings, unalias_grads
+from autosplit.runtime.pipeline.compiled_stages import compile_settings, unalias_grads
 from tests.checks_compile import compiled_like_eager, compiled_matches, compiled_predict, compiled_zoo
 from tests.test_meta_init import meta_train, reference
 

@@ -1,5 +1,5 @@
 """Sharded data parallelism (issue 12): ``parallelize(..., dp_shard=...)`` shards each stage over dp with
-FSDP2 (runtime/fsdp.py).  Real gloo processes against single-device training; the cost model's
+FSDP2 (runtime/parallel/fsdp.py).  Real gloo processes against single-device training; the cost model's
 sharded memory (cost_model/sharding.py) offline."""
 import pytest
 import torch

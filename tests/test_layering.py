@@ -1,16 +1,21 @@
-"""The layers, checked: each imports alone without loading the layers above it, and no import cycles.
+"""The layers, checked: each imports alone without loading the layers above it, no import cycles
+(``if TYPE_CHECKING:`` imports included), and the runtime's rooms import downward only.
 
 Layers, bottom to top (an arrow: may import):
 
-    errors, mesh  <-  schedule  <-  passes, cost_model, tp.ops  <-  compiler, plan (+ report, dump)
-                                         <-  runtime  <-  profiling  <-  autosplit (lazy names)
+    errors, mesh  <-  schedule  <-  passes, cost_model, tp.ops  <-  report (presenters)  <-  plan, compiler
+        <-  runtime (faults <- stage <- parallel <- state <- pipeline <- entry points)  <-  profiling
+        <-  autosplit (lazy names)
 
 Planning is pure: nothing below the runtime loads ``autosplit.runtime``; the package's public names
 load on first use (PEP 562), so ``import autosplit.cost_model`` does not pull in the compiler.  The
-training runtime never loads ``autosplit.profiling`` (measuring a machine's profile): no module under
-autosplit/runtime/ imports it, anywhere in the file, nor through what it imports at module level
+presenters (``autosplit.report``) format the plan they are given and never import ``autosplit.plan``:
+the Plan's ``summary()`` / ``dump()`` call them, so the arrow runs one way.  The training runtime never
+loads ``autosplit.profiling`` (measuring a machine's profile): no module under autosplit/runtime/
+imports it, anywhere in the file, nor through what it imports at module level
 (``test_runtime_never_imports_profiling``, a static scan of every runtime module, which
-``test_the_profiling_scan_finds_an_indirect_import`` shows can fail).
+``test_the_profiling_scan_finds_an_indirect_import`` shows can fail).  The rooms' rule
+(``test_rooms_import_downward_only``) is shown able to fail by ``test_the_room_check_finds_an_upward_import``.
 """
 import ast
 import json
@@ -38,6 +43,10 @@ LAYERS = {
     "autosplit.passes.sharding.grid": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan"],
     "autosplit.passes.tp_random": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan"],
     "autosplit.plan": ["autosplit.runtime", "autosplit.compiler"],
+    "autosplit.report.dump": ["autosplit.runtime", "autosplit.compiler", "autosplit.plan", "autosplit.strategy"],
+    "autosplit.runtime.faults.deadlines": ["autosplit.runtime.stage", "autosplit.runtime.parallel",
+                                           "autosplit.runtime.state", "autosplit.runtime.pipeline",
+                                           "autosplit.compiler", "autosplit.profiling"],
     "autosplit.compiler": ["autosplit.runtime"],
     "autosplit.runtime.parallelize": ["autosplit.profiling"],
 }
@@ -69,14 +78,15 @@ def _module_name(path: Path) -> str:
     raise ValueError(path)
 
 
-def _imports(tree: ast.AST, known: set[str], package: str, module_level: bool = False) -> set[str]:
+def _imports(tree: ast.AST, known: set[str], package: str, module_level: bool = False,
+             type_checking: bool = False) -> set[str]:
     """Our modules a file imports (``package``: the file's package, for relative imports), at any
-    depth, except under ``if TYPE_CHECKING:``; ``module_level``: only those run when the module is
-    imported (not inside a function's body)."""
+    depth; under ``if TYPE_CHECKING:`` only with ``type_checking``; ``module_level``: only those run
+    when the module is imported (not inside a function's body)."""
     found = set()
 
     def visit(node):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING" and not type_checking:
             return
         if module_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return
@@ -97,16 +107,8 @@ def _imports(tree: ast.AST, known: set[str], package: str, module_level: bool = 
 
 
 def test_no_import_cycles():
-    files = [p for root in PACKAGES.values() for p in root.rglob("*.py")]
-    names = {_module_name(p): p for p in files}
-    graph = nx.DiGraph()
-    for name, path in names.items():
-        graph.add_node(name)
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for target in _imports(ast.parse(path.read_text()), set(names), package):
-            package_init = name.rsplit(".", 1)[0] == target and path.name == "__init__.py"
-            if target != name and not package_init:
-                graph.add_edge(name, target)
+    """No cycle among our files, counting imports inside functions and under ``if TYPE_CHECKING:``."""
+    graph = import_graph(_repo_sources())
     cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles[:5]}"
     assert graph.number_of_edges() > 50          # the scan really saw the imports
@@ -202,3 +204,83 @@ def test_the_profiling_scan_finds_an_indirect_import():
         "autosplit.runtime.bad -> autosplit.helpers -> autosplit.profiling",       # its __init__ runs first
         "autosplit.runtime.ok -> autosplit.helpers -> autosplit.profiling"]
     assert profiling_imports_of_runtime(sources) == ["autosplit.runtime.inside -> autosplit.profiling.job"]
+
+
+# The runtime's rooms, bottom to top: a module imports modules of its own room and of rooms below it
+# only (autosplit/runtime/__init__.py says what lives in each).  The last, the runtime's own top level,
+# holds the entry points (parallelize, ParallelModule, planning inside the job).
+ROOMS = ["autosplit.runtime.faults", "autosplit.runtime.stage", "autosplit.runtime.parallel",
+         "autosplit.runtime.state", "autosplit.runtime.pipeline", "autosplit.runtime"]
+# Modules outside the runtime that may import it: the package's lazy public names, the command line,
+# and measuring a machine (autosplit.profiling runs collectives).  The graph side never does.
+RUNTIME_USERS = ("autosplit.__main__", "autosplit.profiling")
+# The presenters (autosplit.report) format the plan they are given: nothing above the plan's data.
+ABOVE_PRESENTERS = ("autosplit.plan", "autosplit.compiler", "autosplit.runtime", "autosplit.strategy",
+                    "autosplit.profiling")
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _room(module: str) -> int | None:
+    """Index of the runtime room ``module`` lies in (a room's package itself included), else None."""
+    inside = [k for k, room in enumerate(ROOMS) if _within(module, room)]
+    return min(inside) if inside else None
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> nx.DiGraph:
+    """Module -> module it imports, anywhere in its file, ``if TYPE_CHECKING:`` included."""
+    known, graph = set(sources), nx.DiGraph()
+    for name, (src, is_package) in sources.items():
+        graph.add_node(name)
+        package = name if is_package else name.rsplit(".", 1)[0]
+        for target in _imports(ast.parse(src), known, package, type_checking=True):
+            if target != name and not (is_package and _within(target, name)):
+                graph.add_edge(name, target)
+    return graph
+
+
+def arrows_up(graph: nx.DiGraph) -> list[str]:
+    """Every import that runs against the layering: a runtime room importing a room above it, the graph
+    side importing the runtime, a presenter importing what sits above the plan's data."""
+    wrong = []
+    for a, b in graph.edges:
+        ra, rb = _room(a), _room(b)
+        if ra is not None and rb is not None and rb > ra:
+            wrong.append(f"{a} -> {b} (room {ROOMS[ra]} imports room {ROOMS[rb]}, above it)")
+        elif ra is None and rb is not None and a != "autosplit" and not any(_within(a, u) for u in RUNTIME_USERS):
+            wrong.append(f"{a} -> {b} (the graph side imports the runtime)")
+        elif _within(a, "autosplit.report") and any(_within(b, p) for p in ABOVE_PRESENTERS):
+            wrong.append(f"{a} -> {b} (a presenter imports what sits above the plan's data)")
+    return sorted(wrong)
+
+
+def test_rooms_import_downward_only():
+    graph = import_graph(_repo_sources())
+    assert {"autosplit.runtime.faults.deadlines", "autosplit.report.summary"} <= set(graph.nodes)
+    assert graph.number_of_edges() > 100
+    wrong = arrows_up(graph)
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_room_check_finds_an_upward_import():
+    """arrows_up on made-up modules: a faults module importing the pipeline, a pass importing the runtime
+    under TYPE_CHECKING, and a presenter importing the plan are each found; downward imports are not."""
+    sources = {
+        "autosplit": ("", True), "autosplit.runtime": ("", True),
+        "autosplit.runtime.faults": ("", True), "autosplit.runtime.pipeline": ("", True),
+        "autosplit.runtime.pipeline.executor": ("from autosplit.runtime.faults import deadlines\n", False),
+        "autosplit.runtime.faults.deadlines": ("def f():\n    from autosplit.runtime.pipeline import executor\n",
+                                               False),
+        "autosplit.passes": ("", True),
+        "autosplit.passes.cut": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                 "    from autosplit.runtime.faults import deadlines\n", False),
+        "autosplit.report": ("", True), "autosplit.plan": ("from autosplit.report import summary\n", False),
+        "autosplit.report.summary": ("from autosplit.plan import Plan\n", False),
+    }
+    assert arrows_up(import_graph(sources)) == [
+        "autosplit.passes.cut -> autosplit.runtime.faults.deadlines (the graph side imports the runtime)",
+        "autosplit.report.summary -> autosplit.plan (a presenter imports what sits above the plan's data)",
+        "autosplit.runtime.faults.deadlines -> autosplit.runtime.pipeline.executor (room autosplit.runtime.faults "
+        "imports room autosplit.runtime.pipeline, above it)"]

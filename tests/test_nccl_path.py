@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from autosplit.mesh import MeshShape
-from autosplit.runtime import deferred, faults, heartbeat as hb
-from autosplit.runtime.faults import RankFailure, Watchdog
+from autosplit.runtime.faults import deferred, deadlines as faults, heartbeat as hb
+from autosplit.runtime.faults.deadlines import RankFailure, Watchdog
 from tests import checks_nccl
 from tests.dist_pool import Pool
 
@@ -130,7 +130,7 @@ def test_nccl_init_leaves_error_handling_and_outlasts_our_deadline(monkeypatch):
     """init_world on the NCCL path (modelled: the default group is a one-rank gloo group) must not set
     TORCH_NCCL_ASYNC_ERROR_HANDLING, and every group our traffic uses must time out later than our
     deadline plus the diagnosis."""
-    from autosplit.runtime import world as world_mod
+    from autosplit.runtime.parallel import world as world_mod
     seen = {}
     real_init = dist.init_process_group
 

@@ -27,6 +27,6 @@ def test_wheel_holds_every_package_and_no_stray_top_level(tmp_path):
     assert {"autosplit/tp", "autosplit/schedule", "autosplit/runtime", "autosplit/profiling", "autosplit/passes",
             "autosplit/cost_model"} <= in_wheel
     assert "autosplit/profiling/device_bench.py" in names and "autosplit/cost_model/profile_file.py" in names
-    assert {"autosplit/report_html.js", "autosplit/report_html.css"} <= set(names)   # report.html's assets
+    assert {"autosplit/report/html.js", "autosplit/report/html.css"} <= set(names)   # report.html's assets
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"autosplit"}, tops

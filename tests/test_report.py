@@ -21,9 +21,9 @@ import torch.fx as fx
 
 import autosplit
 from autosplit.cost_model.device import H100
-from autosplit.report_html import _page, kind_colour, render_report
-from autosplit.report_timeline import step_bars, parse_grid, time_bars, timeline
-from autosplit.report_tp import collectives
+from autosplit.report.html import _page, kind_colour, render_report
+from autosplit.report.timeline import step_bars, parse_grid, time_bars, timeline
+from autosplit.report.tp_tables import collectives
 from tests.models import tp_timm
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")

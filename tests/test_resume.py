@@ -245,7 +245,7 @@ def test_latest_checkpoint_and_leftover_versions(tmp_path):
     is superseded, not 'incomplete ... interrupted': loading ignores it silently; a save that never
     finished is warned about by name."""
     import autosplit
-    from autosplit.runtime.checkpoint_files import LATEST, resolve
+    from autosplit.runtime.state.checkpoint_files import LATEST, resolve
     d = tmp_path / "run"
     assert autosplit.latest_checkpoint(d) is None
     partial = _version(d, "step-00000006-00000000000000aa", complete=False)

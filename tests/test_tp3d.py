@@ -164,7 +164,7 @@ def test_auto_prices_every_layout_and_keeps_the_fastest_that_fits():
 
 
 def test_auto_trains_a_grid_it_chose(pool8):
-    """parallelize(tp_mode="auto") builds the chosen grid's groups after planning (runtime/world.py
+    """parallelize(tp_mode="auto") builds the chosen grid's groups after planning (runtime/parallel/world.py
     ``add_tp_axes``) and trains equal to one device."""
     results = pool8.run(train_matches_single_device, "tp_hand", (1, 8, 1), "1f1b", 1, microbatches=2,
                         tp_mode="auto", memory_budget="300KB")

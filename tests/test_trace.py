@@ -1,4 +1,4 @@
-"""pm.trace_step: one (2,2,1) step's Chrome trace, merged across ranks (runtime/trace_step.py)."""
+"""pm.trace_step: one (2,2,1) step's Chrome trace, merged across ranks (runtime/pipeline/trace_step.py)."""
 from __future__ import annotations
 
 import json

@@ -59,8 +59,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from autosplit.runtime import tp_collectives as T
-from autosplit.runtime.p2p import make_transport
+from autosplit.runtime.parallel import tp_collectives as T
+from autosplit.runtime.pipeline.p2p import make_transport
 
 SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 CUDA_SIZES = (64 << 10, 1 << 20, 16 << 20, 128 << 20)

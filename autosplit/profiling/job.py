@@ -31,9 +31,9 @@ from autosplit.profiling.comm_bench import world_barrier
 from autosplit.profiling.device_bench import measure_device
 from autosplit.profiling.measure_profile import gpu_base
 from autosplit.profiling.measure_profile import measure_profile as measure_in_world
-from autosplit.runtime.faults import Watchdog
+from autosplit.runtime.faults.deadlines import Watchdog
+from autosplit.runtime.parallel.world import DEFAULT_TIMEOUT_S, init_world
 from autosplit.runtime.profile import local_ranks
-from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
 
 _CALLS = itertools.count()
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -231,8 +231,8 @@ def _worker(rank: int, ranks: int, port: int, threads: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
-    from autosplit.runtime.faults import Watchdog
-    from autosplit.runtime.world import init_world
+    from autosplit.runtime.faults.deadlines import Watchdog
+    from autosplit.runtime.parallel.world import init_world
     try:
         world = init_world((1, 1, ranks))
         profile = measure_profile(world, Watchdog(world.store, rank, world.mesh, world.timeout_s, world.backend))

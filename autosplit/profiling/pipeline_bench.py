@@ -35,7 +35,7 @@ import torch
 
 from autosplit.profiling.comm_bench import world_barrier
 from autosplit.profiling.cpu_workload import encoder_stack
-from autosplit.runtime.p2p import make_transport, tag
+from autosplit.runtime.pipeline.p2p import make_transport, tag
 from autosplit.schedule import Group, build_schedule, lower
 from autosplit.schedule.actions import F, RECV_F, SEND_F
 

@@ -9,7 +9,7 @@ Terms:
 The module runs calls; each idea lives in its own file: rank_plan.py (planning and re-planning, this
 rank's modules, buckets and executor), gradients.py (partial-gradient reduction, clipping, the loss
 scaler's calls, the mean loss), model_state.py / state_dict.py (full state dicts), checkpoint.py
-(sharded checkpoints), call_gate.py / agreement.py (ranks agree), faults.py (bounded waits),
+(sharded checkpoints), call_gate.py / agreement.py (ranks agree), faults/deadlines.py (bounded waits),
 executor.py (the schedule), loss_scaler.py, buffers.py, params.py.
   owned         -- what a module holds that outlives it unless released: the world's process groups
                    (torch keeps every group in its registries until destroyed: their connections and,
@@ -37,18 +37,18 @@ import torch.distributed as dist
 from autosplit.errors import AutosplitError
 from autosplit.meta_init import Initializer, meta_names
 from autosplit.options import PlanOptions
-from autosplit.runtime import model_state
-from autosplit.runtime.agreement import check_agreement
-from autosplit.runtime.call_checks import check_call
-from autosplit.runtime.call_gate import CallGate
-from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
-from autosplit.runtime.compiled_stages import compile_seconds
-from autosplit.runtime.faults import RankFailure, Watchdog
-from autosplit.runtime.gradients import begin_step, clip_grad_norm, finish_step
-from autosplit.runtime.loss_check import loss_fn_problem
-from autosplit.runtime.loss_scaler import LossScaler
+from autosplit.runtime.faults.agreement import check_agreement
+from autosplit.runtime.faults.call_checks import check_call
+from autosplit.runtime.faults.call_gate import CallGate
+from autosplit.runtime.faults.deadlines import RankFailure, Watchdog
+from autosplit.runtime.faults.loss_check import loss_fn_problem
+from autosplit.runtime.parallel.gradients import begin_step, clip_grad_norm, finish_step
+from autosplit.runtime.parallel.world import World
+from autosplit.runtime.pipeline.compiled_stages import compile_seconds
 from autosplit.runtime.rank_plan import RankPlanner
-from autosplit.runtime.world import World
+from autosplit.runtime.state import model_state
+from autosplit.runtime.state.checkpoint import load_checkpoint, save_checkpoint
+from autosplit.runtime.state.loss_scaler import LossScaler
 
 log = logging.getLogger("autosplit")
 
@@ -71,7 +71,7 @@ class _Owned:
             self.planner.close()
         if self.watchdog is not None:
             self.watchdog.close()
-        if self.dcp_group is not None:                      # runtime/checkpoint.py's
+        if self.dcp_group is not None:                      # runtime/state/checkpoint.py's
             dist.destroy_process_group(self.dcp_group)
         self.world.close()
         self.planner = self.watchdog = self.dcp_group = None
@@ -105,14 +105,14 @@ class ParallelModule:
 
     Args:
         model: the user's model (every rank builds it identically; it may live on the meta device).
-        world: the initialized World (runtime/world.py).
+        world: the initialized World (runtime/parallel/world.py).
         loss_fn: ``loss_fn(logits, labels)``, a scalar mean over the microbatch.
         options: the PlanOptions (``options.num_microbatches`` an int; ``options.device`` None: the
             agreed profile of this machine).
         example_input: one microbatch to plan for now, or None (planned at the first call).
         bucket_bytes: size of a data-parallel gradient bucket.
         seed, init_fn: how a meta model's shards are initialized (autosplit/meta_init.py).
-        compile_settings: ``torch.compile`` arguments for every stage module (runtime/compiled_stages.py),
+        compile_settings: ``torch.compile`` arguments for every stage module (runtime/pipeline/compiled_stages.py),
             or None: eager stages.
     """
 
@@ -339,7 +339,7 @@ class ParallelModule:
         self.watchdog.wait(work, "predict broadcast", host=True)
         return result
 
-    # ---- state (runtime/model_state.py, runtime/checkpoint.py) ---------------------------------
+    # ---- state (runtime/state/model_state.py, runtime/state/checkpoint.py) ---------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state dict (full shapes, CPU tensors), identical on every rank.
 
@@ -358,7 +358,7 @@ class ParallelModule:
 
     def save_checkpoint(self, directory, optimizer=None, extra=None) -> str:
         """Write a sharded checkpoint (torch.distributed.checkpoint), atomically: everything an exact
-        resume needs (runtime/checkpoint.py).
+        resume needs (runtime/state/checkpoint.py).
 
         Args:
             directory: where versions are kept; each rank writes only its shards, under the original
@@ -387,7 +387,7 @@ class ParallelModule:
         """
         return load_checkpoint(self, directory, optimizer, extra, missing_ok)
 
-    # ---- agreement between ranks (runtime/call_gate.py, runtime/agreement.py) --------------------
+    # ---- agreement between ranks (runtime/faults/call_gate.py, runtime/faults/agreement.py) --------------------
     def _enter(self, call: str, *args) -> None:
         """First thing in every entry point that communicates: check this rank's arguments, then make
         sure every rank entered the same call with the same shapes; raise the same error everywhere
@@ -406,7 +406,7 @@ class ParallelModule:
         check_agreement(self.world, self.watchdog, self.plan, self.model, not self._params_agreed, error)
         self._agreed, self._params_agreed = self.plan, True
 
-    # ---- measurement (runtime/trace_step.py) ------------------------------------------------------
+    # ---- measurement (runtime/pipeline/trace_step.py) ------------------------------------------------------
     def trace_step(self, images, labels, path):
         """One training step under torch.profiler on every rank; rank 0 writes the merged Chrome trace
         to ``path``.  Returns a ``StepTrace`` (measured vs predicted per stage, action kind and step).
@@ -416,5 +416,5 @@ class ParallelModule:
             labels: its labels.
             path: the Chrome-trace JSON file rank 0 writes (None: no file).
         """
-        from autosplit.runtime.trace_step import trace_step
+        from autosplit.runtime.pipeline.trace_step import trace_step
         return trace_step(self, images, labels, path)

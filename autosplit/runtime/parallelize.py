@@ -1,6 +1,6 @@
 """``autosplit.parallelize``: the training entry point, run inside every process of the job.
 
-Terms: see runtime/world.py (world, backend, groups), runtime/parallel_module.py (replica batch,
+Terms: see runtime/parallel/world.py (world, backend, groups), runtime/parallel_module.py (replica batch,
 microbatch, local params) and options.py (the planning options).
 """
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from autosplit.host_memory import keep_freed_host_memory
 from autosplit.options import PlanOptions, check_dp_shard
 from autosplit.runtime.auto_mesh import auto_arguments
-from autosplit.runtime.compiled_stages import compile_settings
-from autosplit.host_memory import keep_freed_host_memory
+from autosplit.runtime.parallel.world import DEFAULT_TIMEOUT_S, init_world
 from autosplit.runtime.parallel_module import ParallelModule, release_orphans
-from autosplit.runtime.world import DEFAULT_TIMEOUT_S, init_world
+from autosplit.runtime.pipeline.compiled_stages import compile_settings
 
 
 def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | None = None,

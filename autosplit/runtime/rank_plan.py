@@ -12,7 +12,7 @@ Terms (see runtime/parallel_module.py for replica batch and microbatch):
   modules      -- what the executor calls: the raw modules, wrapped for activation checkpointing or
                   for FSDP2 (``dp_shard``).
   partial params -- replicated parameters whose gradients each tp rank holds only a part of
-                  (runtime/gradients.py reduces them; they are not in the dp buckets).
+                  (runtime/parallel/gradients.py reduces them; they are not in the dp buckets).
 Pure planning is ``autosplit.compile``; this module adds what needs the world: the agreed cost
 profile, moving and wrapping modules, and the dp buckets' process group.
 """
@@ -33,19 +33,19 @@ from autosplit.options import PlanOptions
 from autosplit.passes.batch_norm import warn_batch_norm
 from autosplit.passes.split_backward import split_weight_gemms
 from autosplit.passes.tp_random import fork_sharded_random
-from autosplit.runtime import tp_collectives
-from autosplit.runtime import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
-from autosplit.runtime.buffers import BufferSync
-from autosplit.runtime.checkpointing import checkpointed
-from autosplit.runtime.compiled_stages import compile_units, unalias_grads
-from autosplit.runtime.data_parallel import GradBuckets
-from autosplit.runtime.executor import PipelineExecutor
-from autosplit.runtime.fsdp import StageSharding
-from autosplit.runtime.loss_check import checked_loss
-from autosplit.runtime.params import (adopt_parameters, graph_order_params, local_values, materialize_local,
+from autosplit.runtime.parallel import tp_collectives
+from autosplit.runtime.parallel import tp2d_collectives  # noqa: F401  (registers linear_2d / sum_stats)
+from autosplit.runtime.faults.loss_check import checked_loss
+from autosplit.runtime.parallel.buffers import BufferSync
+from autosplit.runtime.parallel.data_parallel import GradBuckets
+from autosplit.runtime.parallel.fsdp import StageSharding
+from autosplit.runtime.pipeline.compiled_stages import compile_units, unalias_grads
+from autosplit.runtime.pipeline.executor import PipelineExecutor
+from autosplit.runtime.stage.checkpointing import checkpointed
+from autosplit.runtime.stage.params import (adopt_parameters, graph_order_params, local_values, materialize_local,
                                       to_device)
+from autosplit.runtime.parallel.tp_collectives import bind_axis_groups, unbind_groups
 from autosplit.runtime.profile import agreed_profile, with_node_size
-from autosplit.runtime.tp_collectives import bind_axis_groups, unbind_groups
 from autosplit.strategy.layout import fewest_microbatch_rows, trace_model
 
 log = logging.getLogger("autosplit")      # the library logs; it never prints
@@ -56,13 +56,13 @@ class RankPlanner:
 
     Args:
         model: the user's model (the parameters' home; a meta model is materialized shard by shard).
-        world: runtime/world.py's World (mesh, coordinates, groups, device).
-        watchdog: runtime/faults.py's Watchdog (every wait goes through it).
+        world: runtime/parallel/world.py's World (mesh, coordinates, groups, device).
+        watchdog: runtime/faults/deadlines.py's Watchdog (every wait goes through it).
         options: the PlanOptions; ``options.device`` None means the agreed profile of this machine.
         loss_fn: ``loss_fn(logits, labels)``, run on the last stage.
         bucket_bytes: size of a data-parallel gradient bucket.
         initializer: a meta model's Initializer (autosplit/meta_init.py), or None.
-        compile_settings: ``torch.compile`` arguments for every stage (runtime/compiled_stages.py), or
+        compile_settings: ``torch.compile`` arguments for every stage (runtime/pipeline/compiled_stages.py), or
             None: stages run eagerly.
     """
 
@@ -204,7 +204,7 @@ class RankPlanner:
         # (deferred_w_stages: where some W does not directly follow its I, and on a GPU also where the
         # split only hands the input gradient on earlier; elsewhere it only costs).  Under tp, B
         # overlaps them with the backward all-reduce / reduce-scatter of the entries' input gradients
-        # (runtime/tp_collectives.py), on every stage.  Not under dp_shard: FSDP2 reduce-scatters a
+        # (runtime/parallel/tp_collectives.py), on every stage.  Not under dp_shard: FSDP2 reduce-scatters a
         # module's gradients when its backward ends.
         # Compiled stages defer W where the schedule needs it (autosplit/weight_grad_ops.py); the backward
         # overlap under tp is left to the compiled graph (its collectives are opaque ops, run in order).
@@ -214,7 +214,7 @@ class RankPlanner:
         deferring = plan_deferred_w_stages(plan)
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
-        if plan.dp_shard:          # FSDP2 units over dp (runtime/fsdp.py); its grads replace the buckets
+        if plan.dp_shard:          # FSDP2 units over dp (runtime/parallel/fsdp.py); its grads replace the buckets
             self.sharding = self.sharding or StageSharding(world, self.model, plan.dp_shard, opts.checkpoint,
                                                            opts.autocast)
             self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial, values)
@@ -242,7 +242,7 @@ class RankPlanner:
 
     def sync_buffers(self) -> None:
         """Buffers a forward updated (BatchNorm statistics) become dp rank 0's on every replica
-        (runtime/buffers.py), so replicas never drift and ``full_state_dict`` agrees everywhere."""
+        (runtime/parallel/buffers.py), so replicas never drift and ``full_state_dict`` agrees everywhere."""
         if self.world.mesh.dp == 1:
             return
         if self._buffer_sync is None or self._buffer_sync.modules is not self.raw_modules:

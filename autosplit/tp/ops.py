@@ -17,10 +17,10 @@ Terms:
              (padding never reaches the unsharded tensor).  None: n shards of equal size, whatever it
              is (a grid's rows: the graph then holds no microbatch size).
   backend -- what runs an op on real tensors: the runtime binds one (autosplit/runtime/
-             tp_collectives.py: process groups and autograd functions).  On meta tensors every op only
+             parallel/tp_collectives.py: process groups and autograd functions).  On meta tensors every op only
              computes its output's shape, which is all planning needs, so this module imports no
              runtime and no process group.  While torch.compile traces a stage, the ops go to a second
-             backend (runtime/traceable_collectives.py: custom ops dynamo records without a graph break).
+             backend (runtime/parallel/traceable_collectives.py: custom ops dynamo records without a graph break).
   comm_kind -- on each op, (forward, backward) collective kinds, read by the cost model.
 
 2D (SUMMA / Optimus) vocabulary, over the axes ``tp_row`` and ``tp_col`` of a q x q grid:
@@ -45,12 +45,12 @@ _TRACEABLE: list = [None]
 
 
 def bind(backend) -> None:
-    """Install the runtime's implementation (called by autosplit/runtime/tp_collectives.py)."""
+    """Install the runtime's implementation (called by autosplit/runtime/parallel/tp_collectives.py)."""
     _BACKEND[0] = backend
 
 
 def bind_traceable(backend) -> None:
-    """Install the implementation dynamo traces (autosplit/runtime/traceable_collectives.py)."""
+    """Install the implementation dynamo traces (autosplit/runtime/parallel/traceable_collectives.py)."""
     _TRACEABLE[0] = backend
 
 
@@ -58,7 +58,7 @@ def _backend():
     if torch.compiler.is_compiling():
         # a stage under torch.compile: collectives as custom ops with fake implementations (no graph break)
         if _TRACEABLE[0] is None:
-            raise RuntimeError("a tensor-parallel stage is being compiled, but autosplit.runtime."
+            raise RuntimeError("a tensor-parallel stage is being compiled, but autosplit.runtime.parallel."
                                "traceable_collectives was not loaded: compile stages with parallelize(..., "
                                "compile_stages=True)")
         return _TRACEABLE[0]

@@ -21,7 +21,7 @@ Terms:
                        default generator of its device (``generator_states``).  A fork has no state of
                        its own: its seed is a draw of the default CPU stream and ``fork_rng`` puts the
                        generator back, so restoring these two states restores every fork too.  Checkpoints
-                       save them per rank (runtime/checkpoint_state.py).
+                       save them per rank (runtime/state/checkpoint_state.py).
 
 ``TpRandom`` wraps one op; ``passes/tp_random.py`` puts it on the sharded random ops of a stage graph.
 """

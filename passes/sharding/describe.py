@@ -7,7 +7,7 @@ Terms (place, strategy: strategies.py; Sharding: engine.py):
               activations: ``q @ k^T``, ``attn @ v``).
   column / row -- a Linear split by output features / by input features (its sum reduced after).
   by <dims> -- a Linear whose input is split on other dims (tokens, batch): its weight stays whole.
-  block    -- report_tp's: the module path up to its first numbered part; identical lines of
+  block    -- report/tp_tables.py's: the module path up to its first numbered part; identical lines of
               consecutive blocks are printed once ("blocks.0-11").
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tensor-parallel collectives that ``torch.compile`` traces without a graph break.
 
-Terms: see autosplit/tp/ops.py (the graph vocabulary) and runtime/tp_collectives.py (the eager backend:
+Terms: see autosplit/tp/ops.py (the graph vocabulary) and runtime/parallel/tp_collectives.py (the eager backend:
 process groups, the Watchdog, ``COUNTS``, the backward overlap with deferred weight GEMMs).
   custom op  -- each collective is a ``torch.library`` op in the ``autosplit`` namespace with a fake
                 (shape-only) implementation, so dynamo records it as one opaque node and inductor calls
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from autosplit.runtime import tp2d_collectives as T2
-from autosplit.runtime import tp_collectives as T
+from autosplit.runtime.parallel import tp2d_collectives as T2
+from autosplit.runtime.parallel import tp_collectives as T
 from autosplit.tp import ops
 from autosplit.tp.ops import shard
 

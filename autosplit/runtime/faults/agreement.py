@@ -30,7 +30,7 @@ import json
 import torch
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.exchange import by_value, gather_rows, nonce, share_texts, stable_hash, who
+from autosplit.runtime.faults.exchange import by_value, gather_rows, nonce, share_texts, stable_hash, who
 
 _FIELDS = ("mesh", "schedule", "num_microbatches", "microbatch", "stages", "tp plan", "cost profile", "model")
 _NAMED = 5            # tensors named in a parameter-mismatch error

@@ -65,7 +65,7 @@ def _group(axis: str):
 def _wait(work, what: str, kind: str = "other") -> None:
     t0 = time.perf_counter()
     # a profiler range per collective wait ("autosplit::all_reduce over tp"): pm.trace_step's
-    # communication lane (runtime/trace_step.py)
+    # communication lane (runtime/pipeline/trace_step.py)
     with record_function(f"autosplit::{what}"):
         if _WATCHDOG[0] is not None:
             _WATCHDOG[0].wait(work, what)

@@ -11,9 +11,9 @@ Terms:
               (pp, dp, *their sizes): tp rank t is read in mixed radix over them (2D: row t // q, col t % q).
   own groups -- the groups this World created (every mesh axis gets its own, even one spanning the
               whole world, which DeviceMesh would otherwise run on the default group), the only ones
-              it destroys (``close``) and a failure aborts (faults.py): never the default group.
+              it destroys (``close``) and a failure aborts (faults/deadlines.py): never the default group.
   timeout  -- every wait in the runtime gives up after this many seconds with an error naming the rank
-              and what it waited for (faults.Watchdog).  NCCL's own timeout (``nccl_timeout_s``: of
+              and what it waited for (faults/deadlines.py Watchdog).  NCCL's own timeout (``nccl_timeout_s``: of
               the default group when we create it, and of every own group) is longer by the
               heartbeats' diagnosis time plus ``NCCL_MARGIN_S``, so our message is out before NCCL's
               watchdog acts.  Its async error handling is left as torch (3) or torchrun (1) set it:
@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autosplit.errors import AutosplitError
 from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
-from autosplit.runtime.heartbeat import watch_s
+from autosplit.runtime.faults.heartbeat import watch_s
 from autosplit.tp.axes import tp_axes
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
@@ -67,7 +67,7 @@ class World:
         if self.device_mesh is None:
             raise AutosplitError(f"the process groups of rank {self.rank} were closed (ParallelModule.close)")
         # the group objects as built (init_world): DeviceMesh.get_group resolves a name torch no longer
-        # knows once a failure has aborted the group (faults.py), and the release after it still asks
+        # knows once a failure has aborted the group (faults/deadlines.py), and the release after it still asks
         if axis not in self.axis_groups:
             raise AutosplitError(f"rank {self.rank} has no '{axis}' group (axes: {sorted(self.axis_groups)})")
         return self.axis_groups[axis]

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from autosplit.runtime.fsdp import grad_square
-from autosplit.runtime.tp_collectives import reduce_grad
+from autosplit.runtime.parallel.fsdp import grad_square
+from autosplit.runtime.parallel.tp_collectives import reduce_grad
 
 
 def reduce_partial_grads(params: list, earlier: list, world, watchdog, dp_sync: bool) -> None:
@@ -103,7 +103,7 @@ def finish_step(program, scaler, loss_sum: torch.Tensor, earlier: list, num_micr
     Args:
         program: the RankPlanner (runtime/rank_plan.py) that ran the step: buckets, partial params,
             modules, world, watchdog.
-        scaler: the LossScaler (runtime/loss_scaler.py); disabled unless autocast is float16.
+        scaler: the LossScaler (runtime/state/loss_scaler.py); disabled unless autocast is float16.
         loss_sum: the sum of this rank's microbatch losses (a tensor; 0 off the last stage).
         earlier: ``begin_step``'s result.
         num_microbatches: per step.

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.checkpoint_chunks import entry, sharded
-from autosplit.runtime.checkpoint_files import entry_paths
-from autosplit.runtime.exchange import who
+from autosplit.runtime.faults.exchange import who
+from autosplit.runtime.state.checkpoint_chunks import entry, sharded
+from autosplit.runtime.state.checkpoint_files import entry_paths
 
 KEY = "optimizer"
 

@@ -16,7 +16,7 @@ Terms (plan.py has the rest):
 
 The page reads ``plan.to_dict()`` (the plan.json data), the simulator's grid and the graph's
 collective nodes; it names no model, layer type, op or mesh axis.  The script and style are package
-data next to this file (``report_html.js`` / ``report_html.css``, listed in pyproject.toml).
+data next to this file (``html.js`` / ``html.css``, listed in pyproject.toml).
 """
 from __future__ import annotations
 
@@ -24,18 +24,15 @@ import html
 import json
 import zlib
 from importlib import resources
-from typing import TYPE_CHECKING
 
 from autosplit.cost_model.comm import p2p_time
 from autosplit.cost_model.profiles import NAMES, get_profile
-from autosplit.report import _boundary, _bytes, _count, summary_table
-from autosplit.report_gantt import gantt_svg
-from autosplit.report_timeline import timeline
-from autosplit.report_tp import collectives, per_block, stage_extra
+from autosplit.report.gantt import gantt_svg
+from autosplit.report.summary import _boundary, _bytes, _count, summary_table
+from autosplit.report.timeline import timeline
+from autosplit.report.tp_tables import collectives, per_block, stage_extra
 from autosplit.schedule.actions import ActionKind
 
-if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
-    from autosplit.plan import Plan
 
 _PALETTE = ("#4e79a7", "#59a14f", "#9c755f", "#bab0ac", "#76b7b2", "#edc948", "#f28e2b", "#b07aa1",
             "#e15759", "#ff9da7")
@@ -49,7 +46,7 @@ def kind_colour(kind: str) -> str:
     return f"hsl({zlib.crc32(kind.encode()) % 360}, 55%, 55%)"
 
 
-def _profile(plan: Plan, profile):
+def _profile(plan, profile):
     """The device profile the plan was made for: the one given, else the plan's own (``plan.profile``,
     set by compile), else a built-in name (a measured CPU profile is not rebuilt here: measuring again
     would give other numbers)."""
@@ -61,7 +58,7 @@ def _profile(plan: Plan, profile):
     return get_profile(name) if name in NAMES and name != "cpu" else None
 
 
-def render_report(plan: Plan, codes: dict[tuple[int, int, int], str], profile=None) -> str:
+def render_report(plan, codes: dict[tuple[int, int, int], str], profile=None) -> str:
     """The page as one HTML string.
 
     Args:
@@ -100,7 +97,7 @@ def _json(data) -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("autosplit").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("autosplit.report").joinpath(name).read_text(encoding="utf-8")
 
 
 def _page(body: list[str]) -> str:
@@ -108,9 +105,9 @@ def _page(body: list[str]) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>autosplit plan</title><style>{_asset('report_html.css')}</style></head><body>"
+            f"<title>autosplit plan</title><style>{_asset('html.css')}</style></head><body>"
             f"<nav>{_nav()}</nav><main>{''.join(body)}</main>"
-            f"<script>{_asset('report_html.js')}</script></body></html>\n")
+            f"<script>{_asset('html.js')}</script></body></html>\n")
 
 
 _SECTIONS = (("mesh", "mesh"), ("stages", "stages"), ("bars", "time & memory"), ("schedule", "schedule"),
@@ -131,7 +128,7 @@ def _table(header, rows, cls="") -> str:
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _mesh(plan: Plan) -> str:
+def _mesh(plan) -> str:
     m = plan.mesh
     text = (f"<p>pp={m.pp} pipeline ranks x tp={m.tp} tensor-parallel ranks x dp={m.dp} data-parallel "
             f"replicas = {m.size} ranks. Global rank = (pp_rank * dp + dp_rank) * tp + tp_rank: the ranks of "
@@ -148,7 +145,7 @@ def _mesh(plan: Plan) -> str:
     return text + _table(header, rows, "mesh")
 
 
-def _stage_table(plan: Plan) -> str:
+def _stage_table(plan) -> str:
     header = ["stage", "rank", "layers", "params", "fwd ms", "bwd ms", "comm ms", "act/mb", "in flight",
               "recompute", "memory", "boundary"]
     rows = [[str(s.index), f"pp{s.pp_rank}.c{s.chunk}", e(s.layers), _count(s.n_params),
@@ -167,7 +164,7 @@ def _bar(parts: list[tuple[str, float, str]], scale: float, marker: float | None
     return f'<div class="bar">{segs}{mark}</div>'
 
 
-def _bars(plan: Plan, profile) -> str:
+def _bars(plan, profile) -> str:
     budget = getattr(profile, "memory_bytes", None)
     t_scale = max(s.time for s in plan.stages) or 1.0
     m_scale = max([s.memory_bytes for s in plan.stages] + [budget or 0]) or 1
@@ -192,7 +189,7 @@ def _bars(plan: Plan, profile) -> str:
     return legend + _table(["stage", "predicted time per microbatch", "predicted memory"], rows, "bars")
 
 
-def _schedule(plan: Plan, tl: dict, colours: dict[str, str]) -> str:
+def _schedule(plan, tl: dict, colours: dict[str, str]) -> str:
     keys = "".join(f'<span class="seg" style="background:{c}"></span>{e(k)} ' for k, c in colours.items())
     views = tl["views"]
     order = [v for v in ("time", "steps") if v in views]
@@ -240,7 +237,7 @@ def _tensor_parallel(tp: dict | None, rows: list[dict]) -> str:
     return "".join(out)
 
 
-def _code(plan: Plan, codes: dict[tuple[int, int, int], str]) -> str:
+def _code(plan, codes: dict[tuple[int, int, int], str]) -> str:
     m = plan.mesh
     blocks = []
     for (r, t, s), text in sorted(codes.items()):

@@ -1,15 +1,15 @@
 """A ParallelModule's full state dict, read and written on every rank (the call gate and agreement first).
 
-Terms: see runtime/state_dict.py (owner, sharded, local) and runtime/call_gate.py (entering a call).
-Sharded checkpoints (each rank writes only its shards) are runtime/checkpoint.py's.
+Terms: see runtime/state/state_dict.py (owner, sharded, local) and runtime/faults/call_gate.py (entering a call).
+Sharded checkpoints (each rank writes only its shards) are runtime/state/checkpoint.py's.
 """
 from __future__ import annotations
 
 import torch
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.call_checks import state_dict_problem
-from autosplit.runtime.state_dict import gather_full_state_dict, load_into
+from autosplit.runtime.faults.call_checks import state_dict_problem
+from autosplit.runtime.state.state_dict import gather_full_state_dict, load_into
 
 
 def full_state_dict(pm) -> dict[str, torch.Tensor]:

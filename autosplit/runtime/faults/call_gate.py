@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.exchange import by_value, gather_rows, nonce, share_texts, stable_hash, who
+from autosplit.runtime.faults.exchange import by_value, gather_rows, nonce, share_texts, stable_hash, who
 
 
 class CallGate:

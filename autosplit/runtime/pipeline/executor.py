@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from autosplit.runtime.faults import RankFailure
-from autosplit.runtime.p2p import Posted, make_transport, tag
+from autosplit.runtime.faults.deadlines import RankFailure
+from autosplit.runtime.pipeline.p2p import Posted, make_transport, tag
 
 from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
 from autosplit.weight_grad import DEFERRED, uses_split_ops
@@ -200,7 +200,7 @@ class PipelineExecutor:
         if a == self.last_grad[s] and not self.split[s]:
             self.on_last_backward(s)
         # B collects eagerly: under tp its split GEMMs' weight gradients overlap the backward
-        # collectives (runtime/tp_collectives.py) and the rest run right after; I leaves them to W
+        # collectives (runtime/parallel/tp_collectives.py) and the rest run right after; I leaves them to W
         with DEFERRED.collecting((s, i), eager=a.kind is B):
             if s == self.n_stages - 1:
                 outputs.backward()

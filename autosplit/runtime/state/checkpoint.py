@@ -35,12 +35,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime import checkpoint_optimizer as optim_layout
-from autosplit.runtime import checkpoint_state
-from autosplit.runtime.agreement import plan_fingerprint
-from autosplit.runtime.checkpoint_chunks import model_entries
-from autosplit.runtime.checkpoint_files import commit, latest_checkpoint, read_record, resolve, version_name
-from autosplit.runtime.exchange import gather_rows, nonce
+from autosplit.runtime.faults.agreement import plan_fingerprint
+from autosplit.runtime.faults.exchange import gather_rows, nonce
+from autosplit.runtime.state import checkpoint_optimizer as optim_layout
+from autosplit.runtime.state import checkpoint_state
+from autosplit.runtime.state.checkpoint_chunks import model_entries
+from autosplit.runtime.state.checkpoint_files import commit, latest_checkpoint, read_record, resolve, version_name
 
 FORMAT = "autosplit-checkpoint-2"     # 1: the optimizer under optimizer/state/... keys, pickled groups
 

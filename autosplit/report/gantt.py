@@ -1,6 +1,6 @@
 """The schedule's Gantt chart as inline SVG: one row per pipeline rank, one box per compute.
 
-Terms: view, bar, bubble as in report_timeline.py.  A box is coloured by its action kind (the colour
+Terms: view, bar, bubble as in report/timeline.py.  A box is coloured by its action kind (the colour
 map comes from the caller, built from the kinds found), numbered by microbatch, and drawn lighter for
 chunks after the first.  The row's background is hatched, so every bubble (idle time) shows as a
 hatched gap; each row's label gives its idle share.  A box's tooltip (SVG ``<title>``) names the
@@ -24,7 +24,7 @@ def _nice_step(raw: float) -> float:
 
 
 def gantt_svg(view: dict, pp: int, colours: dict[str, str]) -> str:
-    """SVG text for one view (``report_timeline.timeline()["views"][name]``)."""
+    """SVG text for one view (``timeline.timeline()["views"][name]``)."""
     span = view["makespan"] or 1.0
     unit = view["unit"]
 

@@ -1,7 +1,7 @@
 """The rest of a job's state in a checkpoint: the fp16 loss scale, every rank's random state, the extras.
 
 Terms:
-  loss scaler -- ``loss_scaler.scale`` and ``loss_scaler.growth_tracker`` (runtime/loss_scaler.py), saved
+  loss scaler -- ``loss_scaler.scale`` and ``loss_scaler.growth_tracker`` (runtime/state/loss_scaler.py), saved
                  when fp16 autocast scales the loss (the same on every rank); restored when the loading
                  module scales too (a bf16 or fp32 checkpoint leaves an fp16 job's initial scale).
   random state -- ``rng.rank_<r>.cpu`` (and ``.cuda`` on GPUs): each rank's generators (autosplit/tp/
@@ -32,8 +32,8 @@ from torch.distributed.checkpoint._traverse import get_element, set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from autosplit.runtime.checkpoint_files import entry_paths
-from autosplit.runtime.exchange import gather_rows
+from autosplit.runtime.faults.exchange import gather_rows
+from autosplit.runtime.state.checkpoint_files import entry_paths
 from autosplit.tp.random import generator_states, set_generator_states
 
 SCALER, RNG = "loss_scaler", "rng"

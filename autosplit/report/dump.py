@@ -8,7 +8,7 @@ Layout of ``plan.dump(dir)``:
                                      module path and the local shape beside each line
   stage{s}.dot (.svg)             -- a drawing of stage s (SVG too when Graphviz's `dot` is installed)
   report.html                     -- all of the above for a browser, in one self-contained file
-                                     (report_html.py): mesh, stages, time and memory bars, the schedule's
+                                     (report/html.py): mesh, stages, time and memory bars, the schedule's
                                      Gantt chart, tensor-parallel collectives, searchable stage code
 
 We write Graphviz text ourselves instead of using torch.fx's FxGraphDrawer because that needs the
@@ -19,15 +19,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from autosplit.report_html import render_report
-
-if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
-    from autosplit.plan import Plan
+from autosplit.report.html import render_report
 
 
 def _shape(node: fx.Node) -> str:
@@ -68,7 +64,7 @@ def _write(path: str, text: str, written: list[str]) -> None:
     written.append(path)
 
 
-def rank_codes(plan: Plan) -> dict[tuple[int, int, int], str]:
+def rank_codes(plan) -> dict[tuple[int, int, int], str]:
     """(pp rank, tp rank, stage) -> the annotated code that rank runs for that stage, with a header line."""
     codes = {}
     for r in range(plan.mesh.pp):
@@ -80,7 +76,7 @@ def rank_codes(plan: Plan) -> dict[tuple[int, int, int], str]:
     return codes
 
 
-def dump_plan(plan: Plan, directory, profile=None) -> list[str]:
+def dump_plan(plan, directory, profile=None) -> list[str]:
     """Write the layout above into ``directory``; returns the paths written (report.html last).
 
     Args:

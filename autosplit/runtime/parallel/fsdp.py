@@ -4,7 +4,7 @@ Terms:
   unit        -- one ``fully_shard`` call: its parameters are all-gathered together before its forward
                  and their gradients reduce-scattered together.  Granularity "stage": one unit per stage
                  module; "layer": one unit per model layer the stage holds (the runs of
-                 runtime/checkpointing.py ``split_layers``, so that the layer is a module whose forward
+                 runtime/stage/checkpointing.py ``split_layers``, so that the layer is a module whose forward
                  is called and FSDP's hooks fire) plus the stage root for everything else.
   sharded     -- each parameter split along dim 0 over the dp ranks (FSDP2's ``Shard(0)`` DTensor); the
                  optimizer steps the shard, and gradients arrive reduce-scattered (averaged over dp).
@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.checkpointing import Checkpointed, checkpointed, split_layers
+from autosplit.runtime.stage.checkpointing import Checkpointed, checkpointed, split_layers
 
 GRANULARITIES = ("stage", "layer")
 # FSDP warns when a unit returns a view, since an in-place op on it would skip its backward hook; the
@@ -121,7 +121,7 @@ def _allocate(root: torch.nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def _initialize(raw: torch.nn.Module, names: list[str], values: Callable) -> None:
     """Write the initial values of ``raw``'s tensors ``names`` (allocated, not yet set): each comes at its
-    full (tp-local) shape from ``values`` (runtime/params.py ``local_values``), one owner module at a
+    full (tp-local) shape from ``values`` (runtime/stage/params.py ``local_values``), one owner module at a
     time, and a sharded parameter keeps only its dp chunk (``copy_full_into``)."""
     tensors = dict(_named_tensors(raw))
     for name, value in values(names):
@@ -174,7 +174,7 @@ class StageSharding:
             modules: this rank's stage modules (tp shards); a meta model's still on the meta device.
             stages: their stage indices.
             ignored_names: parameters FSDP leaves out (see *replicated*).
-            values: a meta model's ``local_values`` (runtime/params.py): its tensors are sharded on the
+            values: a meta model's ``local_values`` (runtime/stage/params.py): its tensors are sharded on the
                 meta device, then only this rank's shards are allocated and set (*meta* above).
         """
         if self.raw:

@@ -1,7 +1,7 @@
 """The original model's full state dict, from and to one rank's stage shards.
 
 For small models: ``gather_full_state_dict`` gathers EVERY tensor onto EVERY rank (a whole copy of the
-model per process).  A model bigger than one device checkpoints with runtime/checkpoint.py instead.
+model per process).  A model bigger than one device checkpoints with runtime/state/checkpoint.py instead.
 
 Terms:
   owner   -- the pipeline rank whose stages hold a parameter or buffer; ``gather_full_state_dict``
@@ -10,7 +10,7 @@ Terms:
              each tp rank's indices along the split dims); gathered from the tp ranks and put back in place by those indices.
   local   -- the tensors of the stages this rank runs, under the original names.
 Every wait goes through the Watchdog and is read on the host (``host=True``).  A tensor sharded over dp
-(``dp_shard``, runtime/fsdp.py) is all-gathered first (``full_value``): the ranks of a dp group own the
+(``dp_shard``, runtime/parallel/fsdp.py) is all-gathered first (``full_value``): the ranks of a dp group own the
 same names and visit them in ``model.state_dict()`` order, so their all-gathers line up.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime.fsdp import copy_full_into, full_value
+from autosplit.runtime.parallel.fsdp import copy_full_into, full_value
 
 
 def _sharded(plan) -> dict:

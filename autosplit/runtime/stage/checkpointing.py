@@ -93,7 +93,7 @@ def _buffers_restored(module: torch.nn.Module, written: set[str]):
 
 def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.GraphModule, list[str]]:
     """``stage`` split into contiguous runs of nodes, one submodule per run, and the names of the
-    runs that are one of the model's layers (runtime/fsdp.py shards each of those on its own)."""
+    runs that are one of the model's layers (runtime/parallel/fsdp.py shards each of those on its own)."""
     layers = layer_paths(model)
     runs: dict[fx.Node, int] = {}
     is_layer: dict[int, bool] = {}
@@ -107,7 +107,7 @@ def split_layers(stage: fx.GraphModule, model: torch.nn.Module) -> tuple[fx.Grap
             is_layer[run] = layer is not None
         runs[node] = run
     split = split_module(stage, stage, lambda n: runs[n], keep_original_order=True)
-    split.layer_runs = True        # its submod_* children are the runs (runtime/compiled_stages.py compiles each)
+    split.layer_runs = True        # its submod_* children are the runs (runtime/pipeline/compiled_stages.py compiles each)
     names = [name for name, _ in split.named_children()
              if name.startswith("submod_") and is_layer.get(int(name.removeprefix("submod_")), False)]
     return split, names

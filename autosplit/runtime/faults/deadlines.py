@@ -43,9 +43,9 @@ from concurrent.futures import wait as wait_futures
 
 import torch.distributed as dist
 
-from autosplit.runtime.deferred import DeferredWorks
-from autosplit.runtime.heartbeat import diagnose, heartbeat, store_address
-from autosplit.runtime.serial_thread import SerialThread
+from autosplit.runtime.faults.deferred import DeferredWorks
+from autosplit.runtime.faults.heartbeat import diagnose, heartbeat, store_address
+from autosplit.runtime.faults.serial_thread import SerialThread
 
 FAILURE_KEY = "autosplit/failure"
 _CHECK_EVERY_S = 0.02         # how often a waiting rank looks at the store

@@ -17,7 +17,7 @@ Terms:
   compile time -- torch's own timers (``torch._dynamo.utils.compilation_time_metrics``: dynamo's trace
                and the backend's forward compile, and the backward compiled at its first run), read
                after each step: ``compile_seconds`` and one log line per rank when it grew.
-Collectives inside a unit are traceable custom ops (runtime/traceable_collectives.py), and so are the
+Collectives inside a unit are traceable custom ops (runtime/parallel/traceable_collectives.py), and so are the
 weight gradients a zero-bubble W computes (autosplit/weight_grad_ops.py); both are loaded here.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 
 from autosplit.errors import AutosplitError
-from autosplit.runtime import traceable_collectives  # noqa: F401  (binds the ops dynamo traces)
-from autosplit.runtime.checkpointing import Checkpointed
-from autosplit.runtime.fsdp import unsharded_params
+from autosplit.runtime.parallel import traceable_collectives  # noqa: F401  (binds the ops dynamo traces)
+from autosplit.runtime.parallel.fsdp import unsharded_params
+from autosplit.runtime.stage.checkpointing import Checkpointed
 from autosplit.weight_grad_ops import register_weights
 
 log = logging.getLogger("autosplit")
@@ -91,7 +91,7 @@ class _CompiledForward:
 
 
 def _is_split(module: torch.nn.Module) -> bool:
-    """A stage split into runs by runtime/checkpointing.py ``split_layers``."""
+    """A stage split into runs by runtime/stage/checkpointing.py ``split_layers``."""
     return isinstance(module, fx.GraphModule) and getattr(module, "layer_runs", False)
 
 

@@ -1,21 +1,20 @@
 """Readable views of a Plan: the summary table and the JSON-ready dict.
 
-Terms: see plan.py.  Times are the cost model's predictions per microbatch (ms), memory is the
+Terms: see autosplit/plan.py.  Times are the cost model's predictions per microbatch (ms), memory is the
 predicted peak per stage (MiB/GiB), "boundary" lists the tensors a stage sends to the next.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
 from autosplit.passes.sharding.describe import block_lines
 from autosplit.schedule import SPLIT_BACKWARD
+from autosplit.stage_info import StageInfo
 from autosplit.tp.axes import batch_ways
 
-if TYPE_CHECKING:          # presenters read the Plan; the Plan module imports them, not the reverse
-    from autosplit.plan import Plan, StageInfo
+# ``plan`` below: an autosplit Plan (autosplit/plan.py), read, never imported (the Plan imports this).
 
 
 def _bytes(n: float) -> str:
@@ -46,7 +45,7 @@ def _ratio(value) -> str:
     return value if isinstance(value, str) else f"{value:.3f}"
 
 
-def summary_table(plan: Plan) -> str:
+def summary_table(plan) -> str:
     header = ("stage", "rank", "layers", "params", "fwd ms", "bwd ms", "comm ms", "act/mb", "recompute", "memory",
               "boundary")
     rows = [header]
@@ -97,7 +96,7 @@ def summary_table(plan: Plan) -> str:
     return "\n".join([head, *lines, *foot])
 
 
-def _step_line(plan: Plan) -> str:
+def _step_line(plan) -> str:
     """The timed schedule's step prediction (cost_model/step_time.py); a profile known only by an
     unregistered name cannot be priced again here: predict_plan(plan, device=profile) can."""
     try:
@@ -106,7 +105,7 @@ def _step_line(plan: Plan) -> str:
         return f"predicted step: n/a ({exc.args[0].split(';')[0]}; use predict_plan(plan, device=profile))"
 
 
-def _grid_note(plan: Plan) -> list[str]:
+def _grid_note(plan) -> list[str]:
     """Grid modes: the tp sub-mesh, what each rank holds, and (2D, 2.5D) which form each linear runs."""
     tp = plan.tp_plan
     size = dict(tp.axes)
@@ -135,7 +134,7 @@ def _grid_note(plan: Plan) -> list[str]:
     return lines
 
 
-def _dp_note(plan: Plan) -> str:
+def _dp_note(plan) -> str:
     """Data-parallel memory and traffic (cost_model/sharding.py): what ``memory`` counts, per stage."""
     how = {None: "replicated: memory has 4 x params (parameter, gradient, Adam moments); one all-reduce",
            "stage": "sharded per stage (dp_shard): memory has 4 x params / dp, plus unsharded parameters and "
@@ -152,7 +151,7 @@ def stage_info_dict(stage: StageInfo) -> dict:
     return d
 
 
-def plan_dict(plan: Plan) -> dict:
+def plan_dict(plan) -> dict:
     ours, equal = plan.balance()
     return {
         "mesh": {"pp": plan.mesh.pp, "tp": plan.mesh.tp, "dp": plan.mesh.dp},

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from autosplit.runtime.state_dict import local_tensors
+from autosplit.runtime.state.state_dict import local_tensors
 from autosplit.tp.shards import ShardedParam
 
 

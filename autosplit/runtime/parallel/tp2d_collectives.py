@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autosplit.runtime import tp_collectives as T
+from autosplit.runtime.parallel import tp_collectives as T
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

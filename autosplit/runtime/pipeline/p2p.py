@@ -34,7 +34,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from autosplit.runtime.serial_thread import SerialThread
+from autosplit.runtime.faults.serial_thread import SerialThread
 
 MAX_TENSORS = 64   # tensors per boundary; tags reserve this many slots
 STRICT_ENV = "AUTOSPLIT_STRICT_P2P"

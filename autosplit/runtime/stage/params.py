@@ -9,7 +9,7 @@ Terms:
                  buffers too (a checkpoint may have loaded them; a meta model's exist only there).
   materialize -- a model built on the meta device: each rank allocates and initializes only the
                  tensors of its own stage modules (its tp slices), see autosplit/meta_init.py; under
-                 ``dp_shard`` only its FSDP shards of them (runtime/fsdp.py), never the whole stage.
+                 ``dp_shard`` only its FSDP shards of them (runtime/parallel/fsdp.py), never the whole stage.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def local_values(initializer, sharded: dict, tp_rank: int) -> Callable[[Iterable
     """``values(names)``: (name, initial value at this tp rank's shape, on the CPU) for meta tensors of
     the model: each full value (``autosplit.meta_init.Initializer``, one owner module at a time) cut to
     this tp rank's slice when it is sharded (``ShardedParam.select``).  Both ways of materializing
-    (``materialize_local``, and into FSDP's shards: runtime/fsdp.py) take their values from here, so a
+    (``materialize_local``, and into FSDP's shards: runtime/parallel/fsdp.py) take their values from here, so a
     rank holds the numbers ``autosplit.materialize`` gives on one device whatever the mesh."""
     def values(names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in initializer.values(names):
@@ -78,7 +78,7 @@ def materialize_local(modules: list[torch.nn.Module], values: Callable, device) 
 
 def to_device(module: torch.nn.Module, device) -> torch.nn.Module:
     """``module.to(device)`` for the tensors that have values; meta ones stay on the meta device (a meta
-    model under ``dp_shard``: FSDP shards them first, then runtime/fsdp.py allocates only the shards)."""
+    model under ``dp_shard``: FSDP shards them first, then runtime/parallel/fsdp.py allocates only the shards)."""
     if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         return module.to(device)
     return module._apply(lambda t: t if t.is_meta else t.to(device))
