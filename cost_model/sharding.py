@@ -79,14 +79,10 @@ def dp_buckets(param_bytes: float, sharding: str | None, largest_unit: float = 0
     return max(1, math.ceil(param_bytes / size))
 
 
-def unit_bytes(nodes, layers) -> float:
-    """Bytes of the largest FSDP unit over ``nodes`` (fx nodes with ``meta['cost']``): the parameters
-    of one layer (``layers``: module paths), or of everything outside the layers together."""
-    return max(unit_sums(nodes, layers).values(), default=0.0)
-
-
 def unit_sums(nodes, layers) -> dict[str | None, float]:
-    """Parameter bytes per FSDP unit over ``nodes``: per layer, and None for everything outside them."""
+    """Parameter bytes per FSDP unit over ``nodes`` (fx nodes with ``meta['cost']``): per layer
+    (``layers``: module paths), and None for everything outside the layers together; the largest
+    unit of a stage is the largest of its segments' sums added up."""
     per_unit: dict[str | None, float] = {}
     for n in nodes:
         layer = path_layer(n.meta.get("module_path", ""), layers)
@@ -115,7 +111,7 @@ class StageDataParallel:
         self._units = units
 
     def _unit(self, first: int, last: int) -> float:
-        """``unit_bytes`` of segments first..last, from per-segment sums computed once (a memory-budgeted
+        """Bytes of the largest FSDP unit of segments first..last, from per-segment sums computed once (a memory-budgeted
         cut asks for thousands of ranges)."""
         if self._units is None:
             self._units = [unit_sums(s, self.layers) for s in self.segments]

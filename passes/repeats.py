@@ -41,6 +41,9 @@ from torch import nn
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autosplit.model_layers import path_layer
+from autosplit.passes.sharding.tp_plan import fetch
+
 # Fewest layers worth reducing: four are kept, so five saves one rewrite of a layer.
 MIN_LAYERS = 5
 
@@ -57,20 +60,10 @@ class Repeats:
         return [self.layers[0], self.layers[1], self.layers[-2], self.layers[-1]]
 
 
-def _layer_index(path: str, index: dict[str, int]) -> int:
-    """The layer a module path lies in (its index), or -1."""
-    parts = path.split(".") if path else []
-    for j in range(1, len(parts) + 1):
-        k = index.get(".".join(parts[:j]))
-        if k is not None:
-            return k
-    return -1
-
-
 def spans(nodes: list[fx.Node], layers: list[str]) -> list[list[fx.Node]] | None:
     """Each layer's span (see Terms), or None where the layers' nodes are not contiguous and in order."""
     index = {layer: k for k, layer in enumerate(layers)}
-    owner = [_layer_index(n.meta.get("module_path", ""), index) for n in nodes]
+    owner = [index.get(path_layer(n.meta.get("module_path", ""), layers), -1) for n in nodes]
     starts, last = [None] * len(layers), -1
     for i, k in enumerate(owner):
         if k >= 0:
@@ -177,13 +170,6 @@ def _fresh(obj):
     return obj
 
 
-def _fetch(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def expand(gm: fx.GraphModule, repeats: Repeats, earlier: dict[fx.Node, object]
            ) -> tuple[fx.Graph, dict[str, object], dict[fx.Node, fx.Node]] | None:
     """The rewrite ``gm`` of ``repeats.graph`` with the removed layers put back (see Terms), or None where
@@ -207,7 +193,7 @@ def expand(gm: fx.GraphModule, repeats: Repeats, earlier: dict[fx.Node, object]
             or signature(s1, s0, layers[1], params) != signature(s2, s1, layers[-2], params)
             or signature(s1, s0, layers[1], params, earlier) != signature(s2, s1, layers[-2], params, earlier)):
         return None
-    root = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    root = {n.target: fetch(gm, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     # a tensor outside layer 1's path that only layer 1 reads (a constant fx lifted out of its forward,
     # one per layer): each copy gets its own, as a tensor read on both sides of a cut ties them together
     inside = set(s1)

@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autosplit.cost_model import AnnotateCosts
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.profiles import get_profile
 from autosplit.errors import AutosplitError
@@ -166,16 +165,11 @@ class LayoutGraph:
                                  tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec))
         except _NotAffine:
             MetaShapeProp(_with_batch(self.inputs, b))(self.gm)
-        if origin:      # AnnotateCosts' node_cost on every other node (the same op on the same shapes)
-            unknown: set[str] = set()
-            for n in self.nodes:
-                source = origin.get(n)
-                n.meta["cost"] = source.meta["cost"] if source is not None else node_cost(n, self.gm, unknown)
-            self.unknown_ops = sorted(unknown)
-        else:
-            annotate = AnnotateCosts()
-            annotate(self.gm)
-            self.unknown_ops = annotate.unknown_ops
+        unknown: set[str] = set()       # AnnotateCosts' node_cost; a copy's is its source's (same op, shapes)
+        for n in self.nodes:
+            source = origin.get(n)
+            n.meta["cost"] = source.meta["cost"] if source is not None else node_cost(n, self.gm, unknown)
+        self.unknown_ops = sorted(unknown)
         self.b = b
         self.cuts = find_cuts(self.gm)
         return self.gm
