@@ -1,15 +1,17 @@
-"""Command line: ``autosplit plan MODEL --mesh PP,TP,DP --batch N --out DIR`` (or ``python -m autosplit``).
+"""Command line: ``autosplit plan MODEL --mesh PP,TP,DP --microbatch N --out DIR`` (or ``python -m autosplit``).
 
-Every ``autosplit.compile`` option is a flag (autosplit/cli_options.py: ``--tp-mode``, ``--schedule``,
-``--memory-budget``, ``--autocast``, ``--checkpoint``, ``--dp-shard``, ...); ``autosplit plan --help``
-lists them.
+``--microbatch N`` (also ``--batch N``) is the rows of one microbatch.  Every ``autosplit.compile`` option
+is a flag (autosplit/cli_options.py: ``--tp-mode``, ``--schedule``, ``--num-microbatches``,
+``--memory-budget``, ``--autocast``, ``--recompute``, ``--dp-shard``, ...); ``autosplit plan --help``
+lists them.  ``autosplit search MODEL --world N --global-batch B`` ranks configurations (cli_search.py).
 
 ``autosplit export CKPT_DIR model.pt`` turns a sharded checkpoint (``pm.save_checkpoint``)
 into a plain state dict that ``model.load_state_dict`` of the unchanged model accepts.
 
 ``autosplit profile --out profile.json [--seconds S]`` measures this device (under torchrun: every rank's
 devices and the network between them) into a profile file that ``--device profile.json`` and
-``device="profile.json"`` read (autosplit/profiling/cli.py).
+``device="profile.json"`` read; ``autosplit profile --ranks N`` measures a local CPU world of N gloo
+processes and caches it (autosplit/profiling/cli.py).
 
 MODEL is a timm model name (``vit_base_patch16_224``) or ``package.module:factory`` (a callable that
 returns an nn.Module).  The model is built on the meta device, so planning a 22B-parameter model
@@ -58,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("model", help="timm model name (e.g. vit_base_patch16_224) or package.module:factory")
     plan.add_argument("--mesh", default="2,1,1", help="PP,TP,DP: pipeline stages, tensor-parallel ranks, "
                                                        "data-parallel replicas (default %(default)s)")
-    plan.add_argument("--batch", type=int, default=8, help="microbatch size (default %(default)s)")
+    # --batch: the contract's spelling, kept without a warning; --microbatch names the idea as search's
+    # --global-batch names its own (rows per microbatch here, samples per optimizer step there)
+    plan.add_argument("--microbatch", "--batch", dest="microbatch", type=int, default=8,
+                      help="rows per microbatch, the example input's batch size (default %(default)s; --batch: "
+                           "the same)")
     plan.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
     plan.add_argument("--out", default=None, help="directory for the dump (default: print only)")
     add_plan_options(plan)
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)
-        x = torch.empty(args.batch, *default_input_shape(model, args.image_size), device="meta")
+        x = torch.empty(args.microbatch, *default_input_shape(model, args.image_size), device="meta")
         plan = autosplit.compile(model, mesh=args.mesh, example_input=x, options=plan_options(args, device=profile))
         print(plan.summary())
         print(f"planned in {time.perf_counter() - start:.2f} s")

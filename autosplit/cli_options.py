@@ -2,9 +2,11 @@
 
 Terms: see options.py (the options).  Each flag's ``dest`` is the option's field name, so
 ``plan_options(args)`` reads them back by name and ``tests/test_compile.py`` checks that every field
-has a flag.  Flags take text; the converters below turn it into the option's value:
+has a flag.  A deprecated spelling of a flag (``--checkpoint``, ``--microbatches``) is an alias of the
+new one that prints a warning line (autosplit/deprecated.py).  Flags take text; the converters below
+turn it into the option's value:
   --autocast bf16|fp16          torch.bfloat16 / torch.float16
-  --dp-shard off|stage|layer|auto   False / "stage" / "layer" / True (the cost model chooses)
+  --dp-shard off|stage|layer|auto   False / "stage" / "layer" / "auto" (the cost model chooses)
   --stage-bounds 3,7            [3, 7] (another plan's ``plan.bounds``)
   --leaf-modules A,B            ["A", "B"] (class names or package.module.ClassName)
   --concrete-args JSON          a JSON object, e.g. '{"attn_mask": null}'
@@ -19,11 +21,12 @@ import torch
 
 from autosplit.cost_model.profile_file import is_path
 from autosplit.cost_model.profiles import NAMES
+from autosplit.deprecated import DeprecatedFlag
 from autosplit.options import TP_2D_FORMS, TP_MODES, PlanOptions
 from autosplit.schedule import SCHEDULES
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DP_SHARD = {"off": False, "stage": "stage", "layer": "layer", "auto": True}
+DP_SHARD = {"off": False, "stage": "stage", "layer": "layer", "auto": "auto"}
 
 
 def _ints(text: str) -> list[int]:
@@ -75,7 +78,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks-per-rank", dest="chunks_per_rank", type=int, default=d.chunks_per_rank,
                    help="model chunks per pipeline rank (>= 2 for interleaved, 2 for zb-v; default %(default)s)")
     g.add_argument("--num-microbatches", "--microbatches", dest="num_microbatches", type=int,
-                   default=d.num_microbatches, help="microbatches per step (default 2 * pp)")
+                   default=d.num_microbatches, action=DeprecatedFlag,
+                   deprecated={"--microbatches": "--num-microbatches"},
+                   help="microbatches per step (default 2 * pp; --microbatches: deprecated)")
     g.add_argument("--device", dest="device", default=d.device, type=device_arg, choices=DeviceChoices(NAMES),
                    metavar="NAME|FILE.json",
                    help=f"cost-model profile: {', '.join(NAMES)} or a profile file (default %(default)s; cpu is "
@@ -93,8 +98,10 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                    help="with --tp-mode 1d and tp > 1: also split the tokens between tensor-parallel regions")
     g.add_argument("--autocast", dest="autocast", choices=sorted(AUTOCAST), default=None,
                    help="plan for torch.autocast in bf16 or fp16 (default: off, float32)")
-    g.add_argument("--checkpoint", dest="checkpoint", choices=["stage", "block"], default=d.checkpoint,
-                   help="plan for activation recomputation per stage or per block (default: off)")
+    g.add_argument("--recompute", "--checkpoint", dest="recompute", choices=["stage", "block"], default=d.recompute,
+                   action=DeprecatedFlag, deprecated={"--checkpoint": "--recompute"},
+                   help="plan for activation recomputation per stage or per block (default: off; --checkpoint: "
+                        "deprecated)")
     g.add_argument("--tp-2d-form", dest="tp_2d_form", default=d.tp_2d_form, choices=TP_2D_FORMS,
                    help="with --tp-mode 2d: how linears multiply their blocks (default: the cost model's choice)")
     g.add_argument("--tp-depth", dest="tp_depth", type=int, default=d.tp_depth,

@@ -1,15 +1,18 @@
-"""``python -m autosplit search MODEL --world 64 --batch 512 --device h100 --memory 80GiB [--top N]``.
+"""``python -m autosplit search MODEL --world 64 --global-batch 512 --device h100 --memory-budget 80GiB [--top N]``.
 
 Prints the strategy search's ranked table (mesh and options, predicted step time with its parts,
 memory of the fullest rank) and how many configurations were rejected, by reason.  MODEL as for
 ``plan`` (a timm name or ``package.module:factory``, built on the meta device).
 
 ``--device measured`` plans with this machine's measured profile for ``--world`` ranks on it with
-``OMP_NUM_THREADS`` threads each (default 1; the one ``python -m autosplit.profiling.measure_profile --ranks N
---threads T`` cached); ``--fit`` then rescales it to the model
+``OMP_NUM_THREADS`` threads each (default 1; the one ``python -m autosplit profile --ranks N --threads T``
+cached); ``--fit`` then rescales it to the model
 (cost_model/model_fit.py: runs the model's forward and backward at microbatch 2 and 8 here, on random
 values, so it costs what those passes cost on this CPU).  ``--device profile.json`` plans with a profile
 file (``python -m autosplit profile --out profile.json``).
+
+``--batch`` and ``--memory`` are the deprecated spellings of ``--global-batch`` and ``--memory-budget`` (a
+warning line names the new one; autosplit/deprecated.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from autosplit.cli_options import DeviceChoices, device_arg
 from autosplit.cost_model.profile_file import is_path
 from autosplit.cost_model.profiles import NAMES, get_profile
+from autosplit.deprecated import DeprecatedFlag
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
 
@@ -47,8 +51,8 @@ def _profile(args, model, x):
     profile = profile_cache.load(key)
     if profile is None:
         raise AutosplitError(f"no measured profile for {args.world} ranks x {key['threads']} threads on this machine "
-                             f"in {profile_cache.cache_dir()}: run python -m autosplit.profiling.measure_profile "
-                             f"--ranks {args.world} --threads {key['threads']}")
+                             f"in {profile_cache.cache_dir()}: run python -m autosplit profile --ranks {args.world} "
+                             f"--threads {key['threads']}")
     if args.fit:
         profile, _ = fit_to_model(profile, model, x)
     return profile, profile.name
@@ -58,14 +62,18 @@ def add_search_parser(sub) -> None:
     p = sub.add_parser("search", help="rank every parallel configuration by predicted step time")
     p.add_argument("model", help="timm model name or package.module:factory")
     p.add_argument("--world", type=int, required=True, help="number of devices")
-    p.add_argument("--batch", type=int, required=True, help="global batch: samples per optimizer step")
+    p.add_argument("--global-batch", "--batch", dest="global_batch", type=int, required=True, action=DeprecatedFlag,
+                   deprecated={"--batch": "--global-batch"},
+                   help="samples per optimizer step over all replicas (--batch: deprecated)")
     p.add_argument("--device", default="h100", type=lambda text: device_arg(text, (MEASURED,)),
                    choices=DeviceChoices((*NAMES, MEASURED)), metavar="NAME|FILE.json",
                    help=f"cost-model profile: {', '.join(NAMES)}, a profile file (python -m autosplit profile "
                         f"--out FILE.json) or 'measured': this machine's cached measured profile (default h100)")
     p.add_argument("--fit", action="store_true", help="with --device measured or a file: fit the profile to the model "
                                                         "(runs it at microbatch 2 and 8 on this CPU)")
-    p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB (default: none)")
+    p.add_argument("--memory-budget", "--memory", dest="memory_budget", default=None, action=DeprecatedFlag,
+                   deprecated={"--memory": "--memory-budget"},
+                   help="memory budget per device, e.g. 80GiB (default: none; --memory: deprecated)")
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
     p.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
 
@@ -79,12 +87,12 @@ def run_search(args, build_model) -> int:
         # fewest rows a microbatch may have, BatchNorm's, from the model's traced graph)
         x = torch.empty(1, *default_input_shape(model, args.image_size), device="meta")
         profile, described = _profile(args, model, x)
-        ranked = search(model, args.world, x, global_batch=args.batch, device=profile,
-                        memory_budget=args.memory, top=args.top)
+        ranked = search(model, args.world, x, global_batch=args.global_batch, device=profile,
+                        memory_budget=args.memory_budget, top=args.top)
     except AutosplitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"autosplit search: {args.model} on {args.world} devices, global batch {args.batch}, device model "
-          f"{described}, memory budget {args.memory or 'none'}")
+    print(f"autosplit search: {args.model} on {args.world} devices, global batch {args.global_batch}, device "
+          f"model {described}, memory budget {args.memory_budget or 'none'}")
     print(ranked.table())
     return 0

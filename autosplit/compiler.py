@@ -38,6 +38,7 @@ from torch import nn
 
 from autosplit import validate
 from autosplit.cost_model import AnnotateCosts, get_profile
+from autosplit.deprecated import positional_keywords
 from autosplit.mesh import MeshShape, node_layout_note
 from autosplit.model_layers import layer_paths
 from autosplit.options import AUTOCAST, LINEAR_2D_FORMS, TP_MODES, PlanOptions   # noqa: F401 (re-exported)
@@ -59,6 +60,9 @@ from autosplit.passes.trace_model import TraceModel
 from autosplit.plan import Plan
 
 _DEFAULTS = PlanOptions()
+_OPTION_NAMES = frozenset(PlanOptions.names())
+# compile's old positional parameters after example_input, in their old order (keyword-only now)
+POSITIONAL_OPTIONS = ("tp_mode", "schedule", "chunks_per_rank", "num_microbatches")
 
 
 def plan_passes(state: PlanState) -> list[MetaPass]:
@@ -79,35 +83,37 @@ def plan_passes(state: PlanState) -> list[MetaPass]:
     return passes
 
 
-def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, tp_mode: str = "1d",
-            schedule: str = "1f1b", chunks_per_rank: int = 1, num_microbatches: int | None = None, *,
+def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, *old_positional,
+            tp_mode: str = "1d", schedule: str = "1f1b", chunks_per_rank: int = 1, num_microbatches: int | None = None,
             device="h100", memory_budget: float | str | None = None, leaf_modules: Sequence = (),
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
-            sequence_parallel: bool = False, autocast: torch.dtype | None = None,
-            checkpoint: str | None = None, tp_2d_form: str = "auto", dp_shard: bool | str = False,
-            tp_overlap_chunks: int = 1, tp_depth: int | None = None, options: PlanOptions | None = None) -> Plan:
+            sequence_parallel: bool = False, autocast: torch.dtype | None = None, recompute: str | None = None,
+            tp_2d_form: str = "auto", tp_depth: int | None = None, dp_shard: bool | str = False,
+            tp_overlap_chunks: int = 1, options: PlanOptions | None = None, **renamed) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
         model: the unchanged ``nn.Module`` (its parameters may be on the meta device).
-        mesh: (pp, tp, dp), a "PP,TP,DP" string, or a MeshShape.
+        mesh: (pp, tp, dp), a "PP,TP,DP" string, or a MeshShape.  Default one device, (1, 1, 1): offline
+            there is no world for dp=-1 (``parallelize``'s default) to fill.
         example_input: one microbatch (a tensor or a tuple of tensors; meta tensors are enough).
         options: the options as a ``PlanOptions``; keyword arguments given beside it override its
-            fields.  Every other argument is a ``PlanOptions`` field, documented there
-            (tp_mode, schedule, chunks_per_rank, num_microbatches, device, memory_budget,
-            leaf_modules, concrete_args, stage_bounds, sequence_parallel, autocast, checkpoint,
-            tp_2d_form, dp_shard, tp_overlap_chunks, tp_depth).
+            fields.  Every other argument is a ``PlanOptions`` field, documented there, keyword-only and
+            in its order (``parallelize`` takes the same ones in the same order): tp_mode, schedule,
+            chunks_per_rank, num_microbatches (None: 2 * pp), device, memory_budget, leaf_modules,
+            concrete_args, stage_bounds, sequence_parallel, autocast, recompute, tp_2d_form, tp_depth,
+            dp_shard, tp_overlap_chunks.
+        old_positional, renamed: deprecated for one release (autosplit/deprecated.py): tp_mode, schedule,
+            chunks_per_rank and num_microbatches passed positionally after example_input, and
+            ``checkpoint=`` (now ``recompute=``); each warns with a DeprecationWarning.
     Returns:
         the Plan: stage table (``plan.summary()``), per-rank modules, ``plan.dump(directory)``.
     """
-    values = dict(tp_mode=tp_mode, schedule=schedule, chunks_per_rank=chunks_per_rank,
-                  num_microbatches=num_microbatches, device=device, memory_budget=memory_budget,
-                  leaf_modules=leaf_modules, concrete_args=concrete_args, stage_bounds=stage_bounds,
-                  sequence_parallel=sequence_parallel, autocast=autocast, checkpoint=checkpoint,
-                  tp_2d_form=tp_2d_form, dp_shard=dp_shard, tp_overlap_chunks=tp_overlap_chunks,
-                  tp_depth=tp_depth)
+    # every parameter named like an option, as given (first statement: locals() holds the parameters only)
+    values = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
+    values.update(positional_keywords("compile", POSITIONAL_OPTIONS, old_positional, values, vars(_DEFAULTS)))
     changed = _DEFAULTS.changed(values)
-    return compile_with(model, mesh, example_input, PlanOptions.from_kwargs("compile", changed, options))
+    return compile_with(model, mesh, example_input, PlanOptions.from_kwargs("compile", {**changed, **renamed}, options))
 
 
 def plan_state(model: nn.Module, mesh, example_input, options: PlanOptions) -> PlanState:
@@ -138,7 +144,7 @@ def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions, wa
                 graph=gm, modules=state.split.stages, tp_plan=state.tp_plan,
                 schedule_grid=state.schedule_result.format_grid(),
                 autocast=None if options.autocast is None else str(options.autocast).removeprefix("torch."),
-                checkpoint=options.checkpoint, layer_end_segments=state.layer_ends, dp_shard=state.dp_shard,
+                recompute=options.recompute, layer_end_segments=state.layer_ends, dp_shard=state.dp_shard,
                 profile=state.profile, batch_norms=find_batch_norms(gm))
     if warn:
         warn_batch_norm(plan.batch_norm_note(), stacklevel=4)   # at compile's caller

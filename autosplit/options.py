@@ -20,23 +20,26 @@ from dataclasses import dataclass
 import torch
 
 from autosplit import validate
+from autosplit.deprecated import RENAMED_OPTIONS, renamed_keywords, warn_renamed
 from autosplit.errors import AutosplitError
 from autosplit.passes.tensor_parallel import LINEAR_2D_FORMS
 from autosplit.tp.axes import GRID_MODES, tp_axes
 from autosplit.schedule.generate import SCHEDULES, SPLIT_BACKWARD
 from autosplit.schedule.generate import validate as validate_schedule
-from autosplit.segment_costs import CHECKPOINTS
+from autosplit.segment_costs import RECOMPUTE
 
 TP_MODES = ("1d", "2d", "2.5d", "3d", "auto")
 TP_2D_FORMS = ("auto",) + LINEAR_2D_FORMS
 AUTOCAST = (None, torch.bfloat16, torch.float16)
-DP_SHARD = (False, None, True, "stage", "layer")     # None: as False
+DP_SHARD = (False, None, True, "stage", "layer", "auto")     # None: as False; True: as "auto"
+_UNSET = type("Unset", (), {"__repr__": lambda self: "<not given>"})()
 
 
 def check_dp_shard(value) -> None:
     """``dp_shard`` alone (``parallelize`` checks it before any rendezvous; ``PlanOptions.check`` too)."""
     if value not in DP_SHARD:
-        raise AutosplitError(f"dp_shard={value!r}: expected False, True (the cost model chooses), 'stage' or 'layer'")
+        raise AutosplitError(f"dp_shard={value!r}: expected False, 'stage', 'layer' or 'auto' (the cost model "
+                             f"chooses; True means the same)")
 
 
 @dataclass
@@ -68,13 +71,16 @@ class PlanOptions:
             tensor-parallel regions.
         autocast: None, torch.bfloat16 or torch.float16: plan for training under ``torch.autocast``
             (matmuls at the half-precision peak, activations and boundaries in the dtype autocast gives).
-        checkpoint: None, "stage" or "block": activation recomputation per stage or per layer.
+        recompute: None, "stage" or "block": activation recomputation (torch.utils.checkpoint) per stage or
+            per layer: keep fewer activations, run their forward again in backward.  The old keyword
+            ``checkpoint=`` still works for one release, with a DeprecationWarning.
         tp_depth: with tp_mode="2.5d", d in tp = q * q * d: the batch is split d * q ways, weights
             q * q ways and kept whole over the d layers (their gradients summed over ``tp_dep``).
         tp_2d_form: with tp_mode="2d" or "2.5d", how each linear multiplies its blocks: "allgather", "summa"
             or "auto" (whichever the cost model prices lower, per layer).
-        dp_shard: False (replicated dp), "stage" or "layer" (FSDP2 units over dp), or True: "stage"
-            where it fits ``memory_budget``, else "layer".
+        dp_shard: False (replicated dp), "stage" or "layer" (FSDP2 units over dp), or "auto": "stage"
+            where it fits ``memory_budget``, else "layer".  True means "auto" (and is what "auto" is
+            stored as).
         tp_overlap_chunks: with tp > 1, split the rows of each stretch of row-wise ops around a
             forward all-reduce into this many chunks, so that one chunk's all-reduce runs while
             another chunk computes (passes/tp_overlap.py); 1: off.  Where the graph has no forward
@@ -92,11 +98,23 @@ class PlanOptions:
     stage_bounds: Sequence[int] | None = None
     sequence_parallel: bool = False
     autocast: torch.dtype | None = None
-    checkpoint: str | None = None
+    recompute: str | None = None
     tp_2d_form: str = "auto"
     tp_depth: int | None = None
     dp_shard: bool | str = False
     tp_overlap_chunks: int = 1
+    # the deprecated spelling of ``recompute`` (autosplit/deprecated.py): an init-only argument, not a field
+    checkpoint: dataclasses.InitVar[str | None] = _UNSET
+
+    def __post_init__(self, checkpoint):
+        if isinstance(self.dp_shard, str) and self.dp_shard == "auto":
+            self.dp_shard = True      # one value inside: True is the contract's spelling of "auto"
+        if checkpoint is not _UNSET:
+            if self.recompute is not None:
+                raise AutosplitError("PlanOptions() got both recompute= and its deprecated spelling checkpoint=; "
+                                     "pass recompute= only")
+            warn_renamed("PlanOptions(checkpoint=...)", "recompute=", stacklevel=3)   # at the user's call
+            self.recompute = checkpoint
 
     @classmethod
     def names(cls) -> list[str]:
@@ -104,14 +122,18 @@ class PlanOptions:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_kwargs(cls, caller: str, kwargs: dict, base: PlanOptions | None = None) -> PlanOptions:
+    def from_kwargs(cls, caller: str, kwargs: dict, base: PlanOptions | None = None,
+                    stacklevel: int = 3) -> PlanOptions:
         """``base`` (or the defaults) with ``kwargs`` applied; an unknown name is refused.
 
         Args:
             caller: the function named in the error, e.g. "parallelize".
             kwargs: option name -> value, as the caller received them.
             base: options given as a ``PlanOptions`` (``options=``); kwargs override its fields.
+            stacklevel: where a deprecated keyword's warning points: 3 is the caller's caller (the user
+                of ``compile``); add one per frame between.
         """
+        kwargs = renamed_keywords(caller, kwargs, RENAMED_OPTIONS, stacklevel=stacklevel)
         unknown = sorted(set(kwargs) - set(cls.names()))
         if unknown:
             near = [validate.near_miss(k, cls.names()) for k in unknown]
@@ -159,7 +181,7 @@ class PlanOptions:
         validate_schedule(self.schedule, mesh.pp, m, self.chunks_per_rank)     # the schedule's arithmetic
         if not any(self.autocast is a for a in AUTOCAST):
             raise AutosplitError(f"autocast={self.autocast!r}: expected None, torch.bfloat16 or torch.float16")
-        validate.one_of("checkpoint", self.checkpoint, CHECKPOINTS)
+        validate.one_of("recompute", self.recompute, RECOMPUTE)
         if not isinstance(self.sequence_parallel, bool):
             raise AutosplitError(f"sequence_parallel={self.sequence_parallel!r}: expected True or False")
         validate.one_of("tp_2d_form", self.tp_2d_form, TP_2D_FORMS)

@@ -10,7 +10,7 @@ Terms:
             microbatches the schedule keeps in flight on that stage, plus (with checkpointing) what one
             microbatch's recomputation holds (see segment_costs.py).
   baseline -- torchtitan's cut (passes/partition.py ``torchtitan_bounds``): equal units per stage where
-            the embedding and the head each count as one layer; None ("n/a") where that rule has no cut.
+            the embedding and the head each count as one layer; None where that rule has no cut.
   batch norms -- the layers that normalize with batch statistics (passes/batch_norm.py); with more than
             one microbatch or replica the summary ends with a note on what they compute.
 
@@ -55,7 +55,7 @@ class Plan:
     schedule_grid: str = field(default="", repr=False)
     tp_plan: object = field(default=None, repr=False)   # passes.sharding.tp_plan.TensorParallelPlan when tp > 1
     autocast: str | None = None               # "bfloat16" / "float16" when planned for torch.autocast
-    checkpoint: str | None = None             # None, "stage" or "block"
+    recompute: str | None = None             # None, "stage" or "block"
     layer_end_segments: list[int] = field(default_factory=list)   # per layer, the segment it ends in
     dp_shard: str | None = None               # "stage" / "layer": FSDP2 units over dp; None: replicated
     profile: object = field(default=None, repr=False)   # the cost_model.DeviceProfile it was priced with
@@ -88,12 +88,12 @@ class Plan:
             self._tp_modules[key] = fx.GraphModule(self.tp_plan.local_root(tp_rank, graph), graph, f"Stage{stage}")
         return self._tp_modules[key]
 
-    def balance(self) -> tuple[float, float | str]:
-        """max/mean predicted stage time: (autosplit's cut, torchtitan's cut).  The second is "n/a" where
+    def balance(self) -> tuple[float, float | None]:
+        """max/mean predicted stage time: (autosplit's cut, torchtitan's cut).  The second is None where
         torchtitan's rule has no cut (fewer layers, embedding and head included, than stages)."""
         ours = [s.time for s in self.stages]
         base = self.equal_layer_times
-        return max(ours) / (sum(ours) / len(ours)), "n/a" if base is None else max(base) / (sum(base) / len(base))
+        return max(ours) / (sum(ours) / len(ours)), None if base is None else max(base) / (sum(base) / len(base))
 
     def summary(self) -> str:
         return "\n".join([summary_table(self), *self.batch_norm_note()])
@@ -135,7 +135,7 @@ class Plan:
         when every forward sees the step's whole batch or there is no such layer)."""
         first = self.example_shapes[0] if self.example_shapes else ()
         return batch_norm_note(self.batch_norms, self.num_microbatches, self.mesh.dp, first[0] if first else None,
-                               self.checkpoint)
+                               self.recompute)
 
     def to_dict(self) -> dict:
         d = plan_dict(self)

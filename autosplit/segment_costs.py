@@ -3,14 +3,14 @@
 Terms: see passes/cut_points.py (segment, cut) and plan.py (memory).
   kept       -- activation bytes one in-flight microbatch holds on a stage between its forward and its
                 backward.  Without checkpointing: everything its ops save (``NodeCost.saved_bytes``).
-  recompute  -- bytes alive only while one microbatch's backward recomputes its forward (0 without
-                checkpointing), and the forward time spent again in backward.
-  checkpoint -- None; "stage": a stage keeps only its inputs per microbatch, and one microbatch's full
-                activations while recomputing; "block": the tensors entering each layer (and what ops
+  recompute bytes -- bytes alive only while one microbatch's backward recomputes its forward (0 without
+                recomputation), and the forward time spent again in backward.
+  recompute  -- the option (``PlanOptions.recompute``): None; "stage": a stage keeps only its inputs per
+                microbatch, and one microbatch's full activations while recomputing; "block": the tensors entering each layer (and what ops
                 outside the layers save), plus one layer's activations while recomputing.  Layers are
                 autosplit.model_layers.layer_paths, as in runtime/stage/checkpointing.py, so the model matches the run.
 
-memory(stage) = 4 x parameter bytes + in_flight x kept + recompute.
+memory(stage) = 4 x parameter bytes + in_flight x kept + recompute bytes.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from autosplit.model_layers import layer_of
 from autosplit.passes.shape_prop import tensor_bytes
 
 OPTIMIZER_FACTOR = 4   # parameter + gradient + two Adam moments, all in the parameter's dtype
-CHECKPOINTS = (None, "stage", "block")
+RECOMPUTE = (None, "stage", "block")
 
 
 def comm_time(nodes: Sequence[fx.Node], tp: int, profile) -> float:
@@ -36,14 +36,14 @@ class SegmentCosts:
     """Per segment: time (fwd + bwd + recompute, tp communication), boundary transfer, memory."""
 
     def __init__(self, segments, cuts, tp: int, profile, in_flight: list[int], *,
-                 checkpoint: str | None = None, layers: Sequence[str] = (), input_bytes: int = 0,
+                 recompute: str | None = None, layers: Sequence[str] = (), input_bytes: int = 0,
                  cross_node: bool = False, node_parts=None):
         """``node_parts``: per node of the segments in order, (fwd, bwd, W, tp fwd, tp bwd) seconds as
         the strategy search prices them (strategy/costing.py ``_node_parts``): the segment times are
         then summed from them in the same order, to the same floats, instead of pricing every node again."""
         self.segments, self.cuts, self.tp, self.profile, self.in_flight = segments, cuts, tp, profile, in_flight
         self.cross_node = cross_node        # pipeline transfers go over the network (comm.pipeline_crosses_nodes)
-        self.checkpoint, self.layers, self.input_bytes = checkpoint, list(layers), input_bytes
+        self.recompute, self.layers, self.input_bytes = recompute, list(layers), input_bytes
         if node_parts is None:
             self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s)
                          for s in segments]
@@ -60,7 +60,7 @@ class SegmentCosts:
 
     def recompute_time(self, nodes: Sequence[fx.Node]) -> float:
         """Forward time spent again in backward: all of a stage's nodes, or those inside layers."""
-        if self.checkpoint is None:
+        if self.recompute is None:
             return 0.0
         return graph_time([n for n in nodes if self.recomputed(n)], self.profile)[0]
 
@@ -73,14 +73,14 @@ class SegmentCosts:
             fwd = sum(r[0] for r in part)
             bwd = sum(r[1] for r in part)
             comm = sum(r[3] + r[4] for r in part)
-            again = sum(r[0] for r, n in zip(part, seg) if self.recomputed(n)) if self.checkpoint else 0.0
+            again = sum(r[0] for r, n in zip(part, seg) if self.recomputed(n)) if self.recompute else 0.0
             times.append(fwd + bwd + comm + again)
             at += len(seg)
         return times
 
     def recomputed(self, node: fx.Node) -> bool:
         """Whether backward runs ``node``'s forward again (``recompute_time`` sums the forward of these)."""
-        return self.checkpoint is not None and (self.checkpoint != "block" or layer_of(node, self.layers) is not None)
+        return self.recompute is not None and (self.recompute != "block" or layer_of(node, self.layers) is not None)
 
     def activations(self, first: int, last: int) -> tuple[int, int]:
         """(kept per microbatch, recompute) bytes of a stage holding segments first..last."""
@@ -91,9 +91,9 @@ class SegmentCosts:
 
     def _measure(self, first: int, last: int) -> tuple[int, int]:
         saved = sum(self.saved[first:last + 1])
-        if self.checkpoint is None:
+        if self.recompute is None:
             return saved, 0
-        if self.checkpoint == "stage":
+        if self.recompute == "stage":
             inputs = self.cuts[first - 1].nbytes if first > 0 else self.input_bytes
             return inputs, saved
         nodes = [n for seg in self.segments[first:last + 1] for n in seg]

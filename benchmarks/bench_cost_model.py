@@ -175,7 +175,7 @@ def repriced(plan, profile) -> float:
     from autosplit.cost_model.step_time import predict_plan
     from autosplit.passes.split_backward import weight_gemm_nodes
     from autosplit.passes.stage_infos import stage_compute_times     # what the plan's stage table priced
-    assert plan.checkpoint is None, "recomputation is not repriced"
+    assert plan.recompute is None, "recomputation is not repriced"
     gemms = set(weight_gemm_nodes(plan.graph))
     stages = []
     for info in plan.stages:

@@ -85,7 +85,7 @@ def _peak_rss_kib() -> int:
 
 def _num(x, digits: int = 3) -> str:
     """A figure, or "n/a" where the baseline has no cut."""
-    return "n/a" if x is None or isinstance(x, str) else f"{x:.{digits}f}"
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 # ------------------------------------------------------------------------------------ a. balance
@@ -100,7 +100,7 @@ def run_balance(pps) -> dict:
         plan = autosplit.compile(model, mesh=(pp, 1, 1), example_input=_example(), schedule="1f1b",
                                  chunks_per_rank=1, num_microbatches=None, device=DEVICE_MODEL)
         seconds = time.perf_counter() - t0
-        ours_ratio, equal_ratio = plan.balance()       # the baseline: torchtitan's cut, or "n/a"
+        ours_ratio, equal_ratio = plan.balance()       # the baseline: torchtitan's cut, or None
         ours = [s.time for s in plan.stages]
         equal = list(plan.equal_layer_times or [])
         row = {"pp": pp, "ours_balance": ours_ratio, "equal_balance": equal_ratio,

@@ -55,7 +55,7 @@ def run(name: str) -> str:
     return "\n".join(lines)
 
 
-_COMPILE_OPTIONS = ("tp_mode", "schedule", "chunks_per_rank", "num_microbatches", "sequence_parallel", "checkpoint",
+_COMPILE_OPTIONS = ("tp_mode", "schedule", "chunks_per_rank", "num_microbatches", "sequence_parallel", "recompute",
                     "dp_shard")
 
 

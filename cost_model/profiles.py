@@ -29,7 +29,7 @@ NAMES = tuple(_BUILTIN) + ("cpu",)
 @functools.lru_cache(maxsize=1)
 def _cpu_profile() -> DeviceProfile:
     """This machine: its measured profile for one process when one is cached (profile_cache.py;
-    ``python -m autosplit profile`` or ``python -m autosplit.profiling.measure_profile --ranks 1`` writes
+    ``python -m autosplit profile`` or ``python -m autosplit profile --ranks 1`` writes
     it), else measured in about half a second.  The two-process link measurement is left out: a library call
     must not spawn processes (that re-runs an unguarded user script); call ``calibrate(link=True)`` for it and
     pass the profile."""

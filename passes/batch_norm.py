@@ -204,7 +204,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def batch_norm_note(layers: list[BatchNormLayer], microbatches: int, dp: int, microbatch_size: int | None,
-                    checkpoint: str | None = None) -> list[str]:
+                    recompute: str | None = None) -> list[str]:
     """The summary's note (lines); empty where each forward sees the whole step's batch (m = dp = 1)
     or no layer normalizes with batch statistics."""
     if not layers or microbatches * dp == 1:
@@ -223,7 +223,7 @@ def batch_norm_note(layers: list[BatchNormLayer], microbatches: int, dp: int, mi
              f"equivalent is gradient accumulation over the same microbatches"]
     if any(layer.tracks for layer in layers):
         kept = (f"; after each step every replica holds dp rank 0's (DDP's broadcast_buffers)" if dp > 1 else "")
-        again = f", not again when checkpoint=\"{checkpoint}\" recomputes" if checkpoint else ""
+        again = f", not again when recompute=\"{recompute}\" runs the forward again" if recompute else ""
         lines.append(f"  running statistics: updated once per microbatch in microbatch order ({microbatches} "
                      f"update{'' if microbatches == 1 else 's'} per step){again}{kept}")
     lines.append("  statistics over the whole batch: num_microbatches=1 and dp=1, or a norm without batch "

@@ -1,6 +1,6 @@
 """Segment costing as a planning pass: per segment, time, boundary transfer and memory.
 
-Terms: see autosplit/segment_costs.py (kept, recompute, checkpoint) and passes/cut_points.py (segment).
+Terms: see autosplit/segment_costs.py (kept, recompute bytes, recompute) and passes/cut_points.py (segment).
 Touches no node: ``state.costs`` is the ``SegmentCosts`` the stage-bound choice and the stage table read.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ class CostSegments(MetaPass):
     def call(self, graph_module) -> PassResult:
         s = self.state
         s.put(costs=SegmentCosts(s.segments, s.cuts, s.mesh.tp, s.profile, s.in_flight,
-                                 checkpoint=s.options.checkpoint, layers=s.layers,
+                                 recompute=s.options.recompute, layers=s.layers,
                                  input_bytes=sum(tensor_bytes(x) for x in s.inputs),
                                  cross_node=pipeline_crosses_nodes(s.profile, s.mesh.pp, s.mesh.tp * s.mesh.dp)))
         return PassResult(graph_module, False)

@@ -259,7 +259,7 @@ def checkpoint_replays_tp_dropout(checkpoint, sequence_parallel: bool = False, s
                                           mlp_ratio=2, num_classes=10, attn_drop_rate=0.3, proj_drop_rate=0.3)
     xs, ys = batches(steps, batch)
     pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
-                               example_input=xs[0, : batch // 2], checkpoint=checkpoint,
+                               example_input=xs[0, : batch // 2], recompute=checkpoint,
                                sequence_parallel=sequence_parallel)
     pm.train()
     opt = torch.optim.SGD(pm.parameters(), lr=0.5)

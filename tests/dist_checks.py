@@ -200,8 +200,8 @@ def features():
     out["load"] = max((pm.full_state_dict()[k] - other[k]).abs().max().item() for k in other)
     out["load_error"] = error_of(pm.load_full_state_dict, {"nope": torch.zeros(1)})
     # activation checkpointing of stages gives the same training
-    out["checkpoint"] = train_with(checkpoint="stage")
-    out["checkpoint_blocks"] = train_with(checkpoint="block")
+    out["checkpoint"] = train_with(recompute="stage")
+    out["checkpoint_blocks"] = train_with(recompute="block")
     return out
 
 

@@ -31,7 +31,7 @@ CASES = [  # (id, compile overrides, exception type, regex the message must matc
     ("interleaved_one_chunk", dict(schedule="interleaved"), AutosplitError, r"schedule='interleaved' needs chunks_per_rank >= 2 \(got 1\)"),
     ("schedule_typo", dict(schedule="1fb1"), AutosplitError, r"schedule='1fb1': expected one of 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v' \(did you mean '1f1b'\?\)"),
     ("tp_mode_typo", dict(tp_mode="1D "), AutosplitError, r"tp_mode='1D ': expected one of '1d', '2d'"),
-    ("checkpoint_typo", dict(checkpoint="blocks"), AutosplitError, r"checkpoint='blocks': expected one of None, 'stage', 'block' \(did you mean 'block'\?\)"),
+    ("recompute_typo", dict(recompute="blocks"), AutosplitError, r"recompute='blocks': expected one of None, 'stage', 'block' \(did you mean 'block'\?\)"),
     ("autocast_float32", dict(autocast=torch.float32), AutosplitError, r"autocast=torch\.float32: expected None, torch\.bfloat16 or torch\.float16"),
     ("autocast_string", dict(autocast="bf16"), AutosplitError, r"autocast='bf16': expected None, torch\.bfloat16 or torch\.float16"),
     ("device_unknown", dict(device="tpu-v5"), AutosplitError, r"device='tpu-v5': unknown device profile; valid names: h100, h200, a100, rtx3090, rtx4090, rtx5090, rtx_pro6000_maxq, cpu"),

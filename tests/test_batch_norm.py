@@ -26,8 +26,8 @@ LOSS_TOL = 1e-6     # the step's loss comes back as a float32-accurate mean
 @pytest.mark.parametrize("name", ["xcit", "levit"])
 @pytest.mark.parametrize("mesh,kw", [((2, 1, 1), {}), ((1, 2, 1), {}), ((1, 1, 2), {}),
                                      # recomputation in backward must not update the statistics again
-                                     ((2, 1, 1), {"checkpoint": "stage"}), ((1, 2, 1), {"checkpoint": "block"}),
-                                     ((1, 1, 2), {"checkpoint": "block", "dp_shard": "layer"})],
+                                     ((2, 1, 1), {"recompute": "stage"}), ((1, 2, 1), {"recompute": "block"}),
+                                     ((1, 1, 2), {"recompute": "block", "dp_shard": "layer"})],
                          ids=["pp", "tp", "dp", "pp-ckpt-stage", "tp-ckpt-block", "dp-fsdp-ckpt-block"])
 def test_equals_gradient_accumulation(pool2, name, mesh, kw):
     """Losses, parameters and running statistics after 3 AdamW steps, then an eval-mode predict, equal

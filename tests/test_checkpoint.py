@@ -82,6 +82,7 @@ def uninterrupted():
 
 @pytest.mark.parametrize("mesh,kw", [((4, 1, 1), {"schedule": "gpipe"}), ((1, 2, 2), {"sequence_parallel": True}),
                                      ((1, 1, 1), {"lazy": True})])
+@pytest.mark.default_cases('mesh1-kw1')
 def test_resume_on_another_mesh(request, saved, uninterrupted, mesh, kw):
     """Saved on (2, 2, 1) after 2 steps; loaded on another mesh (schedule, sequence parallelism), 2 more
     steps: the same losses and parameters as 4 uninterrupted single-device steps."""

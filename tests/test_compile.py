@@ -107,10 +107,10 @@ def test_summary_and_dump(tmp_path):
     (["--mesh", "2,2,1", "--sequence-parallel", "--memory-budget", "8GiB"], {"sequence_parallel": True,
                                                                              "memory_budget": "8GiB"}),
     (["--mesh", "2,1,2", "--schedule", "interleaved", "--chunks-per-rank", "2", "--num-microbatches", "4",
-      "--autocast", "bf16", "--checkpoint", "block", "--dp-shard", "auto", "--memory-budget", "1GiB",
+      "--autocast", "bf16", "--recompute", "block", "--dp-shard", "auto", "--memory-budget", "1GiB",
       "--leaf-modules", "Attention", "--stage-bounds", "20,51,75,101"],
      {"schedule": "interleaved", "chunks_per_rank": 2, "num_microbatches": 4, "autocast": torch.bfloat16,
-      "checkpoint": "block", "dp_shard": True, "memory_budget": "1GiB", "leaf_modules": ["Attention"],
+      "recompute": "block", "dp_shard": True, "memory_budget": "1GiB", "leaf_modules": ["Attention"],
       "stage_bounds": [20, 51, 75, 101]}),
 ])
 def test_cli_plan_prints_the_plans_summary(tmp_path, capsys, flags, options):
@@ -146,7 +146,7 @@ def test_every_plan_option_has_a_cli_flag_with_help():
 
 def test_options_object_and_keywords_plan_the_same():
     model, x = timm_cls(depth=2), torch.randn(2, 3, 32, 32)
-    kw = dict(schedule="gpipe", num_microbatches=3, checkpoint="stage", device="h200")
+    kw = dict(schedule="gpipe", num_microbatches=3, recompute="stage", device="h200")
     by_keywords = autosplit.compile(model, mesh=(2, 1, 1), example_input=x, **kw)
     by_options = autosplit.compile(model, mesh=(2, 1, 1), example_input=x, options=PlanOptions(**kw))
     overridden = autosplit.compile(model, mesh=(2, 1, 1), example_input=x, schedule="gpipe",

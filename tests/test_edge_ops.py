@@ -179,10 +179,12 @@ def test_edge_models_train_equal_under_1d(pool2):
     _assert_equal(pool2.run(train_many, MIXED, (1, 2, 1), timeout=600))
 
 
+@pytest.mark.slow
 def test_edge_models_train_equal_under_2d(pool4):
     _assert_equal(pool4.run(train_many, MIXED, (1, 4, 1), tp_mode="2d", timeout=600))
 
 
+@pytest.mark.slow
 def test_timm_pit_and_samvit_train_equal(pool2):
     for mesh in ((2, 1, 1), (1, 2, 1)):
         _assert_equal(pool2.run(train_many, ["edge_pit", "edge_samvit"], mesh, timeout=600))

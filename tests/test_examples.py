@@ -1,4 +1,5 @@
-"""examples/: a 4-rank hybrid (pp=2, tp=2) synthetic training run under torchrun, and the offline planner."""
+"""examples/: a 4-rank hybrid (pp=2, tp=2) synthetic training run under torchrun, the offline planner,
+and the CIFAR example's deprecated flags (examples/train.py: tests/test_train_example.py)."""
 import json
 import math
 import os
@@ -6,6 +7,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -24,18 +27,19 @@ def _run(cmd, cwd):
     return proc.stdout, log
 
 
+@pytest.mark.e2e
 def test_train_cifar10_hybrid_four_ranks_loss_falls(tmp_path):
     """pp=2 x tp=2 on 4 CPU processes, synthetic data: the loss falls over 12 steps, the accuracy counts
     whole images, the report and the full state dict are written."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(EXAMPLES / "train_cifar10.py"), "--mesh", "2,2,1", "--synthetic", "--steps", "12",
-           "--batch", "32", "--microbatches", "4", "--epochs", "1", "--depth", "2", "--width", "32",
+           "--global-batch", "32", "--num-microbatches", "4", "--epochs", "1", "--depth", "2", "--width", "32",
            "--heads", "2", "--lr", "3e-3", "--eval-batches", "1", "--workers", "0", "--log-every", "1",
            "--report", str(tmp_path / "report"), "--save", str(tmp_path / "vit.pt")]
     stdout, log = _run(cmd, tmp_path)
     assert "SYNTHETIC" in stdout
     assert stdout.count("autosplit plan: mesh (pp=2, tp=2, dp=1), 2 stages") == 1   # printed by rank 0 only
-    losses = [float(x) for x in re.findall(r"^step \d+: loss (\S+)$", stdout, re.M)]
+    losses = [float(x) for x in re.findall(r"^step \d+: loss (\S+)  lr ", stdout, re.M)]
     assert len(losses) == 12 and all(math.isfinite(x) for x in losses), log[-3000:]
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < first - 0.1, f"loss did not fall: {losses}"
@@ -65,16 +69,17 @@ def test_plan_vit_dump(tmp_path):
     assert "def forward" in (out / "pp0_tp0" / "stage0.py").read_text()
 
 
+@pytest.mark.e2e
 def test_train_cifar10_resume_continues_the_same_run(tmp_path):
     """mesh (2,2,1) on 4 processes: a run stopped after epoch 1 and resumed from its sharded checkpoint
     prints the same losses as an uninterrupted one; --export writes a state dict the plain timm model loads."""
     def run(tag, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                str(EXAMPLES / "train_cifar10.py"), "--mesh", "2,2,1", "--synthetic", "--train-size", "128",
-               "--batch", "32", "--microbatches", "4", "--epochs", "2", "--depth", "2", "--width", "32",
+               "--global-batch", "32", "--num-microbatches", "4", "--epochs", "2", "--depth", "2", "--width", "32",
                "--heads", "2", "--lr", "3e-3", "--eval-batches", "1", "--workers", "0", "--log-every", "1", *extra]
         stdout, log = _run(cmd, tmp_path)
-        return dict(re.findall(r"^step (\d+): loss (\S+)$", stdout, re.M)), stdout
+        return dict(re.findall(r"^step (\d+): loss (\S+)  lr ", stdout, re.M)), stdout
 
     whole, _ = run("whole")
     first, _ = run("first", "--stop-after-epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
@@ -88,3 +93,18 @@ def test_train_cifar10_resume_continues_the_same_run(tmp_path):
     model = timm.models.VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2,
                                           num_classes=10)
     model.load_state_dict(torch.load(tmp_path / "model.pt"))        # strict: every key and shape
+
+
+@pytest.mark.parametrize("old, new, dest, value", [
+    (["--bf16"], "--autocast bf16", "autocast", "bf16"),
+    (["--microbatches", "4"], "--num-microbatches", "num_microbatches", 4),
+    (["--batch", "64"], "--global-batch", "global_batch", 64),
+    (["--checkpoint"], "--recompute stage", "recompute", "stage"),
+])
+def test_train_cifar10_deprecated_flag_still_works(old, new, dest, value, capsys):
+    """Each old flag of train_cifar10.py sets its new flag's value and warns, naming the new flag."""
+    from examples import train_cifar10
+    args = train_cifar10.parse_args(old + ["--checkpoint-dir", "ckpt"])
+    assert getattr(args, dest) == value and args.checkpoint_dir == "ckpt"
+    err = capsys.readouterr().err
+    assert f"warning: {old[0]} is deprecated" in err and f"use {new}" in err, err

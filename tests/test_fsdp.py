@@ -50,18 +50,20 @@ def test_rebuilt_on_the_same_mesh_after_close(pool4):
             assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
 
 
+@pytest.mark.slow
 def test_accumulate_predict_load_bf16(pool4):
     """no_sync accumulation over steps, predict, load_full_state_dict; bf16 autocast gathers bf16 copies
     of float32 shards (FSDP2's MixedPrecisionPolicy)."""
     for r in pool4.run(C.accumulate_and_predict, "timm_cls", (2, 1, 2), dp_shard="layer"):
         assert r["param_diff"] <= TOL and r["predict"] <= TOL and r["load"] == 0, r
-    for r in pool4.run(C.accumulate_and_predict, "tp_swiglu", (1, 2, 2), dp_shard="stage", checkpoint="block"):
+    for r in pool4.run(C.accumulate_and_predict, "tp_swiglu", (1, 2, 2), dp_shard="stage", recompute="block"):
         assert r["param_diff"] <= TOL and r["predict"] <= TOL and r["load"] == 0, r
     for r in pool4.run(C.bf16_close, "hand", (1, 1, 4), batch=16, dp_shard="stage"):
         assert r["dtypes"] == ["torch.float32"], r
         assert r["loss_diff"] <= BF16_TOL and r["param_diff"] <= BF16_TOL, r
 
 
+@pytest.mark.slow
 def test_readme_recipe_without_example_input(pool4):
     """The README's recipe: no example_input, the optimizer built over ``parameters()`` before the first
     step, which re-plans the provisional plan and puts the new graphs into the FSDP-wrapped modules.

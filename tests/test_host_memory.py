@@ -30,6 +30,7 @@ def _faults_per_allocation(enabled: bool) -> tuple[bool, int]:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings exist only in glibc")
+@pytest.mark.slow
 def test_freed_activation_memory_is_reused_without_page_faults():
     applied, faults = _faults_per_allocation(enabled=False)
     # glibc's default: above 32 MiB every allocation is a fresh mmap, each of its 12,288 pages faults in

@@ -61,6 +61,7 @@ def _loaded_after(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", list(LAYERS))
+@pytest.mark.default_cases('autosplit', 'autosplit.errors', 'autosplit.runtime.parallelize')
 def test_layer_imports_alone(module):
     loaded = _loaded_after(module)
     assert module in loaded

@@ -190,6 +190,7 @@ def test_plan_and_prediction_use_the_measured_profile():
     assert pred.total >= pred.compute > 0
 
 
+@pytest.mark.slow
 def test_wake_is_measured_with_more_than_two_ranks_per_host(pool4):
     """4 ranks: two relay while two compute; every rank returns the host's figures (seconds, small): the
     wake, and the sender's posting time under that load (the profile's p2p_post on such a host)."""
@@ -199,6 +200,7 @@ def test_wake_is_measured_with_more_than_two_ranks_per_host(pool4):
     assert 0.0 <= wake < 0.05 and 0.0 < loaded_post < 0.05, values
 
 
+@pytest.mark.slow
 def test_reference_pipeline_runs_on_every_rank_of_the_host(pool4):
     """4 ranks as a 1F1B pipeline of 8 microbatches (posting and waiting as the executor does, under the
     strict transport): every rank gets rank 0's rounds; each rank runs 8 forwards and backwards in turn,
@@ -211,6 +213,7 @@ def test_reference_pipeline_runs_on_every_rank_of_the_host(pool4):
         assert nbytes == 4 * 65 * 192 * 4                     # one (4, 65, 192) fp32 activation
 
 
+@pytest.mark.slow
 def test_profile_measured_in_a_live_world_is_agreed_and_cached(pool2, tmp_path):
     a, b = pool2.run(checks_profile.measured_then_cached, str(tmp_path))
     assert a["profile"] == b["profile"]                                     # one profile on every rank

@@ -115,6 +115,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("variant,mesh,kw", [("tp_timm", (2, 2, 1), {}), ("tp_timm", (2, 1, 2), {}),
                                              ("tp_timm", (1, 4, 1), {"tp_mode": "2d"}),
                                              ("reset_hand", (1, 4, 1), {})])
+@pytest.mark.default_cases('reset_hand-mesh3-kw3')
 def test_meta_model_trains_like_materialized(pool4, variant, mesh, kw):
     """3 AdamW steps: losses and parameters equal materialize(model, seed) trained on one device;
     each rank holds exactly its shards' bytes (and less than the whole model)."""
@@ -184,6 +185,7 @@ def meta_sharded(variant: str, mesh, dp_shard: str, steps: int = 2, batch: int =
 
 
 @pytest.mark.parametrize("mesh,dp_shard", [((1, 1, 4), "stage"), ((1, 2, 2), "layer")])
+@pytest.mark.default_cases('mesh0-stage')
 def test_meta_model_sharded_over_dp_holds_only_its_shards(pool4, mesh, dp_shard):
     """A meta model under ``dp_shard`` is materialized into the FSDP shards: each rank holds its
     shards' bytes (not its whole stage, which the user's model, the plan's modules or a copy kept
@@ -244,6 +246,7 @@ def test_reset_that_leaves_a_tensor_is_refused():
         autosplit.materialize(model)
 
 
+@pytest.mark.slow
 def test_materialize_stays_the_function_after_the_runtime_loads():
     """The runtime imports the module that defines ``materialize``; ``autosplit.materialize`` must still be
     the function (it was shadowed by a submodule of the same name before)."""

@@ -81,6 +81,7 @@ def _on_fresh_pool(fn, *args) -> list:
         pool.close(force=True)
 
 
+@pytest.mark.slow
 def test_host_run_ahead_is_bounded():
     """With waits deferred to host reads, a receive that never arrives stalls the stream; the host must
     stop at our deadline within RUN_AHEAD_ACTIONS actions, not queue launches until one blocks."""
@@ -107,6 +108,7 @@ def test_host_run_ahead_is_bounded_inside_one_action(fast_beats):
     assert r["seconds"] < 0.5 + 3, r
 
 
+@pytest.mark.slow
 def test_a_failure_aborts_only_our_groups():
     """torch's abort API, with async error handling off as it asks: our groups go, the default one stays."""
     for r in _on_fresh_pool(checks_nccl.abort_after_failure):
@@ -229,6 +231,7 @@ def test_gpu_diagnosis_says_what_it_cannot_tell(fast_beats):
             beat.stop()
 
 
+@pytest.mark.slow
 def test_strict_transport_send_cycle_times_out_naming_the_sends():
     """Sends right after their producer, receives right before their consumer: NCCL's rendezvous sends
     make the two ranks wait on each other; the strict transport must too, and say which send blocks."""
@@ -237,3 +240,30 @@ def test_strict_transport_send_cycle_times_out_naming_the_sends():
         assert r["strict"].startswith("RankFailure:") and "TimeoutError: no progress for 3 s" in r["strict"], r
         assert re.search(r"\[\dSEND_[FB]\d\], posted before \S+ on this rank, has not finished", r["strict"]), r
         assert r["seconds"] < 3 + 6, r
+
+
+def test_nccl_watchdog_timeout_without_dist_set_timeout(monkeypatch):
+    """torch 2.11 has no ``dist.set_timeout``: every NCCL world failed to start (found on a GPU).  The
+    NCCL backend's own setter is used instead; where that is missing too, a clear error."""
+    import torch.distributed as dist
+    from autosplit.errors import AutosplitError
+    from autosplit.runtime.parallel.world import nccl_timeout_s, set_nccl_timeout
+
+    class Backend:
+        def _set_default_timeout(self, timeout):
+            self.timeout = timeout
+
+    class Group:
+        backend = Backend()
+
+        def _get_backend(self, device):
+            assert device.type == "cuda"
+            return self.backend
+
+    monkeypatch.delattr(dist, "set_timeout", raising=False)
+    group = Group()
+    set_nccl_timeout(group, 60.0, 4)
+    assert group.backend.timeout.total_seconds() == nccl_timeout_s(60.0, 4)
+    group.backend = object()
+    with pytest.raises(AutosplitError, match="cannot set NCCL's watchdog timeout"):
+        set_nccl_timeout(group, 60.0, 4)

@@ -11,6 +11,7 @@ TOL = 1e-5
 @pytest.mark.parametrize("name,kw", [("tp_timm", {"sequence_parallel": True}),
                                      ("tp_swiglu", {}),                       # qk-norm inside the region
                                      ("tp_hand", {"sequence_parallel": True})])
+@pytest.mark.default_cases('tp_swiglu-kw1')
 def test_no_sync_accumulation_tp_dp(pool4, name, kw):
     """Partial (tp-summed) gradients of no_sync steps are averaged over dp too."""
     for r in pool4.run(C.accumulate_tp_dp, name, **kw):
@@ -49,6 +50,7 @@ def test_buffers_identical_across_dp(request, mesh):
 
 @pytest.mark.parametrize("mesh,kw", [((2, 1, 1), {}), ((1, 2, 1), {}), ((1, 2, 1), {"sequence_parallel": True}),
                                      ((2, 1, 1), {"drop_path": 0.2}), ((1, 2, 1), {"drop_path": 0.2})])
+@pytest.mark.default_cases('mesh0-kw0', 'mesh2-kw2')
 def test_eval_mode_follows_pm_eval(pool2, mesh, kw):
     """Attention dropout (dropout_p frozen by tracing), nn.Dropout and DropPath (a `self.training`
     branch): after pm.eval() two predicts agree and equal the single-device model in eval mode;

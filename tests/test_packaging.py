@@ -28,5 +28,54 @@ def test_wheel_holds_every_package_and_no_stray_top_level(tmp_path):
             "autosplit/cost_model"} <= in_wheel
     assert "autosplit/profiling/device_bench.py" in names and "autosplit/cost_model/profile_file.py" in names
     assert {"autosplit/report/html.js", "autosplit/report/html.css"} <= set(names)   # report.html's assets
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "LICENSE not in the wheel"
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"autosplit"}, tops
+
+
+# --- dependencies declared = imported --------------------------------------------------------------------
+# Where each requirement is imported: the installed library (autosplit/, passes/, cost_model/) needs
+# `dependencies`; examples/ needs `examples` on top; tests/ needs `dev` on top of both.
+DIST_OF_MODULE = {"PIL": "pillow"}          # import name -> distribution name, where they differ
+PROVIDED_BY = {"pillow": "torchvision"}     # imported, but installed with a declared requirement
+
+
+def _third_party_imports(*folders: str) -> set[str]:
+    """Top-level modules imported (anywhere, lazily too) by the .py files under ``folders``, less the
+    standard library and our own packages."""
+    import ast
+    ours = {"autosplit", "passes", "cost_model", "tests", "benchmarks", "examples"}
+    found = set()
+    for folder in folders:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    found |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.add(node.module.split(".")[0])
+    found = {DIST_OF_MODULE.get(m, m) for m in found - ours - set(sys.stdlib_module_names)}
+    return found - {"_pytest"} - ({"pytest"} if "tests" not in folders else set())
+
+
+def _declared() -> dict[str, set[str]]:
+    import re
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in reqs}
+    extras = {k: names(v) for k, v in project["optional-dependencies"].items()}
+    return {"library": names(project["dependencies"]), **extras}
+
+
+def test_dependencies_declared_are_the_ones_imported():
+    declared = _declared()
+    library = _third_party_imports("autosplit", "passes", "cost_model")
+    examples = _third_party_imports("examples") - library
+    tests = _third_party_imports("tests") - library - examples - {"setuptools"}
+    assert library == declared["library"], (sorted(library), sorted(declared["library"]))
+    assert examples - {p for p, by in PROVIDED_BY.items() if by in declared["examples"]} <= declared["examples"]
+    assert declared["examples"] <= examples | library, "an examples extra nothing in examples/ imports"
+    needed_by_tests = tests - {p for p, by in PROVIDED_BY.items() if by in declared["dev"]}
+    assert needed_by_tests <= declared["dev"], sorted(needed_by_tests - declared["dev"])
+    # the tests build a wheel without build isolation (setuptools) and run the examples
+    assert {"setuptools"} | declared["examples"] <= declared["dev"]
+

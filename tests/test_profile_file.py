@@ -242,6 +242,7 @@ def test_an_error_deciding_the_jobs_profile_reaches_every_rank(monkeypatch):
             runtime_profile.agreed_profile(SimpleNamespace(rank=rank, store=fake), watchdog)
 
 
+@pytest.mark.slow
 def test_measure_profile_in_a_job_gives_every_rank_the_profile_and_writes_the_file(pool2, tmp_path):
     path = tmp_path / "job.json"
     a, b = pool2.run(checks_profile_file.public_measure, str(path), 0.3)
@@ -266,6 +267,7 @@ def test_measure_profile_refuses_bad_arguments():
         autosplit.measure_profile(seconds=-1)
 
 
+@pytest.mark.e2e
 def test_the_profile_command_alone_writes_a_file_compile_accepts(tmp_path):
     """``python -m autosplit profile --out`` on this CPU, no torchrun: the single-process measurement."""
     out = tmp_path / "cpu.json"

@@ -70,6 +70,7 @@ def _same(whole: LayoutGraph, copied: LayoutGraph, layers) -> None:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.default_cases('hand', 'torchvision')
 def test_copied_layers_equal_the_whole_rewrite(family):
     model = FAMILIES[family]()
     traced, layers = trace_model(model, (X,)), layer_paths(model)
@@ -110,6 +111,7 @@ def test_rewrite_that_treats_layers_differently_falls_back():
     _same(LayoutGraph(traced, (X,), 2, "1d", False), copied, layers)
 
 
+@pytest.mark.slow
 def test_search_with_copied_layers_is_the_search_without(monkeypatch):
     model = FAMILIES["timm"]()
     run = lambda: autosplit.search(model, 8, X, global_batch=16, top=8)   # noqa: E731

@@ -139,6 +139,7 @@ def _console(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
 
 
+@pytest.mark.browser
 def test_console_check_catches_a_broken_page(tmp_path):
     """The check below can fail: a script error and a blocked CDN load both show up."""
     page = tmp_path / "bad.html"
@@ -148,6 +149,7 @@ def test_console_check_catches_a_broken_page(tmp_path):
     assert any("undefinedFunction" in x for x in lines) and any("Content Security Policy" in x for x in lines)
 
 
+@pytest.mark.browser
 def test_report_loads_in_headless_chromium(dumped, plan, tmp_path):
     url = dumped.as_uri() + "#search=blocks.1.mlp.fc2"
     proc = _chromium("--dump-dom", url)

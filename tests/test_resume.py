@@ -157,6 +157,7 @@ def test_resume_on_the_same_mesh_is_bit_exact(pool2, tmp_path, mesh, per_replica
         assert b["warnings"] == [], b["warnings"]
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh(pool2, tmp_path):
     """Saved under tensor parallelism (1, 2, 1), loaded on a pipeline (2, 1, 1): the model, the loss scale
     and its growth counter, the scheduler, the loader and the step are restored exactly; every rank's
@@ -197,6 +198,7 @@ def test_resume_on_another_mesh_continues_the_run(pool2, tmp_path):
         assert param_diff <= PARAM_TOL, param_diff
 
 
+@pytest.mark.slow
 def test_per_replica_extra_needs_the_same_dp(pool2, tmp_path):
     """A loader whose state differs between dp replicas cannot follow a change of dp: a clear error on
     every rank that names the extra and both meshes."""

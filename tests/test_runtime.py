@@ -19,6 +19,7 @@ def _assert_equal(results):
 @pytest.mark.parametrize("name", ["timm_cls", "torchvision", "hand"])
 @pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 1, 2)])
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.default_cases('gpipe-1-mesh0-timm_cls', '1f1b-1-mesh1-hand', 'interleaved-2-mesh0-torchvision')
 def test_two_ranks_equal_single_device(pool2, name, mesh, schedule, chunks):
     _assert_equal(pool2.run(train_matches_single_device, name, mesh, schedule, chunks))
 
@@ -26,11 +27,13 @@ def test_two_ranks_equal_single_device(pool2, name, mesh, schedule, chunks):
 @pytest.mark.parametrize("name", ["timm_cls", "torchvision", "hand"])
 @pytest.mark.parametrize("mesh", [(4, 1, 1), (2, 1, 2)])
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.default_cases('gpipe-1-mesh1-torchvision', '1f1b-1-mesh0-timm_cls', 'interleaved-2-mesh1-hand')
 def test_four_ranks_equal_single_device(pool4, name, mesh, schedule, chunks):
     _assert_equal(pool4.run(train_matches_single_device, name, mesh, schedule, chunks))
 
 
 @pytest.mark.parametrize("name,mesh", [("timm_cls", (2, 1, 1)), ("tp_timm", (1, 2, 1))])
+@pytest.mark.default_cases('tp_timm-mesh1')
 def test_lazy_plan_keeps_parameters(pool2, name, mesh):
     _assert_equal(pool2.run(lazy_plan_then_train, name, mesh))
 
@@ -85,6 +88,7 @@ def test_dp_buckets_overlap_the_last_backward(pool2):
         assert r["views"] and r["views_again"] and r["copies"] == 0, r      # gradients live in the buckets
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_times_out_everywhere():
     """Rank 1 sleeps in its loss: rank 0 times out, and names rank 1 and where it is, not itself."""
     results = _on_fresh_pool(hanging_rank)
@@ -96,6 +100,7 @@ def test_a_stalled_rank_times_out_everywhere():
 
 
 @pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.slow
 def test_a_dead_rank_is_named_by_the_survivors(victim, tmp_path):
     """A rank's process exits mid-step: the survivor names it, or says the store's host died."""
     import time
@@ -126,6 +131,7 @@ def test_strict_transport_hangs_where_nccl_would():
         assert r["seconds"] < 3 + 5, r
 
 
+@pytest.mark.slow
 def test_close_releases_groups_and_threads(pool4, tmp_path):
     """A process that builds many ParallelModules keeps nothing of the closed ones: every mesh axis's
     group (1D, 2D grid, strict transport thread, checkpoint group) goes; calls after close say so."""
@@ -138,6 +144,7 @@ def test_close_releases_groups_and_threads(pool4, tmp_path):
         assert all("closed ParallelModule" in e and f"rank {rank} " in e for e in r["errors"].values()), r
 
 
+@pytest.mark.slow
 def test_dropped_module_releases_groups_and_hooks(pool4, tmp_path):
     """A ParallelModule dropped without close() (or whose construction raised) kept its process groups,
     their gloo threads and its bucket hooks on the user's parameters for the life of the process:

@@ -67,6 +67,7 @@ def _measured_cpu():
 
 
 @pytest.mark.parametrize("world,budget,measured", [(4, None, False), (8, 400_000, False), (4, None, True)])
+@pytest.mark.default_cases('4-None-False', '4-None-True')
 def test_pruned_search_equals_brute_force(world, budget, measured):
     model = tp_timm()
     kw = dict(global_batch=32, device=_measured_cpu() if measured else "h100", memory_budget=budget, top=8)
@@ -79,6 +80,7 @@ def test_pruned_search_equals_brute_force(world, budget, measured):
 
 
 @pytest.mark.parametrize("measured", [False, True, "nodes"])
+@pytest.mark.default_cases('False')
 def test_predictions_equal_compile(measured):
     """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a
     sample), with a datasheet profile, with a measured one (per-class fits, sharing, posting: the search once
@@ -129,7 +131,7 @@ def test_bad_arguments_are_refused():
 
 def test_cli_prints_the_table(capsys):
     from autosplit.__main__ import main
-    assert main(["search", "tests.models:tp_timm", "--world", "4", "--batch", "16", "--memory", "400KB",
+    assert main(["search", "tests.models:tp_timm", "--world", "4", "--global-batch", "16", "--memory-budget", "400KB",
                  "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "autosplit search" in out and "step ms" in out and "rejected" in out
@@ -160,15 +162,16 @@ def test_cli_plans_with_the_measured_profile_fitted_to_the_model(capsys, tmp_pat
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     try:
-        args = ["search", "tests.models:tp_timm", "--world", "2", "--batch", "8", "--top", "2", "--device", "measured"]
+        args = ["search", "tests.models:tp_timm", "--world", "2", "--global-batch", "8", "--top", "2",
+                "--device", "measured"]
         assert main(args) == 2
-        assert "python -m autosplit.profiling.measure_profile --ranks 2 --threads 1" in capsys.readouterr().err
+        assert "python -m autosplit profile --ranks 2 --threads 1" in capsys.readouterr().err
         torch.set_num_threads(1)
         profile_cache.save(profile_cache.machine_key("cpu", 2), _measured_cpu())
         assert main(args + ["--fit"]) == 0
         out = capsys.readouterr().out
         assert "cpu (test), fitted to the model at microbatch 2 and 8" in out and "step ms" in out
-        assert main(["search", "tests.models:tp_timm", "--world", "2", "--batch", "8", "--fit"]) == 2
+        assert main(["search", "tests.models:tp_timm", "--world", "2", "--global-batch", "8", "--fit"]) == 2
         assert "--fit rescales a measured profile" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ def _assert_equal(results):
 
 @pytest.mark.parametrize("sp", SP)
 @pytest.mark.parametrize("name", MODELS + ["tp_swiglu"])
+@pytest.mark.default_cases('tp_timm-False', 'tp_hand-True', 'tp_swiglu-False')
 def test_tp2(pool2, name, sp):
     _assert_equal(pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, sequence_parallel=sp))
 
@@ -24,6 +25,7 @@ def test_tp2(pool2, name, sp):
 @pytest.mark.parametrize("sp", SP)
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("mesh", [(1, 4, 1), (2, 2, 1)])
+@pytest.mark.default_cases('mesh0-tp_timm-True', 'mesh1-tp_torchvision-False')
 def test_tp_four_ranks(pool4, name, mesh, sp):
     _assert_equal(pool4.run(train_matches_single_device, name, mesh, "1f1b", 1, sequence_parallel=sp))
 

@@ -94,12 +94,14 @@ def _check(results, name):
 
 @pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1)])
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.default_cases(*(f"{name}-mesh1" for name in NAMES))   # tp=2; pp=2 is slow
 def test_trains_like_one_device(request, name, mesh):
     """3 SGD steps, 2 microbatches of 4 rows: losses and state dict equal to the reference."""
     _check(_trained(request, mesh, "1d"), name)
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_2d_trains_like_one_device(request, name):
     """(1,4,1) tp_mode="2d": every model that plans trains equal to the reference; one that
     parallelize refuses must be one that offline planning refuses too (the refusal itself is judged by
@@ -121,6 +123,7 @@ GRID_KW = {"3d": {}, "2.5d": {"tp_depth": 2}}
 
 
 @pytest.mark.parametrize("mode,name", [(m, n) for m, names in GRID_ZOO.items() for n in names])
+@pytest.mark.world8
 def test_grid_modes_train_like_one_device(request, mode, name):
     """(1,8,1) tp_mode="3d" (2x2x2) and "2.5d" (tp_depth=2): 3 SGD steps equal to the reference."""
     _check(_trained(request, (1, 8, 1), mode, GRID_ZOO[mode], **GRID_KW[mode]), name)

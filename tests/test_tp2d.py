@@ -19,12 +19,14 @@ def _check(results):
 
 
 @pytest.mark.parametrize("name", ["tp_timm", "tp_timm_avgpool", "tp_torchvision", "tp_hand", "tp_swiglu"])
+@pytest.mark.default_cases('tp_timm')
 def test_2d_four_ranks(pool4, name):
     """(1, 4, 1): class-token and average-pool timm ViTs, torchvision's (nn.MultiheadAttention), a hand-written
     one with separate q/k/v linears, SwiGLU with qk-norm."""
     _check(pool4.run(train_matches_single_device, name, (1, 4, 1), "1f1b", 1, tp_mode="2d"))
 
 
+@pytest.mark.slow
 def test_2d_summa_form(pool4):
     """The broadcast (SUMMA) form of every linear gives the same training as single-device."""
     _check(pool4.run(train_matches_single_device, "tp_hand", (1, 4, 1), "1f1b", 1, tp_mode="2d",

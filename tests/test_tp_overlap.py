@@ -129,6 +129,7 @@ def _assert_equal(results):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.default_cases('tp_timm', 'tp_swiglu')
 def test_tp2_overlapped_equals_single_device(pool2, name):
     _assert_equal(pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, microbatches=2,
                             tp_overlap_chunks=2))
@@ -142,11 +143,12 @@ def test_uneven_chunks_equal_single_device(pool2):
 
 @pytest.mark.parametrize("name, mesh, schedule, kw", [
     ("tp_timm", (2, 2, 1), "zb-h1", {}),
-    ("tp_hand", (2, 2, 1), "1f1b", {"checkpoint": "block"}),
+    ("tp_hand", (2, 2, 1), "1f1b", {"recompute": "block"}),
     ("tp_torchvision", (1, 2, 2), "1f1b", {}),
     ("tp_timm", (1, 2, 2), "1f1b", {"dp_shard": "layer"}),
     ("tp_swiglu", (1, 4, 1), "1f1b", {}),
 ])
+@pytest.mark.default_cases('tp_timm-mesh0-zb-h1-kw0')
 def test_four_ranks_overlapped_equals_single_device(pool4, name, mesh, schedule, kw):
     _assert_equal(pool4.run(train_matches_single_device, name, mesh, schedule, 1, microbatches=2,
                             tp_overlap_chunks=2, **kw))

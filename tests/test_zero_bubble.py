@@ -268,6 +268,7 @@ def _check(results, name, schedule=None, mesh=None, m=None, device_type="cuda"):
 @pytest.mark.parametrize("name,schedule,m", [
     ("timm_cls", "zb-h1", 2), ("timm_cls", "zb-h1", 8), ("timm_cls", "zb-v", 2), ("timm_cls", "zb-v", 8),
     ("torchvision", "zb-v", 4), ("hand", "zb-h1", 4), ("shared_weight", "zb-v", 4), ("shared_weight", "zb-h1", 8)])
+@pytest.mark.default_cases('timm_cls-zb-h1-2', 'torchvision-zb-v-4', 'shared_weight-zb-h1-8')
 def test_pp2_matches_single_device(pool2, name, schedule, m):
     _check(pool2.run(Z.train_with_deferral, name, (2, 1, 1), schedule, m), name, schedule, (2, 1, 1), m)
 
@@ -287,6 +288,7 @@ def test_cpu_profile_keeps_the_hand_off_stages_fused(pool2):
     ("torchvision", "zb-h1", (4, 1, 1), 8, {}),
     ("tp_timm", "zb-v", (2, 2, 1), 4, {"sequence_parallel": True}), ("tp_hand", "zb-h1", (2, 2, 1), 2, {}),
     ("timm_cls", "zb-v", (2, 1, 2), 2, {}), ("shared_weight", "zb-h1", (2, 1, 2), 4, {})])
+@pytest.mark.default_cases('tp_hand-zb-h1-mesh4-2-kw4', 'timm_cls-zb-v-mesh5-2-kw5')
 def test_pp4_tp_dp_matches_single_device(pool4, name, schedule, mesh, m, kw):
     results = pool4.run(Z.train_with_deferral, name, mesh, schedule, m, **kw)
     _check(results, name, schedule, mesh, m)
@@ -323,6 +325,7 @@ def test_tp_backward_overlaps_weight_grads(pool2, name, kw):
     assert all(r["overlapped"] > 0 for r in results), [r["overlapped"] for r in results]
 
 
+@pytest.mark.slow
 def test_tp_overlap_with_dp_buckets(pool4):
     """tp x dp under 1F1B: autograd fires a weight's post-accumulate hook during the backward that
     deferred its gradient, so arming the buckets before that backward launched them without the

@@ -48,7 +48,7 @@ Terms:
   cache      -- rank 0 writes the profile under cost_model/profile_cache.py's key (host, processor,
                cores, threads, ranks on this machine, torch version); ``parallelize`` without ``device=``
                uses it when present (runtime/profile.py).
-  spawn      -- ``measure_here(ranks)`` (and ``python -m autosplit.profiling.measure_profile --ranks N``)
+  spawn      -- ``measure_here(ranks)`` (and ``python -m autosplit profile --ranks N``, profiling/cli.py)
                starts N gloo processes on this machine to do all of the above; nothing else spawns.
 """
 from __future__ import annotations
@@ -271,17 +271,32 @@ def measure_here(ranks: int, threads: int = 1, timeout: float = 300.0):
     return profile_cache.from_dict(value)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Measure and cache this machine's cost-model profile.")
-    parser.add_argument("--ranks", type=int, default=2, help="processes a job runs on this machine")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    args = parser.parse_args(argv)
-    profile = measure_here(args.ranks, args.threads)
-    key = profile_cache.machine_key("cpu", args.ranks)
-    key["threads"] = args.threads
+def run_local(ranks: int, threads: int, out=None) -> int:
+    """``autosplit profile --ranks N`` (profiling/cli.py): spawn the local gloo world (``measure_here``),
+    which caches the profile for (ranks, threads); print where, and write ``out`` too when given."""
+    from autosplit.cost_model import profile_file
+    profile = measure_here(ranks, threads)
+    key = profile_cache.machine_key("cpu", ranks)
+    key["threads"] = threads
     where = f"cached in {profile_cache.path_for(key)}" if profile_cache.enabled() else \
         "not cached (AUTOSPLIT_PROFILE_CACHE is off)"
     print(f"{profile.name}\n{where}")
+    if out is not None:
+        profile_file.write(out, profile)
+        print(f"wrote {os.path.abspath(out)}")
+    return 0
+
+
+def main(argv=None) -> None:
+    """The old entry point, kept for one release: ``autosplit profile --ranks N`` does the same."""
+    from autosplit.deprecated import deprecated_entry_point
+    parser = argparse.ArgumentParser(description="Deprecated: use python -m autosplit profile --ranks N.")
+    parser.add_argument("--ranks", type=int, default=2, help="processes a job runs on this machine")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args(argv)
+    deprecated_entry_point("python -m autosplit.profiling.measure_profile --ranks N",
+                           f"python -m autosplit profile --ranks {args.ranks} --threads {args.threads}")
+    run_local(args.ranks, args.threads)
 
 
 if __name__ == "__main__":

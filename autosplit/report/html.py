@@ -150,7 +150,7 @@ def _stage_table(plan) -> str:
               "recompute", "memory", "boundary"]
     rows = [[str(s.index), f"pp{s.pp_rank}.c{s.chunk}", e(s.layers), _count(s.n_params),
              f"{s.fwd_time * 1e3:.3f}", f"{s.bwd_time * 1e3:.3f}", f"{s.comm_time * 1e3:.3f}",
-             _bytes(s.activation_bytes), str(s.in_flight), _bytes(s.recompute_bytes) if plan.checkpoint else "-",
+             _bytes(s.activation_bytes), str(s.in_flight), _bytes(s.recompute_bytes) if plan.recompute else "-",
              _bytes(s.memory_bytes), e(_boundary(s))] for s in plan.stages]
     foot = "<br>".join(e(line) for line in summary_table(plan).splitlines()[len(plan.stages) + 3:])
     return _table(header, rows, "stages") + f"<p class=note>{foot}</p>"

@@ -42,7 +42,7 @@ BASELINE = "torchtitan's cut (embedding and head count as layers)"
 
 
 def _ratio(value) -> str:
-    return value if isinstance(value, str) else f"{value:.3f}"
+    return "n/a" if value is None else f"{value:.3f}"     # None: the baseline has no cut
 
 
 def summary_table(plan) -> str:
@@ -52,7 +52,7 @@ def summary_table(plan) -> str:
     for s in plan.stages:
         rows.append((str(s.index), f"pp{s.pp_rank}.c{s.chunk}", s.layers, _count(s.n_params),
                      f"{s.fwd_time * 1e3:.3f}", f"{s.bwd_time * 1e3:.3f}", f"{s.comm_time * 1e3:.3f}",
-                     _bytes(s.activation_bytes), _bytes(s.recompute_bytes) if plan.checkpoint else "-",
+                     _bytes(s.activation_bytes), _bytes(s.recompute_bytes) if plan.recompute else "-",
                      _bytes(s.memory_bytes), _boundary(s)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -61,11 +61,11 @@ def summary_table(plan) -> str:
     shapes = ", ".join("x".join(map(str, s)) for s in plan.example_shapes)
     head = (f"autosplit plan: mesh {plan.mesh}, {plan.n_stages} stages, schedule {plan.schedule}, "
             f"{plan.num_microbatches} microbatches of [{shapes}], device model {plan.device}, "
-            f"autocast {plan.autocast or 'off (float32)'}, checkpoint {plan.checkpoint or 'off'}")
+            f"autocast {plan.autocast or 'off (float32)'}, recompute {plan.recompute or 'off'}")
     foot = [f"balance (max/mean stage time): {ours:.3f} autosplit vs {_ratio(equal)} {BASELINE}", _step_line(plan)]
-    if plan.checkpoint:
-        what = "its inputs" if plan.checkpoint == "stage" else "the tensors entering each layer"
-        foot.append(f"checkpoint={plan.checkpoint}: act/mb is what each in-flight microbatch keeps ({what}); "
+    if plan.recompute:
+        what = "its inputs" if plan.recompute == "stage" else "the tensors entering each layer"
+        foot.append(f"recompute={plan.recompute}: act/mb is what each in-flight microbatch keeps ({what}); "
                     f"recompute is held while one microbatch's forward is recomputed (bwd ms includes it)")
     if plan.schedule in SPLIT_BACKWARD:
         deferred = plan_deferred_w_stages(plan)
@@ -158,8 +158,8 @@ def plan_dict(plan) -> dict:
         "tp_mode": plan.tp_mode, "schedule": plan.schedule, "chunks_per_rank": plan.chunks_per_rank,
         "num_microbatches": plan.num_microbatches, "device": plan.device,
         "example_shapes": [list(s) for s in plan.example_shapes],
-        "autocast": plan.autocast, "checkpoint": plan.checkpoint, "dp_shard": plan.dp_shard,
-        "balance": {"autosplit": ours, "equal_layer_count": None if isinstance(equal, str) else equal,
+        "autocast": plan.autocast, "recompute": plan.recompute, "dp_shard": plan.dp_shard,
+        "balance": {"autosplit": ours, "equal_layer_count": equal,
                     "equal_layer_stage_times": plan.equal_layer_times, "baseline": BASELINE},
         "unknown_ops": plan.unknown_ops,
         "tensor_parallel": None if plan.tp_plan is None else {

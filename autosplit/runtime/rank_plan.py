@@ -215,13 +215,13 @@ class RankPlanner:
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]
         partial = plan.tp_plan.partial_grads if plan.tp_plan is not None else set()
         if plan.dp_shard:          # FSDP2 units over dp (runtime/parallel/fsdp.py); its grads replace the buckets
-            self.sharding = self.sharding or StageSharding(world, self.model, plan.dp_shard, opts.checkpoint,
+            self.sharding = self.sharding or StageSharding(world, self.model, plan.dp_shard, opts.recompute,
                                                            opts.autocast)
             self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial, values)
             self.buckets = self.sharding.grads
         else:
             self.raw_modules = modules
-            self.modules = [checkpointed(m, self.model, opts.checkpoint) for m in self.raw_modules]
+            self.modules = [checkpointed(m, self.model, opts.recompute) for m in self.raw_modules]
         if compiled:
             for s, m in zip(stages, self.modules):
                 compile_units(m, self.compile_settings, f"rank {world.rank} stage {s}")

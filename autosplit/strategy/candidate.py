@@ -16,6 +16,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from autosplit.deprecated import RENAMED_OPTIONS, RenamedKeys
+
+
+def _renamed(obj) -> None:
+    """``obj.options`` as a dict whose old keys (``options["checkpoint"]``) still read, with a warning."""
+    object.__setattr__(obj, "options", RenamedKeys(obj.options, RENAMED_OPTIONS))
+
 
 def _bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -33,6 +40,8 @@ class Candidate:
     parts: dict = field(default_factory=dict)
     bounds: tuple[int, ...] = ()          # the stage cut (plan.bounds of the plan it compiles to)
 
+    __post_init__ = _renamed
+
     @property
     def label(self) -> str:
         return describe(self.mesh, self.options)
@@ -45,9 +54,11 @@ class Rejected:
     why: str
     kind: str
 
+    __post_init__ = _renamed
+
 
 def describe(mesh, options: dict) -> str:
-    """A short text of a configuration: ``(2,4,8) 1d sp interleaved v2 m16 ckpt=block shard=stage``."""
+    """A short text of a configuration: ``(2,4,8) 1d sp interleaved v2 m16 recompute=block shard=stage``."""
     o = options
     words = [f"({mesh[0]},{mesh[1]},{mesh[2]})"]
     if mesh[1] > 1:
@@ -56,8 +67,8 @@ def describe(mesh, options: dict) -> str:
     v = o.get("chunks_per_rank", 1)
     words.append(o.get("schedule", "1f1b") + (f" v{v}" if v > 1 else ""))
     words.append(f"m{o.get('num_microbatches')}")
-    if o.get("checkpoint"):
-        words.append(f"ckpt={o['checkpoint']}")
+    if o.get("recompute"):
+        words.append(f"recompute={o['recompute']}")
     if o.get("dp_shard"):
         words.append(f"shard={o['dp_shard']}")
     return " ".join(words)

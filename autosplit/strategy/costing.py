@@ -1,7 +1,7 @@
 """Pricing one configuration with compile's own cost model, from one layout's rescaled graph.
 
 Terms:
-  group   -- (layout, microbatch size b, checkpoint, whether pipeline transfers cross nodes): everything
+  group   -- (layout, microbatch size b, recompute, whether pipeline transfers cross nodes): everything
              that does not depend on the stage cut, the schedule, m or dp: ``SegmentCosts`` of the graph at b (per segment: fwd + bwd time with
              tp collectives and recompute, boundary time, parameter and saved bytes), and per segment the
              parts the predictor needs (fwd, bwd, W, tp forward / backward seconds).
@@ -58,10 +58,10 @@ def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[int, ...]:
 
 
 class Group:
-    """Cut-independent costs of (layout, b, checkpoint, crossing); see the module docstring."""
+    """Cut-independent costs of (layout, b, recompute, crossing); see the module docstring."""
 
-    def __init__(self, layout_graph, b: int, checkpoint, profile, layers, input_bytes: int, cross_node: bool = False):
-        self.graph, self.b, self.checkpoint, self.profile, self.layers = layout_graph, b, checkpoint, profile, layers
+    def __init__(self, layout_graph, b: int, recompute, profile, layers, input_bytes: int, cross_node: bool = False):
+        self.graph, self.b, self.recompute, self.profile, self.layers = layout_graph, b, recompute, profile, layers
         self.input_bytes, self.cross_node = input_bytes, cross_node
         gm = layout_graph.at(b)
         nodes, cuts = list(gm.graph.nodes), layout_graph.cuts
@@ -70,9 +70,9 @@ class Group:
         self.segment_of = np.repeat(np.arange(len(ends)), np.diff([-1, *ends]))
         # per node, as compile sums them per stage: fwd, bwd + recompute, W, tp fwd, tp bwd
         base = _node_parts(layout_graph, b, profile)
-        if checkpoint is not None:        # a recomputed node's forward runs again in backward (its f)
+        if recompute is not None:        # a recomputed node's forward runs again in backward (its f)
             base = base.copy()
-            rule = SegmentCosts([], [], 1, profile, [], checkpoint=checkpoint, layers=layers)
+            rule = SegmentCosts([], [], 1, profile, [], recompute=recompute, layers=layers)
             base[:, 1] += np.where([rule.recomputed(n) for n in nodes], base[:, 0], 0.0)
         self.node_parts = base
         self.send = [p2p_time(c.nbytes, profile, cross_node) for c in cuts] + [0.0]
@@ -89,7 +89,7 @@ class Group:
         if self._seg is None:
             self.graph.at(self.b)
             self._seg = SegmentCosts(self.segments, self.graph.cuts, self.graph.tp, self.profile, [],
-                                     checkpoint=self.checkpoint, layers=self.layers, input_bytes=self.input_bytes,
+                                     recompute=self.recompute, layers=self.layers, input_bytes=self.input_bytes,
                                      cross_node=self.cross_node, node_parts=_node_parts(self.graph, self.b,
                                                                                         self.profile))
         return self._seg
@@ -111,8 +111,8 @@ class Group:
         return self._solver.bounds(n_stages)
 
     def activations(self, first: int, last: int):
-        if self.checkpoint == "block" and (first, last) not in self.seg._activations:
-            self.graph.at(self.b)                    # block checkpointing reads the nodes' shapes at b
+        if self.recompute == "block" and (first, last) not in self.seg._activations:
+            self.graph.at(self.b)                    # recompute="block" reads the nodes' shapes at b
         return self.seg.activations(first, last)
 
     def stages(self, bounds: list[int]) -> tuple[np.ndarray, list[int]]:

@@ -3,7 +3,7 @@
 Terms: see passes/partition.py (segment, stage cost, bottleneck; the objective is lexicographic:
 parameter-less stages, then the bottleneck, then the sum of squared stage costs).
 
-Why a second implementation: the search cuts the same (layout, microbatch size, checkpoint) graph into
+Why a second implementation: the search cuts the same (layout, microbatch size, recompute) graph into
 many stage counts, and the plain DP is O(S K^2) Python steps (a 48-block ViT has ~450 segments: seconds
 per call).  This one runs the same recurrence with numpy over all (first, last) segment pairs of a stage
 at once: the same float operations in the same order (prefix sums from ``itertools.accumulate``, one

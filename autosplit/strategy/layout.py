@@ -16,7 +16,7 @@ Terms:
               annotates it exactly as compile does.  A value that is not affine (a shape that does not
               scale linearly) makes ``at`` fall back to a real propagation at b.
               ``tests/test_search.py`` checks it against a fresh trace at other sizes.
-  segment costs -- ``autosplit.segment_costs.SegmentCosts`` of the rescaled graph, per checkpoint mode.
+  segment costs -- ``autosplit.segment_costs.SegmentCosts`` of the rescaled graph, per recompute mode.
 """
 from __future__ import annotations
 

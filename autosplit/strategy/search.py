@@ -8,11 +8,11 @@ Order of work, cheapest refusals first:
      dividing by tp, rejects the layout, and every multiple of that tp: divisibility refusals are
      inherited by multiples); a grid layout (2D, 2.5D, 3D) is rewritten only when a configuration of
      it is first priced (layout.py ``DeferredLayout``: bounds from the single-device graph until then);
-  2. enumerate meshes, microbatch counts, schedules, checkpointing and dp sharding (space.py), rejecting
+  2. enumerate meshes, microbatch counts, schedules, recomputation and dp sharding (space.py), rejecting
      what the compiler would refuse (batch and rows divisibility, stages beyond the graph's cuts,
      zero-bubble with dp_shard);
   3. for each configuration two sound lower bounds, from each layout's costs at two sizes (affine in b):
-       memory >= (dp state of all parameters + saved activations without checkpointing) / pp: the
+       memory >= (dp state of all parameters + saved activations without recomputation) / pp: the
          fullest rank holds at least the mean of what all ranks hold;
        step time >= m * (compute floor of one microbatch through all stages) / pp: some rank is at
          least that busy (floors.py: the roofline compile prices, or for a grid layout not yet
@@ -42,7 +42,7 @@ from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, desc
 from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.strategy.costing import PRUNED, Group, price
 from autosplit.strategy.layout import DeferredLayout, LayoutGraph, fewest_microbatch_rows, trace_model
-from autosplit.strategy.space import checkpoints, divisors, layouts, microbatch_counts, schedules, shardings
+from autosplit.strategy.space import divisors, layouts, microbatch_counts, recompute_modes, schedules, shardings
 
 _SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
 
@@ -72,9 +72,9 @@ class _Clock(dict):
         return dict(self)
 
 
-def _options(layout, schedule, v, m, checkpoint, shard, budget) -> dict:
+def _options(layout, schedule, v, m, recompute, shard, budget) -> dict:
     o = {"num_microbatches": m, "schedule": schedule, "chunks_per_rank": v, "tp_mode": layout.tp_mode,
-         "sequence_parallel": layout.sequence_parallel, "dp_shard": shard, "checkpoint": checkpoint}
+         "sequence_parallel": layout.sequence_parallel, "dp_shard": shard, "recompute": recompute}
     if layout.tp_mode in ("2d", "2.5d"):
         o["tp_2d_form"] = "allgather"
     if layout.tp_depth is not None:
@@ -190,20 +190,20 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     for layout, graph, pp, dp, m, b, schedule, v in specs:
         with clock("bounds"):
             time_floor, saved, params = graph.floors(b, profile)    # strategy/floors.py
-        for checkpoint in checkpoints():
+        for recompute in recompute_modes():
             for shard, why in shardings(dp, schedule):
-                options = _options(layout, schedule, v, m, checkpoint, shard, budget)
+                options = _options(layout, schedule, v, m, recompute, shard, budget)
                 if why:
                     rejected.append(Rejected((pp, layout.tp, dp), options, why, "schedule"))
                     continue
                 state = (4 / dp + 1 if shard else 4) * params
-                floor = (state + (saved if checkpoint is None else 0)) / pp - pp * v
+                floor = (state + (saved if recompute is None else 0)) / pp - pp * v
                 if budget is not None and floor > budget:
                     rejected.append(Rejected((pp, layout.tp, dp), options,
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
-                bounded.append((m * time_floor / pp, describe((pp, layout.tp, dp), options), (graph, b, checkpoint),
+                bounded.append((m * time_floor / pp, describe((pp, layout.tp, dp), options), (graph, b, recompute),
                                 pp, dp, schedule, v, m, shard, options))
 
     bounded.sort(key=lambda c: (c[0], c[1]))
@@ -213,11 +213,11 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             pruned += len(bounded) - k
             break
         if isinstance(key[0], DeferredLayout):       # a grid layout, built now if the bound does not prune it
-            deferred, b, checkpoint = key
-            base_key = (deferred.base, b, checkpoint, False)
+            deferred, b, recompute = key
+            base_key = (deferred.base, b, recompute, False)
             if base_key not in groups:
                 with clock("group costs"):
-                    groups[base_key] = Group(deferred.base, b, checkpoint, profile, layers, b * sample_bytes, False)
+                    groups[base_key] = Group(deferred.base, b, recompute, profile, layers, b * sample_bytes, False)
             incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
             # a rank's compute is at least 1/tp of the single-device ops' times (an op split n ways
             # takes at least 1/n of its time: GEMM efficiency falls with size, launches stay)
@@ -241,10 +241,10 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if pp == 1:     # one stage sends nothing: a group of this key priced for either crossing serves it
             cross = next((c for c in (False, True) if (*key, c) in groups), cross)
         key = (*key, cross)
-        if key not in groups:                 # priced once per (layout, b, checkpoint, crossing), when first needed
-            graph, b, checkpoint, cross = key
+        if key not in groups:                 # priced once per (layout, b, recompute, crossing), when first needed
+            graph, b, recompute, cross = key
             with clock("group costs"):
-                groups[key] = Group(graph, b, checkpoint, profile, layers, b * sample_bytes, cross)
+                groups[key] = Group(graph, b, recompute, profile, layers, b * sample_bytes, cross)
         group = groups[key]
         mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")

@@ -16,7 +16,7 @@ Terms:
                bubble as 1F1B with m instead of pp microbatches in flight.
   stages    -- pp * chunks_per_rank <= the segments the graph can be cut into, and <= 2 per layer
                (``model_layers.layer_paths``): a stage holds at least half a layer.
-  checkpoint -- None, "stage", "block".   dp_shard -- False, or "stage" / "layer" when dp > 1;
+  recompute -- None, "stage", "block".   dp_shard -- False, or "stage" / "layer" when dp > 1;
                zero-bubble schedules only with False (the compiler refuses FSDP with a split backward).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autosplit.schedule import SPLIT_BACKWARD
-from autosplit.segment_costs import CHECKPOINTS
+from autosplit.segment_costs import RECOMPUTE
 from autosplit.tp.axes import GRID_MODES, batch_ways, grid_layouts, tp_axes
 
 
@@ -89,5 +89,5 @@ def shardings(dp: int, schedule: str) -> list[tuple[object, str | None]]:
     return out
 
 
-def checkpoints() -> tuple:
-    return CHECKPOINTS
+def recompute_modes() -> tuple:
+    return RECOMPUTE

@@ -54,16 +54,16 @@ GRANULARITIES = ("stage", "layer")
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def _structure(raw: fx.GraphModule, model, checkpoint: str | None, granularity: str):
+def _structure(raw: fx.GraphModule, model, recompute: str | None, granularity: str):
     """The module the executor calls for ``raw``, and its layer units ("layer" only): lists of modules
     that FSDP shards together."""
     if granularity == "stage":
-        return checkpointed(raw, model, checkpoint), []
+        return checkpointed(raw, model, recompute), []
     split, names = split_layers(raw, model)
-    if checkpoint == "block":   # as checkpoint_blocks; the Checkpointed wrapper is the unit (torchtitan's order)
+    if recompute == "block":   # as checkpoint_blocks; the Checkpointed wrapper is the unit (torchtitan's order)
         for name in names:
             setattr(split, name, Checkpointed(getattr(split, name)))
-    return (Checkpointed(split) if checkpoint == "stage" else split), _layer_units(split, names)
+    return (Checkpointed(split) if recompute == "stage" else split), _layer_units(split, names)
 
 
 def _layer_units(split: torch.nn.Module, layers: list[str]) -> list[list[torch.nn.Module]]:
@@ -153,10 +153,10 @@ def _fx_classes(modules: list[torch.nn.Module]):
 class StageSharding:
     """Builds and keeps this rank's FSDP-sharded stage modules; ``grads`` steps their gradient sync."""
 
-    def __init__(self, world, model, granularity: str, checkpoint: str | None, autocast: torch.dtype | None):
+    def __init__(self, world, model, granularity: str, recompute: str | None, autocast: torch.dtype | None):
         if granularity not in GRANULARITIES:
             raise AutosplitError(f"dp_shard granularity {granularity!r}: expected one of {GRANULARITIES}")
-        self.world, self.model, self.granularity, self.checkpoint = world, model, granularity, checkpoint
+        self.world, self.model, self.granularity, self.recompute = world, model, granularity, recompute
         # AMP: parameters stay float32 (the sharded master copy); FSDP all-gathers them in the autocast
         # dtype and reduces gradients in float32.  torch.autocast still decides each op's dtype, so the
         # run matches the plan's dtypes (autocast_prop.py).
@@ -184,7 +184,7 @@ class StageSharding:
         for raw in modules:
             raw = copy.deepcopy(raw)                     # "own copy" (module docstring); of a meta stage: free
             meta = [n for n, t in [*raw.named_parameters(), *raw.named_buffers()] if t.is_meta]
-            root, units = _structure(raw, self.model, self.checkpoint, self.granularity)
+            root, units = _structure(raw, self.model, self.recompute, self.granularity)
             before = {n: id(t) for n, t in _named_tensors(root)}
             ignored = {p for n, p in raw.named_parameters() if n in ignored_names}
             # "layer": the layer units reshard after forward (ZeRO-3); the stage root and "stage" units
@@ -207,7 +207,7 @@ class StageSharding:
     def _transplant(self, old: fx.GraphModule, new: fx.GraphModule) -> None:
         """Put ``new``'s graphs (same nodes and parameters, other shapes) into the sharded ``old``."""
         root = self.called[self.raw.index(old)]
-        fresh, _ = _structure(new, self.model, self.checkpoint, self.granularity)
+        fresh, _ = _structure(new, self.model, self.recompute, self.granularity)
         with _fx_classes([old, root]):
             old.graph = copy.deepcopy(new.graph)
             for name, mod in root.named_modules():

@@ -48,6 +48,23 @@ def nccl_timeout_s(timeout_s: float, world_size: int) -> float:
     return timeout_s + watch_s(world_size) + NCCL_MARGIN_S
 
 
+def set_nccl_timeout(group, timeout_s: float, world_size: int) -> None:
+    """Give ``group``'s NCCL watchdog ``nccl_timeout_s``.  Why two ways: ``dist.set_timeout`` is recent
+    (torch 2.11 has none, and pyproject allows torch >= 2.4); before it, the NCCL backend object took
+    the same setting as ``_set_default_timeout``.  Where neither exists the watchdog would keep its
+    creation-time timeout (10 minutes) and might end the process before our diagnosis: refused."""
+    timeout = timedelta(seconds=nccl_timeout_s(timeout_s, world_size))
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+        return
+    backend = group._get_backend(torch.device("cuda"))
+    if not hasattr(backend, "_set_default_timeout"):
+        raise AutosplitError(f"torch {torch.__version__} cannot set NCCL's watchdog timeout on a process group "
+                             f"(neither torch.distributed.set_timeout nor ProcessGroupNCCL._set_default_timeout); "
+                             f"autosplit needs one of them on NCCL: upgrade torch")
+    backend._set_default_timeout(timeout)
+
+
 @dataclass
 class World:
     rank: int
@@ -89,7 +106,7 @@ class World:
             if group is not dist.group.WORLD and all(group is not g for g in self.created):
                 self.created.append(group)
                 if self.backend == "nccl":     # NCCL's watchdog after ours (init_world)
-                    dist.set_timeout(timedelta(seconds=nccl_timeout_s(self.timeout_s, self.size)), group)
+                    set_nccl_timeout(group, self.timeout_s, self.size)
         self.axis_groups.update({axis: grid.get_group(axis) for axis in names})
         self.grid_mesh = grid
 
@@ -206,7 +223,7 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
         # NCCL's watchdog times a work from its launch and, with async error handling on, ends the
         # process: it must act only after our deadline has fired and the diagnosis is published.
         for group in created:
-            dist.set_timeout(timedelta(seconds=nccl_timeout_s(timeout_s, size)), group)
+            set_nccl_timeout(group, timeout_s, size)
     rank = dist.get_rank()
     world = World(rank=rank, size=size, device=device, backend=backend, mesh=shape,
                   coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,

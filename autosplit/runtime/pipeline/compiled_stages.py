@@ -7,7 +7,7 @@ Terms:
   unit      -- what one ``torch.compile`` call covers: a stage GraphModule's ``forward``; under
                activation checkpointing the module inside each ``Checkpointed`` (the recomputation
                re-runs the compiled forward, as torchtitan orders compile inside checkpointing); for a
-               stage split into layer runs (``checkpoint="block"``, FSDP2 layer units) each run.  Why the
+               stage split into layer runs (``recompute="block"``, FSDP2 layer units) each run.  Why the
                ``forward`` and not the module's ``__call__``: the hooks around a call (FSDP2's
                all-gather and reshard, torch's checkpoint) stay outside the graph, eager, where they are
                built to run; the graph holds only the stage's own ops, and so has no break.

@@ -129,4 +129,4 @@ def checkpointed(stage: fx.GraphModule, model: torch.nn.Module, granularity: str
         return Checkpointed(stage)
     if granularity == "block":
         return checkpoint_blocks(stage, model)
-    raise ValueError(f"checkpoint={granularity!r}: expected None, 'stage' or 'block'")
+    raise ValueError(f"recompute={granularity!r}: expected None, 'stage' or 'block'")
