@@ -35,7 +35,7 @@ CHECK_VIT = dict(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=4, 
 CHECKS = [
     ("1f1b m4", dict(schedule="1f1b", num_microbatches=4)),
     ("zb-h1 m4 (split backward)", dict(schedule="zb-h1", num_microbatches=4)),
-    ("1f1b m4, checkpoint=block", dict(schedule="1f1b", num_microbatches=4, recompute="block")),
+    ("1f1b m4, recompute=block", dict(schedule="1f1b", num_microbatches=4, recompute="block")),
     ("1f1b m2, autocast bf16", dict(schedule="1f1b", num_microbatches=2, autocast=torch.bfloat16)),
 ]
 # (timm model, batch, microbatches, autocast)
