@@ -28,7 +28,10 @@ from torchvision import transforms
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import find_classes
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
+# The repository root, for `examples.common`.  Appended, not put first: the root also holds the source
+# `autosplit/`, which must not shadow the installed package (passes/ and cost_model/ become
+# autosplit.passes and autosplit.cost_model only when installed; seen on a GPU with `pip install .`).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples import common  # noqa: E402
 from autosplit.inputs import default_input_shape  # noqa: E402
 

@@ -21,7 +21,10 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torchvision import transforms
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
+# The repository root, for `examples.common`.  Appended, not put first: the root also holds the source
+# `autosplit/`, which must not shadow the installed package (passes/ and cost_model/ become
+# autosplit.passes and autosplit.cost_model only when installed; seen on a GPU with `pip install .`).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples import common  # noqa: E402
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
