@@ -58,6 +58,7 @@ from autosplit.passes.tensor_parallel import TensorParallel
 from autosplit.passes.tp_overlap import OverlapTensorParallel
 from autosplit.passes.trace_model import TraceModel
 from autosplit.plan import Plan
+from autosplit.trace import kept_module_state
 
 _DEFAULTS = PlanOptions()
 _OPTION_NAMES = frozenset(PlanOptions.names())
@@ -134,7 +135,10 @@ def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions, wa
     """``compile`` with its options as one ``PlanOptions`` (what ``parallelize`` and the CLI call);
     ``warn``: give the BatchNorm note as a warning too (``parallelize`` does once per call)."""
     state = plan_state(model, mesh, example_input, options)
-    gm = run_passes(plan_passes(state), model)
+    # the passes run the model's code (trace, and leaves' forwards in every shape propagation): the
+    # model, whose modules the stage modules share, keeps none of what that wrote (trace.ModuleState)
+    with kept_module_state(model):
+        gm = run_passes(plan_passes(state), model)
     plan = Plan(mesh=state.mesh, tp_mode=options.tp_mode, schedule=options.schedule,
                 chunks_per_rank=options.chunks_per_rank, num_microbatches=state.num_microbatches,
                 device=state.profile.name, example_shapes=[tuple(x.shape) for x in state.inputs],

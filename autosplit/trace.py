@@ -12,10 +12,12 @@ Terms:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -82,6 +84,62 @@ def _explain(exc: BaseException, scope: list[tuple[str, nn.Module]]) -> TraceErr
         f"concrete_args={{'name': value}}; or rewrite the branch with torch.where.")
 
 
+class ModuleState:
+    """What every module under a model holds, by identity, to put back after a planning run of its forward.
+
+    Why: planning runs the model's code on proxies (tracing) and on meta tensors (shape propagation,
+    whose leaves run their own forward).  A forward that keeps something on ``self`` (a lazily built
+    index table with the N it was built for) then keeps a proxy or a meta tensor there, and the stage
+    modules, which share these module objects, run with it later ("Tensor on device meta is not on the
+    expected device cpu").  Which attributes a forward writes is decided by what the run did, never by
+    their names: every entry of every module's ``__dict__`` and of its parameter, buffer and submodule
+    tables that was added, replaced or removed is put back as it was.
+    """
+
+    _TABLES = ("_parameters", "_buffers", "_modules")
+
+    def __init__(self, model: nn.Module):
+        self._saved = [(m, dict(vars(m)), {t: dict(vars(m)[t]) for t in self._TABLES if t in vars(m)})
+                       for m in model.modules()]
+
+    def restore(self) -> None:
+        for module, attrs, tables in self._saved:
+            _put_back(vars(module), attrs)
+            for name, entries in tables.items():
+                _put_back(vars(module)[name], entries)
+
+
+def _put_back(now: dict, saved: dict) -> None:
+    """Make ``now`` hold exactly ``saved``'s entries (compared by identity: a tensor has no ``==``)."""
+    for key in [k for k in now if k not in saved]:
+        del now[key]
+    for key, value in saved.items():
+        if key not in now or now[key] is not value:
+            now[key] = value
+
+
+@contextlib.contextmanager
+def kept_module_state(model: nn.Module) -> Iterator[None]:
+    """Run a planning step on ``model`` and leave every one of its modules as it was (``ModuleState``)."""
+    state = ModuleState(model)
+    try:
+        yield
+    finally:
+        state.restore()
+
+
+def keeps_module_state(fn):
+    """``fn(model, ...)`` as a planning step that leaves ``model``'s modules as they were (``kept_module_state``)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        model = args[0] if args else kwargs.get("model")
+        if not isinstance(model, nn.Module):       # fn's own check refuses it
+            return fn(*args, **kwargs)
+        with kept_module_state(model):
+            return fn(*args, **kwargs)
+    return run
+
+
 def _concrete_args(model: nn.Module, n_inputs: int, given: dict | None) -> dict:
     """Fix every forward parameter after the example inputs to its default value (or the user's)."""
     params = list(inspect.signature(model.forward).parameters.values())
@@ -105,11 +163,17 @@ def trace(model: nn.Module, n_inputs: int = 1, *, leaf_modules: Sequence[type] =
     the modes is traced again as a leaf.  The model's own mode flags are restored afterwards.
     """
     flags = {m: m.training for m in model.modules()}
+    state = ModuleState(model)
     leaf_ids: set[int] = set()
     try:
         for _ in range(len(flags) + 1):        # each round makes one more module a leaf
+            # each trace starts from the model as the user gave it: what the train-mode trace left on
+            # a module (a cache its forward filled) would make the eval-mode trace read it as an
+            # attribute and differ, making that module a leaf for no reason of its own
+            state.restore()
             model.train(True)
             train_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids)
+            state.restore()
             model.train(False)
             eval_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids)
             try:
@@ -121,8 +185,7 @@ def trace(model: nn.Module, n_inputs: int = 1, *, leaf_modules: Sequence[type] =
                     raise TraceError(f"module '{path}' differs between train and eval mode even as a leaf") from branch
                 leaf_ids.add(id(module))
     finally:
-        for m, training in flags.items():
-            m.training = training
+        state.restore()         # the training flags too
     follow_mode(train_gm, constants, model.training)
     return train_gm
 
@@ -131,7 +194,11 @@ def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, le
     timm_leaves, timm_functions = _timm_notrace()
     tracer = _Tracer(tuple(leaf_modules) + timm_leaves, timm_functions, leaf_ids)
     concrete = _concrete_args(model, n_inputs, concrete_args)
-    before = set(vars(model))
+    # fx stores each tensor the forward creates as a constant (``_tensor_constant0``) on the root, i.e.
+    # on the user's model; the GraphModule has its own reference.  The caller (``trace``) removes them
+    # with everything else the trace wrote: left there, the next trace (the other mode) would number
+    # its constants from 2 and the modes would differ by name only, making the module holding them a
+    # leaf (beit's and eva02's attention were).
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
@@ -139,14 +206,6 @@ def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, le
         raise
     except Exception as exc:  # fx raises many types (TraceError, TypeError, RuntimeError ...)
         raise _explain(exc, tracer.failed_scope or []) from exc
-    finally:
-        # fx stores each tensor the forward creates as a constant (``_tensor_constant0``) on the root,
-        # i.e. on the user's model; the GraphModule has its own reference.  Left there, the next
-        # trace (the other mode) would number its constants from 2 and the modes would differ by name
-        # only, making the module holding them a leaf (beit's and eva02's attention were).
-        for name in set(vars(model)) - before:
-            if name.startswith("_tensor_constant"):
-                delattr(model, name)
     _drop_concrete_placeholders(gm.graph, n_inputs)
     gm.recompile()
     for node in gm.graph.nodes:

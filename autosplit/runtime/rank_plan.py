@@ -2,8 +2,9 @@
 
 Terms (see runtime/parallel_module.py for replica batch and microbatch):
   provisional  -- a plan built before any microbatch was seen (from the model's declared input size,
-                  batch of 1, or 2 where a BatchNorm would see one value per channel in one row: the
-                  fewest rows its traced graph allows, strategy/layout.py) so that ``parameters()`` can be
+                  the fewest rows both its traced graph and the tp layout allow, ``provisional_rows``:
+                  1; 2 where a BatchNorm would see one value per channel in one row; a grid mode's
+                  q, d * q or q * q) so that ``parameters()`` can be
                   handed to an optimizer; the first step re-plans for its real microbatch keeping
                   the same cut (``stage_bounds``), so the parameters the optimizer holds stay the
                   ones this rank trains.
@@ -19,6 +20,7 @@ profile, moving and wrapping modules, and the dp buckets' process group.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -47,8 +49,27 @@ from autosplit.runtime.stage.params import (adopt_parameters, graph_order_params
 from autosplit.runtime.parallel.tp_collectives import bind_axis_groups, unbind_groups
 from autosplit.runtime.profile import agreed_profile, with_node_size
 from autosplit.strategy.layout import fewest_microbatch_rows, trace_model
+from autosplit.tp.axes import batch_ways, tp_axes
 
 log = logging.getLogger("autosplit")      # the library logs; it never prints
+
+
+def provisional_rows(model: torch.nn.Module, shape: tuple[int, ...], options: PlanOptions, tp: int) -> int:
+    """Rows of a provisional plan's microbatch (one sample of ``shape``, the model's declared input size).
+
+    The fewest rows that both allow: the model's graph (1, or 2 where a batch-statistics layer would
+    see one value per channel in one row; traced here, compile traces it again: a trace is cheap next
+    to planning, and only a provisional plan needs this one) and the tp layout, whose grid modes split
+    every microbatch's rows over some of their axes (tp/axes.py ``batch_ways``: 2D q, 2.5D d * q, 3D
+    q * q; 1 for one axis and for "auto", which picks a layout the rows allow).  Why the layout's
+    share: a provisional plan of 1 row was refused by 2D / 2.5D / 3D ("1 rows, which do not divide by
+    q(2)") before the user sent a microbatch, whatever its size; the first step re-plans for its real
+    rows, which get that error only where they do not divide.
+    """
+    traced = trace_model(model, (torch.empty(1, *shape, device="meta"),),
+                         validate.leaf_modules(model, options.leaf_modules), options.concrete_args)
+    layout = batch_ways(tp_axes(options.tp_mode, tp, options.tp_depth)) if tp > 1 else 1
+    return math.lcm(fewest_microbatch_rows(traced)[0], layout)
 
 
 class RankPlanner:
@@ -91,16 +112,8 @@ class RankPlanner:
         """Plan now if no microbatch was seen yet: a provisional plan from the model's own input size."""
         if self.plan is None:
             shape = default_input_shape(self.model)
-            self.build(torch.empty(self._fewest_rows(shape), *shape, device="meta"), provisional=True)
-
-    def _fewest_rows(self, shape: tuple[int, ...]) -> int:
-        """Rows of a provisional plan: 1, or 2 where a batch-statistics layer would see one value per
-        channel in one row, from the model's graph traced here (compile traces it again; a trace is
-        cheap next to planning, and only a provisional plan needs this one)."""
-        opts = self.options
-        traced = trace_model(self.model, (torch.empty(1, *shape, device="meta"),),
-                             validate.leaf_modules(self.model, opts.leaf_modules), opts.concrete_args)
-        return fewest_microbatch_rows(traced)[0]
+            rows = provisional_rows(self.model, shape, self.options, self.world.mesh.tp)
+            self.build(torch.empty(rows, *shape, device="meta"), provisional=True)
 
     def plan_for(self, mb: tuple, agree: Callable[..., None]) -> None:
         """Make the plan fit microbatch ``mb`` (plan, or re-plan a provisional plan keeping its cut),

@@ -39,7 +39,7 @@ from autosplit.passes.sharding.grid import shard_grid
 from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.strategy.floors import at_size, node_table, time_floor
 from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
-from autosplit.trace import trace
+from autosplit.trace import kept_module_state, trace
 
 
 try:
@@ -210,7 +210,8 @@ def trace_model(model, inputs: tuple[torch.Tensor, ...], leaf_modules=(), concre
     """The model traced once (train and eval mode, as compile does), refused as compile refuses it, its
     shapes propagated at TRACE_ROWS rows (only the inputs' per-sample shapes and dtypes are used)."""
     gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
-    MetaShapeProp(_with_batch(inputs, TRACE_ROWS))(gm)
+    with kept_module_state(model):      # a leaf's forward may keep a meta tensor on itself (trace.ModuleState)
+        MetaShapeProp(_with_batch(inputs, TRACE_ROWS))(gm)
     check_single_output(gm)
     return gm
 

@@ -42,6 +42,7 @@ from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, desc
 from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.strategy.costing import PRUNED, Group, price
 from autosplit.strategy.layout import DeferredLayout, LayoutGraph, fewest_microbatch_rows, trace_model
+from autosplit.trace import keeps_module_state
 from autosplit.strategy.space import divisors, layouts, microbatch_counts, recompute_modes, schedules, shardings
 
 _SLACK = 1e-9        # a bound must exceed the incumbent by more than float noise (sums in another order)
@@ -84,6 +85,7 @@ def _options(layout, schedule, v, m, recompute, shard, budget) -> dict:
     return o
 
 
+@keeps_module_state       # it traces and propagates shapes (leaves' forwards run) many times
 def search(model, world_size: int, example_input, *, global_batch: int, device="h100", memory_budget=None,
            top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None) -> SearchResult:
     """Ranked configurations of ``model`` on ``world_size`` devices, fastest predicted step first.
