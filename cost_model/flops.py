@@ -274,18 +274,20 @@ def _pointwise(name):
     return rule
 
 
-_NORM_AFFINE = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4), "rms_norm": (2, None)}
+# name: (weight's position, bias's, FLOPs per element before the affine, saves per-row statistics)
+_NORM_AFFINE = {"layer_norm": (2, 3, 5, True), "group_norm": (2, 3, 5, False), "batch_norm": (3, 4, 5, False),
+                "rms_norm": (2, None, 4, True)}
 
 
 def _norm(name):
-    w_pos, b_pos = _NORM_AFFINE[name]
+    w_pos, b_pos, base, row_stats = _NORM_AFFINE[name]
 
     def rule(node, module):
         x = _arg(node, 0, "input")
         w = _weight(node, module, w_pos, "weight")
         b = _weight(node, module, b_pos, "bias") if b_pos is not None else None
-        per_elt = (4 if name == "rms_norm" else 5) + (w is not None) + (b is not None)
-        stats = 8 * x.numel() // x.shape[-1] if name in ("layer_norm", "rms_norm") else 0  # fp32 mean, rstd
+        per_elt = base + (w is not None) + (b is not None)
+        stats = 8 * x.numel() // x.shape[-1] if row_stats else 0  # fp32 mean, rstd
         fwd = per_elt * x.numel()
         return _Est(fwd, 2 * fwd, _act_bytes(node, (0, "input")) + stats)
     return rule
@@ -342,10 +344,15 @@ def _getitem(node, module):
 
 
 def _cast(node, module):
-    """to / float / contiguous ...: a copy only when dtype or layout changes."""
+    """to / float / half ...: a copy only when the dtype changes."""
     x, out = _arg(node, 0, "input"), node.meta["val"]
-    same = x.dtype == out.dtype and (x.is_contiguous() or node.target != "contiguous")
-    return None if same else _copy(node, module)
+    return None if x.dtype == out.dtype else _copy(node, module)
+
+
+def _contiguous(node, module):
+    """A copy only when the input's layout (or dtype) changes."""
+    x = _arg(node, 0, "input")
+    return None if x.is_contiguous() else _copy(node, module)
 
 
 # ----------------------------------------------------------------------------- rule tables
@@ -357,7 +364,8 @@ _RULES = {
     "attention_heads": (_attention_heads, False), "softmax": (_softmax, False), "dropout": (_dropout, False),
     "mean": (_reduce, False), "sum": (_reduce, False), "avg_pool": (_reduce, False),
     "reshape": (_reshape, False), "flatten": (_reshape, False), "getitem": (_getitem, False),
-    **{n: (_cast, False) for n in ("to", "type", "float", "half", "bfloat16", "double", "contiguous")},
+    **{n: (_cast, False) for n in ("to", "type", "float", "half", "bfloat16", "double")},
+    "contiguous": (_contiguous, False),
     **{n: (_copy, False) for n in ("cat", "stack", "clone", "repeat", "tile", "roll", "flip", "pad",
                                    "gather", "index_select")},
     **{n: (_norm(n), True) for n in _NORM_AFFINE},

@@ -20,7 +20,6 @@ import operator
 import torch.fx as fx
 
 _ABSENT = object()
-SOFTMAX_LIKE = ("softmax", "log_softmax", "softmin", "Softmax", "LogSoftmax", "Softmin")
 
 
 def arg(node: fx.Node, i: int, name: str, default=None):

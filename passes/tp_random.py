@@ -18,11 +18,9 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.op_registry import arguments, op
 from autosplit.tp.random import TpRandom
 
-_RANDOM_FUNCS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-                 "native_dropout", "bernoulli", "rand_like", "randn_like", "randint_like"}
 
 
 def is_random(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -30,11 +28,11 @@ def is_random(node: fx.Node, gm: fx.GraphModule) -> bool:
         return isinstance(gm.get_submodule(node.target), nn.modules.dropout._DropoutNd)
     if node.op not in ("call_function", "call_method"):
         return False
-    name = inplace_base(node, gm) or op_name(node, gm)    # torch.dropout_ / x.bernoulli_: random as their bases
-    if name == "scaled_dot_product_attention":
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return isinstance(p, fx.Node) or bool(p)
-    return name in _RANDOM_FUNCS
+    where = op(node, gm).random          # torch.dropout_ / x.bernoulli_: random as their bases
+    if not where:
+        return where == ""
+    p = (arguments(node) or node.kwargs).get(where, 0.0)     # SDPA: random when its dropout_p is not 0
+    return isinstance(p, fx.Node) or bool(p)
 
 
 def sharded_random_nodes(gm: fx.GraphModule, axis: str = "tp") -> list[fx.Node]:

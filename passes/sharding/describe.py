@@ -18,16 +18,17 @@ import torch.fx as fx
 
 from autosplit.errors import AutosplitError
 from autosplit.passes.op_names import op_name
+from autosplit.passes.op_registry import functional_linear, op
 from autosplit.passes.sharding.engine import priced
 from autosplit.passes.sharding.strategies import P, R, edge_bytes
 
 
 def _is_layer(sh, v: fx.Node) -> bool:
     rule = sh.nodes[v].rule
-    name = op_name(v, sh.gm)
-    if rule.kind in ("linear", "mha") or name in ("linear", "scaled_dot_product_attention"):
+    kind = op(v, sh.gm).kind
+    if rule.kind in ("linear", "mha") or kind in ("linear", "attention"):
         return True
-    return name in ("matmul", "bmm") and all(a.op != "get_attr" for a, _ in rule.operands)
+    return kind == "gemm" and all(a.op != "get_attr" for a, _ in rule.operands)   # two activations
 
 
 def _dims(sh, v: fx.Node, cls: int) -> str:
@@ -54,7 +55,7 @@ def how(sh, v: fx.Node) -> str:
     """How layer ``v`` runs: 'column', 'row', 'by heads', ..., or 'whole: <why>'."""
     s, rule = sh.chosen[v], sh.nodes[v].rule
     size = lambda: sh.factors.size[sh.factors.members(s.cls)[0]]   # noqa: E731
-    if rule.kind == "linear" or op_name(v, sh.gm) == "linear":
+    if rule.kind == "linear" or functional_linear(v):
         split = dict(s.params).get("weight")
         w = rule.params.get("weight")
         if rule.kind == "op":
@@ -81,7 +82,7 @@ def why_whole(sh, v: fx.Node) -> str:
         return "not profitable (the cost model prices every split above keeping it whole)"
     rule = ns.rule
     dims = rule.params.get("weight") or rule.params.get("heads") or \
-        (rule.operands[1][1] if op_name(v, sh.gm) == "linear" else None)
+        (rule.operands[1][1] if functional_linear(v) else None)
     if not dims:
         return ns.why_whole or "no strategy splits it"
     f, reasons = sh.factors, []
@@ -121,7 +122,7 @@ def layer_lines(sh) -> list[str]:
     for v in sh.gm.graph.nodes:
         if v in sh.nodes and v in sh.chosen and _is_layer(sh, v):
             path = v.meta.get("module_path") or v.name
-            weighted = sh.nodes[v].rule.kind in ("linear", "mha") or op_name(v, sh.gm) == "linear"
+            weighted = sh.nodes[v].rule.kind in ("linear", "mha") or functional_linear(v)
             label = path if weighted else f"{path} [{v.name}]"
             lines.append(f"{label}: {how(sh, v)}")
     return lines

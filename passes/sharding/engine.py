@@ -24,13 +24,13 @@ import torch.fx as fx
 from autosplit.errors import rule_failure
 from autosplit.passes.op_dims import shape_index, whole_shape
 from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.op_registry import functional_linear, op
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import Rules, tensorish
 from autosplit.passes.sharding.solve import Infeasible, solve
 from autosplit.passes.sharding.strategies import P, R, Enumerator, NodeStrategies, Strategy, edge_bytes, operand_bytes
 
-_SIZE_READS = {"size", "numel", "dim", "ndimension"}
-_VIEW_SIZE_ARGS = ("reshape", "view", "expand")
+_SIZE_READS = ("shape", "count", "rank")      # registry kinds: size(), numel(), dim()
 _SAME_ON_SHARDS = ("ndim", "dtype", "device", "is_cuda", "requires_grad")
 
 
@@ -80,16 +80,16 @@ def _reads(n: fx.Node, gm) -> tuple[str | None, dict]:
                     return (f"'{w.name}' ({op_name(w, gm)}) uses its whole shape (read by '{u.name}'): a "
                             f"shard's sizes would be the local ones"), {}
             continue
-        name = op_name(u, gm)
-        if name not in _SIZE_READS and not (name == "getattr" and u.args[1] in _SAME_ON_SHARDS):
-            return f"'{u.name}' ({name}) reads a Python value from it", {}
+        kind = op(u, gm).kind
+        if kind not in _SIZE_READS and not (kind == "attr" and u.args[1] in _SAME_ON_SHARDS):
+            return f"'{u.name}' ({op_name(u, gm)}) reads a Python value from it", {}
     return None, sliced
 
 
 def _view_size(w: fx.Node, shape: fx.Node) -> bool:
     """Is ``shape`` (a whole ``x.shape``) only the size argument of the view ``w`` (``y.reshape(x.shape)``)?
     The lowering spells it out dim by dim, so each size is read and written like any other."""
-    return w.op == "call_method" and w.target in _VIEW_SIZE_ARGS and tuple(w.args[1:]) == (shape,) and not w.kwargs
+    return w.op == "call_method" and op(w).lower == "sizes" and tuple(w.args[1:]) == (shape,) and not w.kwargs
 
 
 def priced_at(gm: fx.GraphModule, inputs: tuple) -> dict:
@@ -332,7 +332,7 @@ def _weight_groups(sh: Sharding, order, index) -> list:
         elif ns.rule.kind == "mha":
             opts = [(index[v], i) for i, s in enumerate(ns.options) if s.out != R]
             numel = sh.gm.get_submodule(v.target).in_proj_weight.numel()
-        elif ns.rule.kind == "op" and op_name(v, sh.gm) == "linear" and len(ns.rule.operands) > 1 and \
+        elif ns.rule.kind == "op" and functional_linear(v) and len(ns.rule.operands) > 1 and \
                 ns.rule.operands[1][0].op == "get_attr":
             # F.linear of a parameter: split where it is used (a weight stored split, then gathered
             # for a whole GEMM, splits nothing)

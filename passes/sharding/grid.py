@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 
 from autosplit.errors import AutosplitError
-from autosplit.passes.op_names import keeps_effect, op_name
+from autosplit.passes.op_names import keeps_effect
+from autosplit.passes.op_registry import functional_linear
 from autosplit.passes.sharding.describe import layer_lines, opaque_notes
 from autosplit.passes.sharding.engine import Sharding, analyse
 from autosplit.passes.sharding.functional import functionalize
@@ -52,7 +53,7 @@ def weight_classes(sh: Sharding, table: dict) -> set[int]:
     """The classes of every ``F.linear`` weight (after functional.py: every Linear's)."""
     f, out = sh.factors, set()
     for v, r in table.items():
-        if r.kind == "op" and op_name(v, sh.gm) == "linear" and len(r.operands) > 1:
+        if r.kind == "op" and functional_linear(v) and len(r.operands) > 1:
             out |= {f.find(leaf) for d in r.operands[1][1] for leaf in f.flat(d)}
     return out
 

@@ -45,20 +45,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autosplit.errors import PlanError, at_node
 from autosplit.passes import op_dims as D
 from autosplit.passes.op_dims import shape_index, whole_shape
-from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.op_names import inplace_base
+from autosplit.passes.op_registry import functional_linear, op
 from autosplit.passes.sharding.factors import index_sets
-from autosplit.passes.sharding.strategies import WEIGHTED, P, R
+from autosplit.passes.sharding.strategies import P, R
 from autosplit.passes.sharding.tp_plan import fetch
 from autosplit.tp import ops as C
 from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
 from autosplit.tp.shards import RankSlices, ShardedParam
 
-_VIEW_SIZE_ARGS = {"reshape", "view", "expand"}
-# ops whose backward makes a new tensor for their input's gradient (a GEMM's, a norm's): a copy_to_axis
-# read only by these owns its gradient (autograd sums several readers' into a new tensor too)
-# (op names or module classes, lower case without underscores)
-FRESH_GRADIENT = {"linear", "linear2d", "conv1d", "conv2d", "conv3d", "matmul", "bmm", "layernorm", "layernorm2d",
-                  "scaleddotproductattention", "multiheadattention", "localmultiheadattention"}
 
 
 def out_of_place(node: fx.Node) -> None:
@@ -150,7 +145,7 @@ class Lowering:
     # -- the pass -------------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.graph.nodes:        # F.linear(input=x, weight=w) -> F.linear(x, w, None)
-            if op_name(node, self.gm) in WEIGHTED and node.op == "call_function":
+            if op(node, self.gm).weighted and node.op == "call_function":
                 names = ("input", "weight", "bias")
                 head = tuple(D.arg(node, i, k) for i, k in enumerate(names))
                 node.args = head + tuple(node.args[3:])
@@ -172,7 +167,7 @@ class Lowering:
                 self.size_reads(axis, node)
         for node in self.graph.nodes:
             if node.target is C.copy_to_axis and node.users and \
-                    all(op_name(u, self.gm).lower().replace("_", "") in FRESH_GRADIENT for u in node.users):
+                    all(op(u, self.gm).fresh_grad for u in node.users):
                 node.args = (*node.args[:2], True)      # its gradient is its own: summed in place
         for node in self.graph.nodes:
             spec = {}
@@ -189,8 +184,8 @@ class Lowering:
         chosen = {axis: self.sh[axis].chosen[node] for axis in self.axes}
         rule = self.first.nodes[node].rule
         grid2d = self.grid is not None and self._linear_2d(node) and rule.operands[1][0] in self.stored
-        weighted = op_name(node, self.gm) in WEIGHTED
-        held = {a for a, c in chosen.items() if c.pending_bias} if weighted and len(rule.operands) > 2 else set()
+        entry = op(node, self.gm)
+        held = {a for a, c in chosen.items() if c.pending_bias} if entry.weighted and len(rule.operands) > 2 else set()
         for k, (p, _lay) in enumerate(rule.operands):
             if p not in self.first.nodes:
                 continue
@@ -218,33 +213,32 @@ class Lowering:
             self.mha(node, s)
         elif rule.kind == "param" and (any(isinstance(c.out, tuple) for c in chosen.values()) or node in self.stored):
             self.param(node, chosen)
-        if any(c.pending_bias for c in chosen.values()) and op_name(node, self.gm) in WEIGHTED:
+        if any(c.pending_bias for c in chosen.values()) and entry.weighted:
             node.args = node.args[:2] + (None,) + node.args[3:]       # F.linear(x, w, b): b after the sum
         if inplace_base(node, self.gm) is not None and node.args and node.args[0] is not rule.operands[0][0]:
             out_of_place(node)   # its operand was redistributed: the write would land on a copy no one reads
-        name = op_name(node, self.gm)
-        if name in _VIEW_SIZE_ARGS:
+        if entry.lower == "sizes":
             self.spell_sizes(node)
         for axis, c in chosen.items():
             d = self.split_dim(axis, node) if isinstance(c.out, tuple) else None
-            if d is not None and name in _VIEW_SIZE_ARGS:
+            if d is not None and entry.lower == "sizes":
                 self.local_view(axis, node, d)
-            elif d is not None and name == "unflatten":
+            elif d is not None and entry.lower == "unflatten":
                 self.local_unflatten(axis, node, d)
-            if isinstance(c.out, tuple) and name == "split" and isinstance(D.arg(node, 1, "split_size"), int):
+            if isinstance(c.out, tuple) and entry.lower == "split" and isinstance(D.arg(node, 1, "split_size"), int):
                 src_d = self.sh[axis].where(node.args[0]) if node.args[0] in self.sh[axis].nodes else None
                 if src_d is not None and src_d[0] == D.dim(node, 2, "dim", node.args[0].meta["val"].dim()):
                     node.args = (node.args[0], D.arg(node, 1, "split_size") // self.n(axis), *node.args[2:])
         if grid2d:
             self.as_linear_2d(node)
-        elif self.stats and name == "layer_norm":
+        elif self.stats and entry.lower == "stats":
             self.as_layer_norm_2d(node, chosen)
 
     def _whole_params(self, axis, node, s) -> list[str]:
         """Whole parameters a split strategy reads: their gradient is partial over the axis."""
         sh = self.sh[axis]
         ops = sh.nodes[node].rule.operands
-        after = s.pending_bias and len(ops) > 2 and op_name(node, self.gm) in WEIGHTED   # its bias: after the sum
+        after = s.pending_bias and len(ops) > 2 and op(node, self.gm).weighted   # its bias: after the sum
         names = [a.target for k, (a, _) in enumerate(ops)
                  if a.op == "get_attr" and s.ins[k] == R and a in sh.chosen and sh.chosen[a].out == R
                  and isinstance(fetch(self.gm, a.target), nn.Parameter) and not (after and k == 2)
@@ -414,7 +408,7 @@ class Lowering:
                 col_dim = self.split_dim(axis, node)
                 local[col_dim] //= self.n(axis)
         users = list(node.users)
-        if len(users) == 1 and self.grid is not None and op_name(users[0], self.gm) == "linear" and \
+        if len(users) == 1 and self.grid is not None and functional_linear(users[0]) and \
                 users[0].args[1:2] == (node,) and self._linear_2d(users[0]):
             return 1 if local[1] % n == 0 else None                 # linear_2d's weight block
         order = ([col_dim] if col_dim is not None else []) + [d for d in range(len(local)) if d != col_dim]
@@ -505,7 +499,7 @@ class Lowering:
     def _linear_2d(self, node: fx.Node) -> bool:
         """A column-split ``F.linear`` of a parameter whose input is split on its features over tp_col."""
         row, col, _ = self.grid
-        if op_name(node, self.gm) != "linear" or node not in self.sh[col].chosen:
+        if not functional_linear(node) or node not in self.sh[col].chosen:
             return False
         s, sh = self.sh[col].chosen[node], self.sh[col]
         rule = sh.nodes[node].rule
@@ -614,18 +608,18 @@ class Lowering:
         ndim, full = node.meta["val"].dim(), node.meta["val"].shape[d]
         n = self.n(axis)
         padded = full % n != 0
-        if padded and any(op_name(u, self.gm) == "numel" for u in node.users):
+        if padded and any(op(u, self.gm).kind == "count" for u in node.users):
             raise PlanError(f"'{node.name}' is split with padding over '{axis}' and its numel() is read: "
                             f"a padded shard cannot give the model's count")
         for u in list(node.users):
-            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            kind = op(u, self.gm).kind
             if whole_shape(u):
                 for w in list(u.users):
                     if shape_index(w, ndim) == d:
                         self._globalize(w, n, full if padded else None)
                 continue
-            at = D.arg(u, 1, "dim") if name == "size" else None
-            if name == "numel" or (at is not None and D.norm(at, ndim) == d):
+            at = D.arg(u, 1, "dim") if kind == "shape" else None
+            if kind == "count" or (at is not None and D.norm(at, ndim) == d):
                 self._globalize(u, n, full if padded else None)
 
     def _globalize(self, node: fx.Node, n: int, full: int | None) -> None:

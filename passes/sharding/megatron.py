@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autosplit.passes.op_names import keeps_effect
+from autosplit.passes.op_registry import functional_linear
 from autosplit.passes.sharding.describe import layer_lines, opaque_notes
 from autosplit.passes.sharding.engine import Sharding, analyse
 from autosplit.passes.sharding.lower import Lowering
@@ -44,7 +45,7 @@ def _weights(sh: Sharding, table: dict) -> set[int]:
         dims = []
         if rule.kind in ("linear", "mha"):
             dims = rule.params.get("weight") or rule.params.get("heads") or []
-        elif rule.kind == "op" and getattr(node.target, "__name__", "") == "linear" and len(rule.operands) > 1:
+        elif rule.kind == "op" and functional_linear(node) and len(rule.operands) > 1:
             dims = rule.operands[1][1]
         out |= {f.find(leaf) for d in dims for leaf in f.flat(d)}
     return out
@@ -55,7 +56,7 @@ def token_classes(sh: Sharding, table: dict) -> set[int]:
     (B, N, C) activation (sequence parallelism splits these between blocks)."""
     f, out = sh.factors, set()
     for node, rule in table.items():
-        if rule.kind in ("linear", "mha") or (rule.kind == "op" and getattr(node.target, "__name__", "") == "linear"):
+        if rule.kind in ("linear", "mha") or (rule.kind == "op" and functional_linear(node)):
             x = rule.operands[0][1]
             out |= {f.find(leaf) for d in x[1:-1] for leaf in f.flat(d)}
     return out

@@ -1,4 +1,6 @@
-"""The one op table of the sharding engine: for each op, how its output's dims come from its operands'.
+"""The sharding engine's rules: for each op, how its output's dims come from its operands'.  Which
+rule an op takes is the registry's (passes/op_registry.py, ``shard``: the method ``"_" + shard`` here);
+the module classes with parameters (Linear, MultiheadAttention, convolutions, norms) are taken first.
 
 Terms (factors, classes, layouts: passes/sharding/factors.py):
   OpRule    -- what one node does to dims: its output layout (a tuple of layouts for chunk/unbind/
@@ -32,23 +34,8 @@ from torch import nn
 
 from autosplit.passes import op_dims as D
 from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.op_registry import OPAQUE, OPS
 from autosplit.passes.sharding.factors import Factors
-
-UNARY_LINEAR = {"neg", "contiguous", "to", "float", "half", "bfloat16", "type_as", "clone", "detach", "identity",
-                "Identity", "positive"}
-UNARY = UNARY_LINEAR | {"gelu", "silu", "relu", "tanh", "sigmoid", "dropout", "exp", "sqrt", "rsqrt", "erf", "abs",
-                        "softplus", "mish", "hardswish", "hardsigmoid", "leaky_relu", "elu", "log", "square",
-                        "reciprocal", "cos", "sin", "sign", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid", "Dropout",
-                        "Softplus", "Mish", "Hardswish", "Hardsigmoid", "LeakyReLU", "ELU", "QuickGELU",
-                        "DropPath", "GELUTanh"}
-BINARY = {"add": "all", "sub": "all", "mul": "one", "truediv": "first", "div": "first", "pow": "", "maximum": "",
-          "minimum": "", "floordiv": "", "where": ""}
-VIEWS = ("reshape", "view", "flatten", "unflatten")
-REDUCE_PARTIAL = {"sum"}
-REDUCE_WHOLE = {"mean", "amax", "amin", "prod", "max", "min", "var", "std", "logsumexp", "norm", "any", "all",
-                "argmax", "argmin"}
-SCANS = {"cumsum", "cumprod", "logcumsumexp"}
-
 
 @dataclass
 class OpRule:
@@ -119,87 +106,90 @@ class Rules:
             return self.opaque(n, f"in-place '{name}' without its written tensor first")
         return r
 
-    # -- the table ------------------------------------------------------------------------------
+    # -- the table: the registry names each op's method (passes/op_registry.py, ``shard``) ---------------
     def _rule(self, n: fx.Node, name: str, module) -> OpRule:
         x = self.lay(n.args[0]) if n.args else None
         nd = len(x) if isinstance(x, list) else 0
-        val = n.meta["val"]
         if type(module) is nn.Linear:          # a subclass may have its own forward: opaque
             return self._linear(n, x, module.out_features, module.bias is not None, kind="linear")
-        if name == "linear":
-            w, b = D.arg(n, 1, "weight"), D.arg(n, 2, "bias")
-            r = self._linear(n, x, val.shape[-1], b is not None, w=self.lay(w), kind="op")
-            r.rowwise = True
-            r.operands.append((w, self.lay(w)))
-            if b is not None:
-                self._align(self.lay(b)[0], r.out[-1])
-                r.operands.append((b, self.lay(b)))
-            return r
         if isinstance(module, nn.MultiheadAttention):
             return self._mha(n, x, module)
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or name in ("conv1d", "conv2d", "conv3d"):
-            return self._conv(n, x, module)
-        if (module is None and name in ("layer_norm", "rms_norm")) or \
-                (module is not None and isinstance(module, (nn.LayerNorm, nn.RMSNorm))):
-            return self._norm(n, x, nd, name, module)
-        if name in UNARY or (module is None and name in ("dropout", "identity")):
-            return OpRule(x, [(n.args[0], x)], linear="first" if name in UNARY_LINEAR else "", rowwise=True)
-        if name in BINARY:
-            return self._binary(n, name, val)
-        if name in VIEWS:
-            out = self.f.reshape(x, list(val.shape))
-            if out is None:
-                raise _NoRule(f"{name} to {tuple(val.shape)} regroups dims no factor survives")
-            return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
-        if name == "expand":
-            shape, src = list(val.shape), n.args[0].meta["val"].shape
-            k = len(shape) - len(src)
-            out = [[self.f.new(s)] for s in shape[:k]] + \
-                  [x[i] if src[i] == shape[k + i] else [self.f.new(shape[k + i])] for i in range(len(src))]
-            return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
-        if name == "permute":
-            return OpRule([x[d] for d in D.permute_order(n, nd)], [(n.args[0], x)], linear="first")
-        if name in ("transpose", "swapaxes", "swapdims", "t"):
-            a, b = D.transpose_dims(n, nd) if name != "t" else (0, nd - 1)
-            out = list(x)
-            out[a], out[b] = out[b], out[a]
-            return OpRule(out, [(n.args[0], x)], linear="first")
-        if name == "unsqueeze":
-            d = D.unsqueeze_dim(n, nd)
-            return OpRule(x[:d] + [[self.f.new(1)]] + x[d:], [(n.args[0], x)], linear="first")
-        if name == "squeeze":
-            gone = D.squeeze_dims(n, n.args[0].meta["val"].shape)
-            return OpRule([x[d] for d in range(nd) if d not in gone], [(n.args[0], x)], linear="first")
-        if name == "unbind":
-            d = D.dim(n, 1, "dim", nd)
-            return OpRule(tuple(x[:d] + x[d + 1:] for _ in val), [(n.args[0], x)], linear="first")
-        if name in ("chunk", "split", "tensor_split"):
-            return self._chunk(n, x, nd, name)
-        if name == "getitem":
-            return self._getitem(n, x, nd)
-        if name in ("cat", "concat", "stack"):
-            return self._cat(n, name, val)
-        if name in SCANS:                            # a running sum / product along one dim
-            return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.dim(n, 1, "dim", nd)]]),
-                          linear="first" if name == "cumsum" else "")
-        if name in D.SOFTMAX_LIKE:
-            return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
-        if name in REDUCE_PARTIAL | REDUCE_WHOLE:
-            dims = D.reduced_dims(n, nd)
-            out = [[self.f.new(1)] if d in dims else x[d] for d in range(nd)] if D.keepdim(n) else \
-                [x[d] for d in range(nd) if d not in dims]
-            leaves = self._leaves([x[d] for d in dims])
-            if name in REDUCE_PARTIAL:
-                return OpRule(out, [(n.args[0], x)], contract=leaves, linear="first")
-            return OpRule(out, [(n.args[0], x)], forbid=leaves)
-        if name in ("matmul", "bmm", "mm"):
-            return self._matmul(n)
-        if name == "scaled_dot_product_attention":
-            return self._sdpa(n)
-        if name == "embedding":
-            w = self.lay(D.arg(n, 1, "weight"))
-            return OpRule(x + [w[1]], [(n.args[0], x), (n.args[1], w)], forbid=self._leaves([w[0]]))
-        raise _NoRule(f"'{name}' has no sharding rule")
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return self._conv(n, x, nd, OPAQUE, module)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return self._norm(n, x, nd, OPAQUE, module)
+        entry = OPS.get(name, OPAQUE)
+        if not entry.shard:
+            raise _NoRule(f"'{name}' has no sharding rule")
+        return getattr(self, "_" + entry.shard)(n, x, nd, entry, module)
+
+    def _linear_fn(self, n, x, nd, entry, module) -> OpRule:
+        w, b = D.arg(n, 1, "weight"), D.arg(n, 2, "bias")
+        r = self._linear(n, x, n.meta["val"].shape[-1], b is not None, w=self.lay(w), kind="op")
+        r.rowwise = True
+        r.operands.append((w, self.lay(w)))
+        if b is not None:
+            self._align(self.lay(b)[0], r.out[-1])
+            r.operands.append((b, self.lay(b)))
+        return r
+
+    def _unary(self, n, x, nd, entry, module) -> OpRule:
+        return OpRule(x, [(n.args[0], x)], linear=entry.linear_in, rowwise=True)
+
+    def _view(self, n, x, nd, entry, module) -> OpRule:
+        val = n.meta["val"]
+        out = self.f.reshape(x, list(val.shape))
+        if out is None:
+            raise _NoRule(f"{op_name(n, self.gm)} to {tuple(val.shape)} regroups dims no factor survives")
+        return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
+
+    def _expand(self, n, x, nd, entry, module) -> OpRule:
+        shape, src = list(n.meta["val"].shape), n.args[0].meta["val"].shape
+        k = len(shape) - len(src)
+        out = [[self.f.new(s)] for s in shape[:k]] + \
+              [x[i] if src[i] == shape[k + i] else [self.f.new(shape[k + i])] for i in range(len(src))]
+        return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
+
+    def _permute(self, n, x, nd, entry, module) -> OpRule:
+        return OpRule([x[d] for d in D.permute_order(n, nd)], [(n.args[0], x)], linear="first")
+
+    def _transpose(self, n, x, nd, entry, module) -> OpRule:
+        # x.t() takes no dims: it swaps the first and the last
+        a, b = D.transpose_dims(n, nd) if len(n.args) > 1 or n.kwargs else (0, nd - 1)
+        out = list(x)
+        out[a], out[b] = out[b], out[a]
+        return OpRule(out, [(n.args[0], x)], linear="first")
+
+    def _unsqueeze(self, n, x, nd, entry, module) -> OpRule:
+        d = D.unsqueeze_dim(n, nd)
+        return OpRule(x[:d] + [[self.f.new(1)]] + x[d:], [(n.args[0], x)], linear="first")
+
+    def _squeeze(self, n, x, nd, entry, module) -> OpRule:
+        gone = D.squeeze_dims(n, n.args[0].meta["val"].shape)
+        return OpRule([x[d] for d in range(nd) if d not in gone], [(n.args[0], x)], linear="first")
+
+    def _unbind(self, n, x, nd, entry, module) -> OpRule:
+        d = D.dim(n, 1, "dim", nd)
+        return OpRule(tuple(x[:d] + x[d + 1:] for _ in n.meta["val"]), [(n.args[0], x)], linear="first")
+
+    def _scan(self, n, x, nd, entry, module) -> OpRule:     # a running sum / product along one dim
+        return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.dim(n, 1, "dim", nd)]]), linear=entry.linear_in)
+
+    def _softmax(self, n, x, nd, entry, module) -> OpRule:
+        return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
+
+    def _reduce(self, n, x, nd, entry, module) -> OpRule:
+        dims = D.reduced_dims(n, nd)
+        out = [[self.f.new(1)] if d in dims else x[d] for d in range(nd)] if D.keepdim(n) else \
+            [x[d] for d in range(nd) if d not in dims]
+        leaves = self._leaves([x[d] for d in dims])
+        if entry.reduce == "partial":
+            return OpRule(out, [(n.args[0], x)], contract=leaves, linear="first")
+        return OpRule(out, [(n.args[0], x)], forbid=leaves)
+
+    def _embedding(self, n, x, nd, entry, module) -> OpRule:
+        w = self.lay(D.arg(n, 1, "weight"))
+        return OpRule(x + [w[1]], [(n.args[0], x), (n.args[1], w)], forbid=self._leaves([w[0]]))
 
     def _leaves(self, dims) -> set[int]:
         return {leaf for d in dims for leaf in self.f.flat(d)}
@@ -219,7 +209,7 @@ class Rules:
         return OpRule(out, [(n.args[0], x)], contract=self._leaves([x[-1]]), linear="one" if not bias else "",
                       kind=kind, params=params if kind == "linear" else {}, rowwise=True)
 
-    def _conv(self, n, x, module) -> OpRule:
+    def _conv(self, n, x, nd, entry, module) -> OpRule:
         """(B, Cin, *spatial) -> (B, Cout, *spatial'): the batch passes, Cin is summed over (one group),
         the output channels are the weight's; spatial dims are new (a window mixes them)."""
         groups = module.groups if module is not None else D.arg(n, 6, "groups", 1)
@@ -260,7 +250,7 @@ class Rules:
         return OpRule((out, weights) if weights is not None else (out,), [(q, x)], contract={heads},
                       forbid=self._leaves([x[-1]]), kind="mha", params={"heads": [[heads]]})
 
-    def _norm(self, n, x, nd, name, module) -> OpRule:
+    def _norm(self, n, x, nd, entry, module) -> OpRule:
         shape = module.normalized_shape if module is not None and hasattr(module, "normalized_shape") else \
             D.arg(n, 1, "normalized_shape")
         k = 1 if isinstance(shape, int) else len(shape)
@@ -275,7 +265,7 @@ class Rules:
             for key in ("weight", "bias"):
                 if getattr(module, key, None) is not None:
                     params[key] = x[nd - k:]
-        stats = self._leaves(x[nd - 1:]) if name == "layer_norm" and k == 1 else set()
+        stats = self._leaves(x[nd - 1:]) if entry.lower == "stats" and k == 1 else set()
         return OpRule(x, ops, forbid=self._leaves(x[nd - k:]), params=params, rowwise=True, stats=stats)
 
     def _align_trailing(self, a, out) -> None:
@@ -283,12 +273,21 @@ class Rules:
             if self.f.flat(a[-j]):
                 self._align(a[-j], out[-j])
 
-    def _binary(self, n, name, val) -> OpRule:
-        if name == "where":
-            tensors = [a for a in n.args[:3] if is_tensor(a)]
-        else:
-            tensors = [a for a in (D.arg(n, 0, "input"), D.arg(n, 1, "other")) if is_tensor(a)]
-        shape = list(val.shape)
+    def _where(self, n, x, nd, entry, module) -> OpRule:
+        return self._broadcast(n, [a for a in n.args[:3] if is_tensor(a)], "")
+
+    def _binary(self, n, x, nd, entry, module) -> OpRule:
+        a, b = D.arg(n, 0, "input"), D.arg(n, 1, "other")
+        linear = entry.linear_in
+        if linear == "first" and is_tensor(b) and not is_tensor(a):
+            linear = ""                        # 1 / P: not linear in its Partial operand
+        if linear == "all" and any(not is_tensor(v) and v != 0 for v in (a, b)):
+            linear = ""                        # P + 1: every rank would add the 1
+        return self._broadcast(n, [v for v in (a, b) if is_tensor(v)], linear)
+
+    def _broadcast(self, n, tensors, linear) -> OpRule:
+        """Operands broadcast against each other: dims of size 1 take none of the output's."""
+        shape = list(n.meta["val"].shape)
         out: list = [None] * len(shape)
         for a in tensors:
             la, sa = self.lay(a), a.meta["val"].shape
@@ -300,14 +299,10 @@ class Rules:
                 else:
                     self._align(la[-j], out[-j])
         out = [d if d is not None else [self.f.new(s)] for d, s in zip(out, shape)]
-        linear = BINARY[name]
-        if name == "truediv" and is_tensor(D.arg(n, 1, "other")) and not is_tensor(n.args[0]):
-            linear = ""
-        if linear == "all" and any(not is_tensor(a) and a != 0 for a in (D.arg(n, 0, "input"), D.arg(n, 1, "other"))):
-            linear = ""                        # P + 1: every rank would add the 1
         return OpRule(out, [(a, self.lay(a)) for a in tensors], linear=linear, rowwise=True)
 
-    def _chunk(self, n, x, nd, name) -> OpRule:
+    def _chunk(self, n, x, nd, entry, module) -> OpRule:
+        name = op_name(n, self.gm)
         val = n.meta["val"]
         d = D.dim(n, 2, "dim", nd)
         if len({t.shape[d] for t in val}) != 1 or not isinstance(D.arg(n, 1, "chunks"), int):
@@ -317,7 +312,7 @@ class Rules:
             raise _NoRule(f"{name} into {len(val)} does not split the dim's outermost factor")
         return OpRule(tuple(x[:d] + [rest] + x[d + 1:] for _ in val), [(n.args[0], x)], linear="first")
 
-    def _getitem(self, n, x, nd) -> OpRule:
+    def _getitem(self, n, x, nd, entry, module) -> OpRule:
         src, idx = n.args[0], n.args[1]
         if isinstance(self.layouts.get(src), tuple):          # an element of chunk / unbind / MHA
             return OpRule(self.layouts[src][idx], [(src, self.layouts[src][idx])], linear="first")
@@ -349,19 +344,25 @@ class Rules:
         out += x[d:]
         return OpRule(out, [(src, x)], forbid=self._leaves(forbid), linear="first")
 
-    def _cat(self, n, name, val) -> OpRule:
+    def _parts(self, n) -> tuple[list, list]:
         tensors = [a for a in (D.arg(n, 0, "tensors") or []) if is_tensor(a)]
         if not tensors:
-            raise _NoRule(f"{name} of no tensors")
-        lays = [self.lay(a) for a in tensors]
+            raise _NoRule(f"{op_name(n, self.gm)} of no tensors")
+        return tensors, [self.lay(a) for a in tensors]
+
+    def _stack(self, n, x, nd, entry, module) -> OpRule:
+        tensors, lays = self._parts(n)
+        d = D.dim(n, 1, "dim", len(lays[0]) + 1)
+        for la in lays[1:]:
+            for a, b in zip(la, lays[0]):
+                self._align(a, b)
+        out = lays[0][:d] + [[self.f.new(len(tensors))]] + lays[0][d:]
+        return OpRule(out, [(a, la) for a, la in zip(tensors, lays)], linear="all")
+
+    def _cat(self, n, x, nd, entry, module) -> OpRule:
+        tensors, lays = self._parts(n)
         nd = len(lays[0])
-        d = D.dim(n, 1, "dim", nd + (name == "stack"))
-        if name == "stack":
-            for la in lays[1:]:
-                for a, b in zip(la, lays[0]):
-                    self._align(a, b)
-            out = lays[0][:d] + [[self.f.new(len(tensors))]] + lays[0][d:]
-            return OpRule(out, [(a, la) for a, la in zip(tensors, lays)], linear="all")
+        d = D.dim(n, 1, "dim", nd)
         for la in lays[1:]:
             for k in range(nd):
                 if k != d:
@@ -373,12 +374,12 @@ class Rules:
                 self._align(la[d], lays[0][d])
             cat_dim = [self.f.new(len(tensors))] + lays[0][d]
         else:
-            cat_dim = [self.f.new(val.shape[d])]
+            cat_dim = [self.f.new(n.meta["val"].shape[d])]
             forbid = self._leaves([la[d] for la in lays])
         out = lays[0][:d] + [cat_dim] + lays[0][d + 1:]
         return OpRule(out, [(a, la) for a, la in zip(tensors, lays)], forbid=forbid, linear="all")
 
-    def _matmul(self, n) -> OpRule:
+    def _matmul(self, n, x, nd, entry, module) -> OpRule:
         a, b = n.args[:2]
         la, lb = self.lay(a), self.lay(b)
         if la is None or lb is None or len(la) < 2 or len(lb) < 2:
@@ -390,7 +391,7 @@ class Rules:
         batch = la[:-2] if len(la) >= len(lb) else lb[:-2]
         return OpRule(batch + [la[-2], lb[-1]], [(a, la), (b, lb)], contract=self._leaves([la[-1]]), linear="one")
 
-    def _sdpa(self, n) -> OpRule:
+    def _sdpa(self, n, x, nd, entry, module) -> OpRule:
         q, k, v = n.args[:3]
         lq, lk, lv = self.lay(q), self.lay(k), self.lay(v)
         if lq is None or lk is None or lv is None:

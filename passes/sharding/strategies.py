@@ -26,14 +26,14 @@ import torch.fx as fx
 from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.roofline import op_time, output_dtype
-from autosplit.passes.op_names import inplace_base, op_name
+from autosplit.passes.op_names import inplace_base
+from autosplit.passes.op_registry import op
 from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import OpRule
 from autosplit.passes.sharding.tp_plan import fetch
 
 R, P = "R", "P"
-WEIGHTED = ("linear", "conv1d", "conv2d", "conv3d")
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,7 @@ class Enumerator:
             cands |= set(self.classes(lay) if not isinstance(lay, tuple) else {})
         cands |= {c for c in contract if self.f.size[next(x for x in r.contract if self.f.find(x) == c)] % self.n == 0}
         inplace = inplace_base(n, self.gm) is not None
+        weighted = op(n, self.gm).weighted      # F.linear / F.conv: (input, weight, bias)
         for c in sorted(cands):
             if c in forbid or not self._ok(c):
                 continue
@@ -137,7 +138,7 @@ class Enumerator:
                 continue
             if self.uneven(c) and (out == P or not r.rowwise):
                 continue                       # padding rows must never be summed nor reshaped in
-            if not self.partial_linears and out == P and op_name(n, self.gm) in WEIGHTED:
+            if not self.partial_linears and out == P and weighted:
                 continue
             if c in {self.f.find(x) for x in r.stats} and not self._leads(r.out, c):
                 continue                       # layer_norm_2d splits its features in contiguous blocks
@@ -148,10 +149,10 @@ class Enumerator:
             if out != P and all(i == R for i in ins) and r.kind != "view" and \
                     all(d is None for _, d in params):
                 continue                       # computed whole from whole operands: not a shard
-            bias_operand = r.kind == "op" and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
+            bias_operand = weighted and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
             pending = out == P and (r.kind == "mha" or "bias" in r.params or bias_operand)
             ns.options.append(Strategy(c, out, ins, params, pending))
-        if r.linear and not isinstance(r.out, tuple) and not (not self.partial_linears and op_name(n, self.gm) in WEIGHTED):
+        if r.linear and not isinstance(r.out, tuple) and not (not self.partial_linears and weighted):
             for i in ({"all": [None], "one": range(len(ops)), "first": [0]}[r.linear]):
                 ins = tuple(P if (i is None or j == i) else R for j in range(len(ops)))
                 if r.kind == "linear" and "bias" in r.params:
@@ -163,7 +164,7 @@ class Enumerator:
         dup = [ks for ks in dup if len(ks) > 1]
         if dup:                                # y * y: one operand, one place (the lowering feeds it once)
             ns.options = [s for s in ns.options if all(len({s.ins[k] for k in ks}) == 1 for ks in dup)]
-        if op_name(n, self.gm).startswith("conv"):
+        if op(n, self.gm).kind == "conv":
             ns.options = [s for s in ns.options if s.out != P]   # a channel bias would broadcast wrongly
         if ops and isinstance(ops[0][0].meta.get("val"), (tuple, list)) and self.rules[ops[0][0]].kind == "mha":
             # the attention's output, a Partial sum still without out_proj's bias (added once reduced)
