@@ -7,6 +7,7 @@
   checkpoint_chunks.py     one rank's tensors as DCP entries under the original names
   checkpoint_optimizer.py  the optimizer in a checkpoint, in torch's own layout
   checkpoint_state.py      the rest: loss scale, random states, extras
+  safe_load.py             reading a checkpoint's pickles against an allow-list: no code in it runs
   loss_scaler.py           dynamic fp16 loss scaling, decided alike on every rank
 
 May import: of the runtime, faults, stage and parallel.

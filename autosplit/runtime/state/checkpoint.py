@@ -38,7 +38,7 @@ from autosplit.errors import AutosplitError
 from autosplit.runtime.faults.agreement import plan_fingerprint
 from autosplit.runtime.faults.exchange import gather_rows, nonce
 from autosplit.runtime.state import checkpoint_optimizer as optim_layout
-from autosplit.runtime.state import checkpoint_state
+from autosplit.runtime.state import checkpoint_state, safe_load
 from autosplit.runtime.state.checkpoint_chunks import model_entries
 from autosplit.runtime.state.checkpoint_files import commit, latest_checkpoint, read_record, resolve, version_name
 
@@ -142,7 +142,7 @@ def load_checkpoint(pm, directory, optimizer=None, extra=None, missing_ok: bool 
                 path = None
             else:
                 path = resolve(directory)
-                reader = dcp.FileSystemReader(path)
+                reader = safe_load.SafeReader(path)      # no pickle in it runs code: see safe_load.py
                 metadata = reader.read_metadata()
                 record = read_record(path)
                 problem = _load_problem(pm, metadata, record, optimizer, extra)
@@ -155,7 +155,7 @@ def load_checkpoint(pm, directory, optimizer=None, extra=None, missing_ok: bool 
     state = model_entries(pm)
     targets = (optim_layout.load_targets(pm, optimizer, names, metadata, state) if optimizer is not None else {})
     todo = checkpoint_state.load_targets(pm, metadata, record, extra, state)
-    dcp.load(state, storage_reader=reader, process_group=_dcp_group(pm))
+    safe_load.load(state, reader, process_group=_dcp_group(pm))
     if optimizer is not None:
         optim_layout.load_into(optimizer, names, state.get(optim_layout.KEY, {}), targets)
     checkpoint_state.apply_loaded(state, todo)

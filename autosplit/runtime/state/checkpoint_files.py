@@ -30,10 +30,11 @@ import shutil
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autosplit.errors import AutosplitError
+from autosplit.runtime.state.safe_load import SafeReader
+from autosplit.runtime.state.safe_load import load as safe_load
 
 LATEST = "LATEST"
 RECORD = "autosplit.json"
@@ -179,12 +180,12 @@ def export_state_dict(directory, out) -> dict[str, torch.Tensor]:
     to ``out`` with ``torch.save``; ``model.load_state_dict`` of the unchanged model accepts it.
     Reads the model keys only (not the optimizer state); needs no process group."""
     path = resolve(directory)
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)       # no pickle in it runs code: see safe_load.py
     metadata = reader.read_metadata()
     paths = entry_paths(metadata)
     state = {k: torch.empty(md.size, dtype=md.properties.dtype)
              for k, md in metadata.state_dict_metadata.items()
              if isinstance(md, TensorStorageMetadata) and is_model_key(k, paths[k])}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    safe_load(state, reader, no_dist=True)
     torch.save(state, out)
     return state
