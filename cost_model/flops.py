@@ -16,6 +16,9 @@ Terms:
                   ``reshape`` / ``flatten`` that cannot be a view (e.g. after ``transpose``) count as a copy.
   unknown op   -- an op with no rule: 0 FLOPs, bytes = inputs + outputs, saves its inputs (conservative).
 
+Which rule prices a node is the op registry's cost class (passes/op_registry.py, ``cost``): the rule
+tables below are keyed by cost class, never by op name.
+
 Rules (N = output elements):
   linear / conv        N * K MACs (K = in_features, or Cin/groups * kernel size); bias +N FLOPs.
   matmul, mm, bmm      N * K MACs (K = contracted dim); addmm / baddbmm +N for the add.
@@ -24,7 +27,7 @@ Rules (N = output elements):
                        Saves q, k, v, out and a float32 logsumexp per row (flash style, no score matrix).
   MultiheadAttention   in-projections + the two attention matmuls + out-projection + softmax.
   norms                layer/group/batch norm 5 FLOPs/elt (+1 each for weight, bias); rms_norm 4 (+1).
-  pointwise            per-element FLOPs in _POINTWISE (exp/erf/tanh count as 1 FLOP).
+  pointwise            per-element FLOPs: the registry entry's ``elt_cost`` (passes/op_registry.py).
   softmax              5 FLOPs/elt (max, sub, exp, sum, div); saves its output.
   dropout (p > 0)      2 FLOPs/elt (draw, scale); saves a 1-byte/elt mask.  p == 0 is a no-op (a view).
   mean / sum / pooling 1 FLOP per input element.
@@ -46,6 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autosplit.passes.op_names import op_name
+from autosplit.passes.op_registry import cost_entry, module_entry
 from autosplit.passes.shape_prop import tensor_bytes
 
 
@@ -92,7 +96,7 @@ def _arg(node: fx.Node, i: int, name: str | None = None, default=None):
 def _is_param(a: fx.Node) -> bool:
     """True for a get_attr, or a view of one (``self.weight.t()``): not an activation."""
     while a.op in ("call_function", "call_method") and a.args and isinstance(a.args[0], fx.Node) \
-            and _rule_key(a, None) in _VIEWS | {"reshape", "flatten"}:
+            and _rule_key(a, None) in ("view", "reshape"):
         a = a.args[0]
     return a.op == "get_attr"
 
@@ -242,36 +246,19 @@ def _mha(node, m: nn.MultiheadAttention):
 
 # ----------------------------------------------------------------------------- pointwise, norms, reductions
 
-_POINTWISE = {   # name: (forward FLOPs per output element, backward multiple, what backward needs)
-    "add": (1, 1, None), "sub": (1, 1, None), "rsub": (1, 1, None), "neg": (1, 1, None),
-    "mul": (1, 2, "inputs"), "div": (1, 2, "inputs"),
-    "relu": (1, 1, "output"), "gelu": (8, 2, "input"), "silu": (4, 2, "input"),
-    "sigmoid": (4, 2, "output"), "tanh": (4, 2, "output"), "exp": (1, 2, "output"),
-    "sqrt": (1, 2, "output"), "rsqrt": (1, 2, "output"), "pow": (1, 2, "input"),
-}
-_ALIASES = {"truediv": "div", "iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "div",
-            "conv1d": "conv", "conv2d": "conv", "conv3d": "conv", "concat": "cat", "concatenate": "cat",
-            "adaptive_avg_pool1d": "avg_pool", "adaptive_avg_pool2d": "avg_pool", "avg_pool1d": "avg_pool",
-            "avg_pool2d": "avg_pool", "adaptive_avg_pool3d": "avg_pool", "avg_pool3d": "avg_pool",
-            "mm": "matmul", "bmm": "matmul",
-            "baddbmm": "addmm", "log_softmax": "softmax"}
-
-
-def _pointwise(name):
-    per_elt, bwd_mult, needs = _POINTWISE[name]
-
-    def rule(node, module):
-        n = _numel(node)
-        tensor_args = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
-                       and isinstance(a.meta.get("val"), torch.Tensor)]
-        if needs == "output":
-            saved = tensor_bytes(node.meta["val"])
-        elif needs == "input" or (needs == "inputs" and len(tensor_args) > 1):
-            saved = _act_bytes(node, *((i, None) for i in tensor_args))
-        else:
-            saved = 0
-        return _Est(per_elt * n, bwd_mult * per_elt * n, saved)
-    return rule
+def _pointwise(node, module):
+    """FLOPs per element from the entry's ``elt_cost`` (passes/op_registry.py)."""
+    per_elt, bwd_mult, needs = cost_entry(node).elt_cost
+    n = _numel(node)
+    tensor_args = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
+                   and isinstance(a.meta.get("val"), torch.Tensor)]
+    if needs == "output":
+        saved = tensor_bytes(node.meta["val"])
+    elif needs == "input" or (needs == "inputs" and len(tensor_args) > 1):
+        saved = _act_bytes(node, *((i, None) for i in tensor_args))
+    else:
+        saved = 0
+    return _Est(per_elt * n, bwd_mult * per_elt * n, saved)
 
 
 # name: (weight's position, bias's, FLOPs per element before the affine, saves per-row statistics)
@@ -318,11 +305,6 @@ def _copy(node, module):
 
 # ----------------------------------------------------------------------------- views
 
-_VIEWS = {"view", "view_as", "permute", "transpose", "t", "unflatten", "unbind", "split", "chunk",
-          "expand", "expand_as", "squeeze", "unsqueeze", "narrow", "select", "getattr", "size", "dim",
-          "detach", "movedim", "swapaxes", "identity", "as_strided", "unfold"}
-
-
 def _reshape(node, module):
     """A view when the input's strides allow one; otherwise reshape copies."""
     x, out = _arg(node, 0, "input"), node.meta["val"]
@@ -357,48 +339,24 @@ def _contiguous(node, module):
 
 # ----------------------------------------------------------------------------- rule tables
 
-_RULES = {
+_RULES = {   # cost class (passes/op_registry.py): (rule, reads its weight in backward)
     "linear": (_linear, True), "conv": (_linear, True), "matmul": (_matmul, True), "addmm": (_addmm, True),
     "einsum": (_einsum, True), "scaled_dot_product_attention": (_sdpa, False),
     "multi_head_attention": (_mha, True), "linear_2d": (_linear_2d, True),
     "attention_heads": (_attention_heads, False), "softmax": (_softmax, False), "dropout": (_dropout, False),
-    "mean": (_reduce, False), "sum": (_reduce, False), "avg_pool": (_reduce, False),
-    "reshape": (_reshape, False), "flatten": (_reshape, False), "getitem": (_getitem, False),
-    **{n: (_cast, False) for n in ("to", "type", "float", "half", "bfloat16", "double")},
-    "contiguous": (_contiguous, False),
-    **{n: (_copy, False) for n in ("cat", "stack", "clone", "repeat", "tile", "roll", "flip", "pad",
-                                   "gather", "index_select")},
+    "reduce": (_reduce, False), "reshape": (_reshape, False), "getitem": (_getitem, False),
+    "cast": (_cast, False), "contiguous": (_contiguous, False), "copy": (_copy, False),
     **{n: (_norm(n), True) for n in _NORM_AFFINE},
-    **{n: (_pointwise(n), False) for n in _POINTWISE},
-    **{n: (lambda node, module: None, False) for n in _VIEWS},
+    "pointwise": (_pointwise, False), "view": (lambda node, module: None, False),
 }
-
-_MODULES = {nn.Linear: "linear", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv",
-            nn.LayerNorm: "layer_norm", nn.GroupNorm: "group_norm", nn.modules.batchnorm._BatchNorm: "batch_norm",
-            nn.GELU: "gelu", nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
-            nn.Softmax: "softmax", nn.modules.dropout._DropoutNd: "dropout",
-            nn.MultiheadAttention: "multi_head_attention", nn.Identity: "identity", nn.Flatten: "flatten",
-            nn.Unflatten: "unflatten", nn.AdaptiveAvgPool1d: "avg_pool", nn.AdaptiveAvgPool2d: "avg_pool",
-            nn.AvgPool1d: "avg_pool", nn.AvgPool2d: "avg_pool"}
-if hasattr(nn, "RMSNorm"):
-    _MODULES[nn.RMSNorm] = "rms_norm"
-
-_TORCH_NAMESPACES = ("torch", "_operator", "operator", "builtins", "math")
 
 
 def _rule_key(node: fx.Node, module: nn.Module | None) -> str | None:
-    if module is not None:
-        return next((_MODULES[c] for c in type(module).__mro__ if c in _MODULES), None)
-    if getattr(node.target, "cost_rule", None):     # our own graph ops name the rule they follow
+    """The cost class of ``node``: what our own graph ops name (``cost_rule``), else the registry's."""
+    if module is None and getattr(node.target, "cost_rule", None):
         return node.target.cost_rule
-    if node.op == "call_function":
-        if not (getattr(node.target, "__module__", None) or "torch").startswith(_TORCH_NAMESPACES):
-            return None                 # a user function: no rule, even if its name matches one
-        name = getattr(node.target, "__name__", "")
-    else:
-        name = str(node.target)
-    name = name.strip("_")              # in-place add_ / dunder __iadd__
-    return _ALIASES.get(name, name)
+    entry = module_entry(module, torch_only=True) if module is not None else cost_entry(node)
+    return entry.cost or None
 
 
 def _module_params(module: nn.Module | None) -> int:

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from autosplit.cost_model.flops import NodeCost, _arg, _rule_key
 
+# cost classes (passes/op_registry.py, ``cost``; our own graph ops' ``cost_rule``) that run as GEMMs / fused attention
 GEMM_RULES = ("linear", "conv", "matmul", "addmm", "linear_2d", "multi_head_attention")
 ATTENTION_RULES = ("scaled_dot_product_attention", "attention_heads")
 

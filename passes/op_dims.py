@@ -10,6 +10,11 @@ Terms:
                   (``torch.nn.functional._get_softmax_dim``).  Not -1: for a 4-D input it is dim 1.
   reduced dims -- the dims ``sum`` / ``mean`` / ``amax`` ... reduce: the ``dim`` argument (an int or a
                   sequence), every dim when it is absent, None or empty.
+  named        -- where an op's forms put a dim at different positions (``x.norm(2, -1)``: p first, then
+                  dim; ``F.normalize(x, 2, 1)``; ``x.max(1)`` beside ``torch.max(a, b)``), the dim is read
+                  from the registry's normalised view (passes/op_registry.py ``arguments``: by name, the
+                  overload resolved by torch's signatures), never by position; positions are the fallback
+                  for a call torch gives no signature for.
   shape read   -- ``x.shape`` / ``x.size()`` (the whole shape), then ``[i]`` with a constant int (one dim)
                   or a constant slice (several).
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
+
+from autosplit.passes.op_registry import arguments
 
 _ABSENT = object()
 
@@ -50,13 +57,22 @@ def dims(value, ndim: int) -> list[int]:
     return [norm(d, ndim) for d in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+def named(node: fx.Node, i: int, name: str, default=None):
+    """Argument ``name`` of ``node`` from the normalised view (see *named*); argument ``i`` / ``name`` as
+    given when torch has no signature for the call."""
+    found = arguments(node)
+    if found is None:
+        return arg(node, i, name, default)
+    return found.get(name, default)
+
+
 def reduced_dims(node: fx.Node, ndim: int) -> list[int]:
-    """The dims a ``sum`` / ``mean`` / ``amax`` / ``amin`` / ``prod`` node reduces, normalized."""
-    return dims(arg(node, 1, "dim"), ndim)
+    """The dims a ``sum`` / ``mean`` / ``max`` / ``norm`` ... node reduces, normalized (see *named*)."""
+    return dims(named(node, 1, "dim"), ndim)
 
 
 def keepdim(node: fx.Node) -> bool:
-    return bool(arg(node, 2, "keepdim", False))
+    return bool(named(node, 2, "keepdim", False))
 
 
 def implicit_softmax_dim(ndim: int) -> int:
@@ -65,9 +81,9 @@ def implicit_softmax_dim(ndim: int) -> int:
 
 
 def softmax_dim(node: fx.Node, ndim: int, module=None) -> int:
-    """The dim a softmax-like node normalizes over: its ``dim`` (the module's for ``nn.Softmax``), or
-    torch's implicit dim when none is given."""
-    d = getattr(module, "dim", None) if module is not None else arg(node, 1, "dim")
+    """The dim a softmax-like node normalizes over (``F.normalize``'s too: its ``dim``, 1 unless given):
+    its ``dim`` (the module's for ``nn.Softmax``), or torch's implicit dim when none is given."""
+    d = getattr(module, "dim", None) if module is not None else named(node, 1, "dim")
     return implicit_softmax_dim(ndim) if d is None else norm(d, ndim)
 
 

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from autosplit.errors import REPORT, AutosplitError, PlanError
 from autosplit.passes.infra import MetaPass
+from autosplit.passes.op_registry import writes_inputs
 
 
 def to_meta(value):
@@ -98,8 +99,7 @@ def _pure_target(target) -> bool:
     """torch's functions and Tensor methods (a method's target is its name) that do not write their
     inputs, and the operator module's and builtins' functions but item assignment.  A user function
     (a ``torch.fx.wrap``-ed leaf) might read state that changes between calls: never memoized."""
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.endswith("_") or name in ("setitem", "delitem", "__setitem__", "__delitem__"):
+    if writes_inputs(target):          # the registry: in-place forms, item assignment
         return False
     if isinstance(target, str) or isinstance(target, torch._ops.OpOverload) or getattr(target, "meta_pure", False):
         return True     # meta_pure: a function that says so (autosplit.tp.ops' collectives)

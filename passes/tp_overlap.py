@@ -10,10 +10,11 @@ additions in the weight gradients (which now add k partial GEMMs).
 
 Terms:
   row-wise op -- output row i (index i along dim 0) depends only on row i of its activation inputs:
-                 a linear with the library's forward (``nn.Linear``, the tp rewrite's
-                 ``RowParallelLinear``, ``F.linear``), a layer norm over trailing dims, an elementwise
-                 op or activation, ``nn.Identity``, a dropout that drops nothing (p = 0: a dropout
-                 that draws random numbers would draw them in another order), and the tp ops
+                 an op the registry declares ``rowwise`` (passes/op_registry.py: linears, convolutions,
+                 norms over trailing dims, elementwise ops and activations), a module only with its
+                 library's forward (torch's, or the tp rewrite's ``RowParallelLinear``), never an
+                 in-place form, a random op only when it draws nothing (a dropout with p = 0: one that
+                 draws random numbers would draw them in another order), and the tp ops
                  ``copy_to_axis`` / ``all_reduce``.  Decided from the op and ``meta['val']``'s shapes:
                  every tensor of the run has ``rows`` (>= k) rows and at least 2 dims, and an
                  elementwise operand either has those rows (it is split too) or is broadcast along
@@ -40,34 +41,28 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.infra.pass_base import PassResult
 
 from autosplit.model_layers import layer_of, layer_paths
 from autosplit.passes.infra import MetaPass, PlanState
+from autosplit.passes.op_names import inplace_base
+from autosplit.passes.op_registry import arguments, module_entry, op
 from autosplit.tp import ops
-from autosplit.tp.local_modules import RowParallelLinear
 
-_ELEMENTWISE_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                          torch.mul, torch.div, torch.tanh, torch.sigmoid, torch.relu, F.gelu, F.relu, F.silu}
-_ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "tanh", "sigmoid", "relu"}
-_ACTIVATION_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 _TP_OPS = {ops.copy_to_axis, ops.all_reduce}
-
-
-def _own(module: nn.Module, cls: type) -> bool:
-    return isinstance(module, cls) and type(module).forward is cls.forward
+_LIBRARIES = ("torch", "autosplit")       # whose modules' forwards are the op their class declares
+_WEIGHTED = ("linear", "conv", "norm")    # registry kinds whose other operands are weights, not activations
 
 
 def _rowwise_module(module: nn.Module, ndim: int) -> bool:
-    if isinstance(module, RowParallelLinear) or _own(module, nn.Linear):
-        return True
-    if _own(module, nn.LayerNorm):
-        return len(module.normalized_shape) < ndim
-    if type(module) is nn.Dropout:
-        return module.p == 0
-    return any(_own(module, cls) for cls in _ACTIVATION_MODULES)
+    entry = module_entry(module)
+    if not entry.rowwise or type(module).forward.__module__.split(".")[0] not in _LIBRARIES:
+        return False                             # another forward than its class's op: leave it alone
+    if entry.random is not None and getattr(module, "p", None) != 0:
+        return False
+    shape = getattr(module, "normalized_shape", None) if entry.kind == "norm" else ()
+    return shape is not None and len(shape) < ndim
 
 
 def _val(node) -> torch.Tensor | None:
@@ -89,18 +84,21 @@ def activation_args(gm: fx.GraphModule, node: fx.Node, rows: int) -> list[int] |
         return [0] if ok else None
     if node.op == "call_function" and node.target in _TP_OPS:
         return [0]
-    if node.op == "call_function" and node.target in (F.linear, F.layer_norm):
+    entry = op(node)
+    if not entry.rowwise or inplace_base(node) is not None:
+        return None
+    if entry.random is not None and (arguments(node) or {}).get(entry.random or "p") != 0:
+        return None                              # it draws random numbers
+    if entry.kind in _WEIGHTED:
         others = list(node.args[1:]) + list(node.kwargs.values())
         if any(isinstance(a, fx.Node) and a.op != "get_attr" for a in others):
             return None                          # a weight computed in the graph: leave it alone
-        if node.target is F.layer_norm:
-            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        if entry.kind == "norm":
+            shape = (arguments(node) or {}).get("normalized_shape")
             if not isinstance(shape, (tuple, list)) or len(shape) >= out.dim():
                 return None
         return [0]
-    elementwise = (node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS
-                   or node.op == "call_method" and node.target in _ELEMENTWISE_METHODS)
-    if not elementwise or any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
         return None
     split = []
     for i, a in enumerate(node.args):

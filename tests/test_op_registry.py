@@ -18,16 +18,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+import autosplit
 from autosplit.passes.op_registry import OPS, arguments, op
 
 REPO = Path(__file__).resolve().parent.parent
 SCANNED = ("passes", "cost_model", "autosplit/tp")
 REGISTRY = {"passes/op_registry.py", "passes/op_names.py", "passes/op_dims.py"}
 # still to migrate, with their name tests today (62 outside the registry before it; the count only goes down)
-NOT_YET = {
-    "passes/shape_prop.py": 2,           # which targets are pure (memoized): the names of writing ops
-    "passes/tp_overlap.py": 1,           # its row-wise Tensor methods, beside its own set of functions
-}
+NOT_YET: dict[str, int] = {}   # still to migrate, with their name tests (62 outside the registry before it; now 0)
 _NAME_CALLS = {"op_name", "inplace_base"}
 _NAME_VARS = {"name", "base"}
 
@@ -147,3 +145,110 @@ def test_entries_by_every_form():
     assert [op(n, gm).kind for n in mods] == ["linear", "pointwise"]
     node, _ = _node(lambda a: torch.fft.fft(a), A)
     assert op(node).kind == "opaque" and not op(node).shard
+
+
+# -- the ambiguous forms, read by name (passes/op_dims.py ``named``), planned end to end ------------
+
+class _Net(torch.nn.Module):
+    """(B, 3, 16) -> two linears, then ``form`` of them (a function of h, g), then a linear."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.form = form
+
+    def forward(self, x):
+        return self.fc3(self.form(self.fc1(x), self.fc2(x)))
+
+
+X = torch.randn(2, 3, 16)
+
+
+def _rules(form):
+    """The engine's op rules over the traced net: (the form's node, every node's OpRule, the layouts)."""
+    from autosplit.passes.shape_prop import MetaShapeProp
+    from autosplit.passes.sharding.factors import Factors
+    from autosplit.passes.sharding.rules import Rules
+    from autosplit.trace import trace
+
+    gm = trace(_Net(form))
+    MetaShapeProp((torch.empty(2, 3, 16, device="meta"),))(gm)
+    rules, table = Rules(gm, Factors()), {}
+    for node in gm.graph.nodes:
+        table[node] = r = rules.rule(node)
+        if r.out is not None:
+            rules.layouts[node] = r.out
+    fc1 = next(n for n in gm.graph.nodes if n.target == "fc1")
+    form = next(u for u in fc1.users)
+    return form, table, rules
+
+
+def _plans(form):
+    plan = autosplit.compile(_Net(form), mesh=(1, 2, 1), example_input=X, device="cpu")
+    assert plan.tp_plan is not None
+    return plan
+
+
+@pytest.mark.parametrize("fn, entry", [(torch.max, "maximum"), (torch.min, "minimum")])
+def test_binary_max_min_is_elementwise(fn, entry):
+    """torch.max(a, b) / torch.min(a, b): the elementwise overload (maximum / minimum), not a reduction
+    reading b as its dim."""
+    node, table, rules = _rules(lambda h, g: fn(h, g))
+    assert op(node) is OPS[entry]
+    r = table[node]
+    assert r.kind == "op" and r.rowwise and not r.forbid and len(r.operands) == 2
+    assert r.out == rules.layouts[node.args[0]]
+    _plans(lambda h, g: fn(h, g))
+
+
+def test_max_along_a_dim_is_a_tuple_of_values_and_indices():
+    """x.max(dim): (values, indices), both of the reduced layout; the dim is needed whole."""
+    form = lambda h, g: h.max(1)[0].unsqueeze(1) * g + h.max(dim=1).indices.unsqueeze(1).to(h.dtype)
+    node, table, rules = _rules(form)
+    r = table[node]
+    x = rules.layouts[node.args[0]]
+    assert isinstance(r.out, tuple) and len(r.out) == 2 and r.out[0] == r.out[1] == [x[0], x[2]]
+    assert r.forbid == rules._leaves([x[1]])
+    _plans(form)
+
+
+@pytest.mark.parametrize("form, reduced, kept", [
+    (lambda h, g: h.norm(2, 1).unsqueeze(1) * g, 1, [0, 2]),               # p = 2, dim = 1 (not dim 2)
+    (lambda h, g: torch.norm(h, 2, -1, True) * g, 2, [0, 1, None]),        # keepdim by position 3
+])
+def test_norm_reads_p_and_dim_by_name(form, reduced, kept):
+    node, table, rules = _rules(form)
+    r, x = table[node], rules.layouts[node.args[0]]
+    assert r.forbid == rules._leaves([x[reduced]])
+    assert [r.out[i] if k is None else x[k] for i, k in enumerate(kept)] == r.out
+    _plans(form)
+
+
+@pytest.mark.parametrize("form, dim", [
+    (lambda h, g: F.normalize(h) + g, 1),                  # torch's default dim is 1, not -1
+    (lambda h, g: F.normalize(h, 2.0, -1) + g, 2),         # p by position, then dim
+    (lambda h, g: F.normalize(h, dim=-1) * g, 2),
+])
+def test_normalize_needs_its_dim_whole(form, dim):
+    node, table, rules = _rules(form)
+    r, x = table[node], rules.layouts[node.args[0]]
+    assert op(node) is OPS["normalize"] and r.out == x and r.forbid == rules._leaves([x[dim]])
+    _plans(form)
+
+
+def test_adding_an_op_is_one_registry_entry():
+    """torch.addcmul (pointwise, three operands) is declared by one entry in passes/op_registry.py and
+    nothing else: it takes the elementwise rule (row-wise, every operand paired), the pointwise cost
+    class with its per-element FLOPs, and plans at tp = 2."""
+    from autosplit.cost_model.flops import node_cost
+
+    form = lambda h, g: torch.addcmul(h, g, h, value=0.5)
+    node, table, rules = _rules(form)
+    entry = op(node)
+    assert entry is OPS["addcmul"] and entry.kind == "pointwise" and entry.cost == "pointwise"
+    r = table[node]
+    assert r.kind == "op" and r.rowwise and len(r.operands) == 3 and r.out == rules.layouts[node.args[0]]
+    cost = node_cost(node, node.graph.owning_module)
+    assert cost.fwd_flops == entry.elt_cost[0] * node.meta["val"].numel() > 0
+    plan = _plans(form)
+    assert any(n.target is torch.addcmul for n in plan.graph.graph.nodes)

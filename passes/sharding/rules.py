@@ -16,10 +16,11 @@ Terms (factors, classes, layouts: passes/sharding/factors.py):
   params    -- for a call_module node, its own parameters' layouts (the Linear's weight is [out, in]).
   stats     -- a layer norm's normalized dim: needed whole, except under 2D, whose layer_norm_2d sums
                the statistics over the split features (``sum_stats``).
-  rowwise   -- every index of the dims the op keeps is computed from the same index alone (pointwise
-               ops, norms over trailing dims, linears over their leading dims): a dim padded to a
-               multiple of the ranks (sequence parallelism's 17 tokens on 2 ranks) may stay split
-               through it, the padding rows computing values nobody reads.
+  rowwise   -- the registry's (passes/op_registry.py ``rowwise``: every index of the dims the op keeps is
+               computed from the same index alone): a dim padded to a multiple of the ranks (sequence
+               parallelism's 17 tokens on 2 ranks) may stay split through it, the padding rows computing
+               values nobody reads.  A module is read by its class (``module_entry``); an op without a
+               rule (opaque) is never row-wise.
 Every dim an op reads goes through passes/op_dims.py (keyword, negative and implicit dims).
 The rule of an in-place op is its out-of-place base's; the strategy then keeps the written operand's
 placement (passes/sharding/strategies.py).
@@ -34,7 +35,7 @@ from torch import nn
 
 from autosplit.passes import op_dims as D
 from autosplit.passes.op_names import inplace_base, op_name
-from autosplit.passes.op_registry import OPAQUE, OPS
+from autosplit.passes.op_registry import OPAQUE, module_entry, op
 from autosplit.passes.sharding.factors import Factors
 
 @dataclass
@@ -104,6 +105,8 @@ class Rules:
             return self.opaque(n, str(exc))
         if base is not None and (not r.operands or r.operands[0][0] is not n.args[0]):
             return self.opaque(n, f"in-place '{name}' without its written tensor first")
+        entry = module_entry(module) if module is not None else op(n, self.gm)
+        r.rowwise = entry.rowwise and r.kind != "opaque"
         return r
 
     # -- the table: the registry names each op's method (passes/op_registry.py, ``shard``) ---------------
@@ -118,7 +121,7 @@ class Rules:
             return self._conv(n, x, nd, OPAQUE, module)
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return self._norm(n, x, nd, OPAQUE, module)
-        entry = OPS.get(name, OPAQUE)
+        entry = op(n, self.gm)
         if not entry.shard:
             raise _NoRule(f"'{name}' has no sharding rule")
         return getattr(self, "_" + entry.shard)(n, x, nd, entry, module)
@@ -126,7 +129,6 @@ class Rules:
     def _linear_fn(self, n, x, nd, entry, module) -> OpRule:
         w, b = D.arg(n, 1, "weight"), D.arg(n, 2, "bias")
         r = self._linear(n, x, n.meta["val"].shape[-1], b is not None, w=self.lay(w), kind="op")
-        r.rowwise = True
         r.operands.append((w, self.lay(w)))
         if b is not None:
             self._align(self.lay(b)[0], r.out[-1])
@@ -134,7 +136,7 @@ class Rules:
         return r
 
     def _unary(self, n, x, nd, entry, module) -> OpRule:
-        return OpRule(x, [(n.args[0], x)], linear=entry.linear_in, rowwise=True)
+        return OpRule(x, [(n.args[0], x)], linear=entry.linear_in)
 
     def _view(self, n, x, nd, entry, module) -> OpRule:
         val = n.meta["val"]
@@ -183,6 +185,11 @@ class Rules:
         out = [[self.f.new(1)] if d in dims else x[d] for d in range(nd)] if D.keepdim(n) else \
             [x[d] for d in range(nd) if d not in dims]
         leaves = self._leaves([x[d] for d in dims])
+        val = n.meta["val"]
+        if isinstance(val, tuple):                 # x.max(dim): (values, indices), both of the reduced layout
+            if entry.reduce == "partial" or len(val) != 2:
+                raise _NoRule(f"{op_name(n, self.gm)} returning {len(val)} values")
+            return OpRule((out, list(out)), [(n.args[0], x)], forbid=leaves)
         if entry.reduce == "partial":
             return OpRule(out, [(n.args[0], x)], contract=leaves, linear="first")
         return OpRule(out, [(n.args[0], x)], forbid=leaves)
@@ -207,7 +214,7 @@ class Rules:
         out = x[:-1] + [w[0]]
         params = {"weight": w, "bias": [w[0]]} if bias else {"weight": w}
         return OpRule(out, [(n.args[0], x)], contract=self._leaves([x[-1]]), linear="one" if not bias else "",
-                      kind=kind, params=params if kind == "linear" else {}, rowwise=True)
+                      kind=kind, params=params if kind == "linear" else {})
 
     def _conv(self, n, x, nd, entry, module) -> OpRule:
         """(B, Cin, *spatial) -> (B, Cout, *spatial'): the batch passes, Cin is summed over (one group),
@@ -233,7 +240,7 @@ class Rules:
             return OpRule(out, ops, forbid=self._leaves(x[1:]), params=params, kind="opaque",
                           why="a convolution module runs whole (its batch and output channels still pair with "
                               "the model's dims)")
-        return OpRule(out, ops, contract=self._leaves([x[1]]), forbid=self._leaves(x[2:]), rowwise=True)
+        return OpRule(out, ops, contract=self._leaves([x[1]]), forbid=self._leaves(x[2:]))
 
     def _mha(self, n, x, m: nn.MultiheadAttention) -> OpRule:
         """The module as one op: heads are sharded inside it (autosplit/tp/local_modules.py)."""
@@ -266,15 +273,16 @@ class Rules:
                 if getattr(module, key, None) is not None:
                     params[key] = x[nd - k:]
         stats = self._leaves(x[nd - 1:]) if entry.lower == "stats" and k == 1 else set()
-        return OpRule(x, ops, forbid=self._leaves(x[nd - k:]), params=params, rowwise=True, stats=stats)
+        return OpRule(x, ops, forbid=self._leaves(x[nd - k:]), params=params, stats=stats)
 
     def _align_trailing(self, a, out) -> None:
         for j in range(1, len(a) + 1):
             if self.f.flat(a[-j]):
                 self._align(a[-j], out[-j])
 
-    def _where(self, n, x, nd, entry, module) -> OpRule:
-        return self._broadcast(n, [a for a in n.args[:3] if is_tensor(a)], "")
+    def _elementwise(self, n, x, nd, entry, module) -> OpRule:
+        """Every tensor operand, positional or keyword, broadcast against the others (where, addcmul)."""
+        return self._broadcast(n, [a for a in (*n.args, *n.kwargs.values()) if is_tensor(a)], entry.linear_in)
 
     def _binary(self, n, x, nd, entry, module) -> OpRule:
         a, b = D.arg(n, 0, "input"), D.arg(n, 1, "other")
@@ -299,7 +307,7 @@ class Rules:
                 else:
                     self._align(la[-j], out[-j])
         out = [d if d is not None else [self.f.new(s)] for d, s in zip(out, shape)]
-        return OpRule(out, [(a, self.lay(a)) for a in tensors], linear=linear, rowwise=True)
+        return OpRule(out, [(a, self.lay(a)) for a in tensors], linear=linear)
 
     def _chunk(self, n, x, nd, entry, module) -> OpRule:
         name = op_name(n, self.gm)
@@ -343,6 +351,15 @@ class Rules:
                 raise _NoRule("indexing with tensors or lists")
         out += x[d:]
         return OpRule(out, [(src, x)], forbid=self._leaves(forbid), linear="first")
+
+    def _field(self, n, x, nd, entry, module) -> OpRule:
+        """A named field of a tuple value (``x.max(1).indices``): that element's layout, as ``getitem``."""
+        src, name = n.args[0], n.args[1]
+        fields = getattr(type(src.meta.get("val")), "__match_args__", ()) if isinstance(src, fx.Node) else ()
+        if not isinstance(self.layouts.get(src), tuple) or name not in fields:
+            raise _NoRule(f"'{op_name(n, self.gm)}' has no sharding rule")
+        lay = self.layouts[src][fields.index(name)]
+        return OpRule(lay, [(src, lay)], linear="first")
 
     def _parts(self, n) -> tuple[list, list]:
         tensors = [a for a in (D.arg(n, 0, "tensors") or []) if is_tensor(a)]
