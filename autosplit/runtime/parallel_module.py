@@ -271,7 +271,10 @@ class ParallelModule:
         compiled_before = compile_seconds()
         earlier = begin_step(self.planner.partial_params)
         loss_sum, _ = self.executor.run(xs, ys, loss_scale=self.scaler.scale / self.num_microbatches, train=True)
-        loss = finish_step(self.planner, self.scaler, loss_sum, earlier, self.num_microbatches)
+        # inside a guarded section like the schedule's actions: an error here (a reduction that
+        # raises, the user's buffers) must reach the peers waiting in these collectives (deadlines.py)
+        with self.watchdog.guarded("step end"):
+            loss = finish_step(self.planner, self.scaler, loss_sum, earlier, self.num_microbatches)
         self.step_count += 1
         self._report_compile(compiled_before)
         return loss

@@ -5,6 +5,7 @@
   heartbeat.py      per-rank liveness in the job's store
   serial_thread.py  a daemon thread running functions one at a time, in order
   exchange.py       small exchanges between all ranks (for agreement and the call gate)
+  arguments.py      before any group is built: every rank passed parallelize the same mesh (through the store)
   agreement.py      before the first step: every rank planned the same job and holds the same model
   call_gate.py      every user-facing call that communicates: every rank made the same call
   call_checks.py    ParallelModule's entry points' argument checks, on every rank

@@ -36,6 +36,7 @@ ParallelModule is unusable after a RankFailure anyway.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future
@@ -133,6 +134,25 @@ class Watchdog:
         return (f"the job's store at {store_address()} is unreachable ({type(store_exc).__name__}: "
                 f"{store_exc}): the process hosting it (rank 0's, unless torchrun's agent hosts the "
                 f"store) has probably died; {self.where} was at {doing}; {message}")
+
+    @contextlib.contextmanager
+    def guarded(self, doing: str):
+        """A section whose errors every rank learns: an exception raised inside (the user's code, a
+        collective that raised instead of failing its wait) is published as this rank's failure at
+        the action the section last announced (``at``; ``doing`` until then), and re-raised with its
+        own type, the job's message attached as a note.  Why publish: the other ranks are (or will be)
+        waiting on this one in a collective it never joins; without the failure key they would wait
+        out their deadline and then blame the wrong rank, or none."""
+        self.at(doing)
+        try:
+            yield
+        except RankFailure:         # published already (by this rank's wait, or by the rank at fault)
+            raise
+        except Exception as exc:
+            failure = self.fail(self.beat.doing or doing, exc)
+            if hasattr(exc, "add_note"):
+                exc.add_note(str(failure))
+            raise
 
     def check(self, doing: str = "a wait") -> None:
         """Raise if another rank has failed (or the store is gone)."""

@@ -51,14 +51,25 @@ def reduce_partial_grads(params: list, earlier: list, world, watchdog, dp_sync: 
 
 def global_mean(loss_sum: torch.Tensor, overflow: torch.Tensor | None, num_microbatches: int, world,
                 watchdog) -> tuple[float, bool]:
-    """The global batch's mean loss and whether any rank's gradients overflowed: one all-reduce over
-    the world and the step's one host sync (``tolist``)."""
+    """The global batch's mean loss and whether any rank's gradients overflowed: an all-reduce over
+    each mesh axis larger than 1 (tp, dp, pp; see below) and the step's one host sync (``tolist``)."""
     flag = overflow.reshape(1) if overflow is not None else torch.zeros(1, device=world.device)
     total = torch.cat([loss_sum.reshape(1).to(world.device, torch.float64) / num_microbatches,
                        flag.to(torch.float64)])
+    watchdog.at("loss all-reduce")
+    # Over the mesh's own axis groups, one after another, and not on the default group: the default
+    # group is the user's, which a failure never aborts and whose NCCL timeout is not ours; a sum over
+    # tp, then dp, then pp is the sum over the world, each on a group this module owns, in the same
+    # order on every rank (NCCL's rule).  Why not one more group spanning the world: on NCCL that
+    # is one more communicator (its buffers on every GPU) for two numbers a step.
+    axes = [axis for axis in ("tp", "dp", "pp") if getattr(world.mesh, axis) > 1]
     with record_function("autosplit::loss all_reduce"):          # pm.trace_step's communication lane
-        work = dist.all_reduce(total, async_op=True)
-        watchdog.wait(work, "loss all-reduce", host=True)
+        for k, axis in enumerate(axes):
+            work = dist.all_reduce(total, group=world.group(axis), async_op=True)
+            # host: the last one is read on the host next (NCCL: check every deferred work first)
+            watchdog.wait(work, f"loss all-reduce over {axis}", host=k == len(axes) - 1)
+    if not axes:            # one rank: still check every deferred NCCL work before the host read
+        watchdog.settle()
     loss, overflowed = total.tolist()
     return loss / (world.mesh.tp * world.mesh.dp), overflowed > 0
 
@@ -110,14 +121,22 @@ def finish_step(program, scaler, loss_sum: torch.Tensor, earlier: list, num_micr
     Returns the global batch's mean loss, the same on every rank.
     """
     world, watchdog = program.world, program.watchdog
+    # each phase announced (``watchdog.at``): the caller runs this inside ``watchdog.guarded``, which
+    # names the phase an exception came from in the failure every rank learns
     if program.buckets is not None:
+        watchdog.at("data-parallel gradient buckets")
         program.buckets.finish()
     dp_sync = program.buckets is not None and program.buckets.enabled   # not inside no_sync
+    watchdog.at("partial-gradient reduction")
     reduce_partial_grads(program.partial_params, earlier, world, watchdog, dp_sync)
+    watchdog.at("buffer broadcast over dp")
     program.sync_buffers()
     params = [p for m in program.raw_modules for p in m.parameters()] if scaler.enabled else []
+    if scaler.enabled:
+        watchdog.at("loss scaler unscale")
     overflow = scaler.unscale(params, world.device) if scaler.enabled else None
     loss, overflow_anywhere = global_mean(loss_sum, overflow, num_microbatches, world, watchdog)
     if scaler.enabled:
+        watchdog.at("loss scaler update")
         scaler.update(overflow_anywhere, params)
     return loss

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autosplit.errors import AutosplitError
 from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
+from autosplit.runtime.faults.arguments import agree_on_arguments
 from autosplit.runtime.faults.heartbeat import watch_s
 from autosplit.tp.axes import tp_axes
 
@@ -204,6 +205,12 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
             options["device_id"] = device
         dist.init_process_group(backend, timeout=timedelta(seconds=nccl_timeout_s(timeout_s, size)), **options)
     shape = MeshShape.parse(mesh, world_size=size)
+    # Before the first group: ranks whose layout arguments differ would create different groups (or a
+    # different number of them) and wait on each other forever inside torch; the exchange goes through
+    # the store, bounded by timeout_s, and raises the same error on every rank (faults/arguments.py).
+    agree_on_arguments(dist.distributed_c10d._get_default_store(), dist.get_rank(), size,
+                       {"mesh": str(shape), "tp_mode": repr(tp_mode), "tp_depth": repr(tp_depth)},
+                       timeout_s)
     dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
     # Every axis on a group of its own (the default group's backend named for each): DeviceMesh would
     # run an axis spanning the whole world on the default group, which is the user's, which we

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from autosplit.runtime.faults.deadlines import RankFailure
+from autosplit.errors import AutosplitError
 from autosplit.runtime.pipeline.p2p import Posted, make_transport, tag
 
 from autosplit.schedule import Action, ActionKind, Group, build_schedule, forward_schedule, lower
@@ -109,22 +109,14 @@ class PipelineExecutor:
         return total.detach(), [self.outputs[k] for k in sorted(self.outputs)]
 
     def _guarded(self, item, fn) -> None:
-        self.watchdog.at(str(item))
-        try:
+        # The user's own error (in their model or loss): every other rank stops with the published
+        # message, and this rank raises the original exception, its type kept, with that message
+        # attached, so an ``except ValueError`` around ``step`` still sees a ValueError here.
+        with self.watchdog.guarded(str(item)):
             # one profiler range per action or transfer group, named as the schedule prints it ("1F3",
             # "0W2", "[SEND_F ...]"): torch.profiler traces and the benchmarks' phase timings read these
             with record_function(f"autosplit::{item}"):
                 fn(item)
-        except RankFailure:
-            raise
-        except Exception as exc:
-            # The user's own error (in their model or loss): every other rank stops with the published
-            # message, and this rank raises the original exception, its type kept, with that message
-            # attached, so an ``except ValueError`` around ``step`` still sees a ValueError here.
-            failure = self.watchdog.fail(str(item), exc)
-            if hasattr(exc, "add_note"):
-                exc.add_note(str(failure))
-            raise
 
     # ---- communication -------------------------------------------------------------------------
     def _post(self, group: Group) -> None:
@@ -175,6 +167,7 @@ class PipelineExecutor:
             self._finish_forward(s, i, inputs, outputs[0])
             return
         infos = self.plan.stages[s].outputs
+        self._check_boundary(s, i, outputs, infos)
         outputs = [o.to(getattr(torch, t.dtype)) for o, t in zip(outputs, infos)]  # keep the planned dtype
         if self.train:
             self.saved[(s, i)] = (inputs, outputs)
@@ -183,6 +176,23 @@ class PipelineExecutor:
             self.inbox_f[(s + 1, i)] = handoff
         else:
             self.outbox[(s, i, 0)] = handoff
+
+    def _check_boundary(self, s: int, i: int, outputs, infos) -> None:
+        """Stage ``s``'s outputs must be what the plan says its boundary carries, checked here, on the
+        sender, before anything is sent or handed over.  Why the sender: the receiver's buffers are
+        allocated from the plan's shapes (``_buffers``: no per-step shape handshake), so a check of what
+        arrived would always pass; gloo refuses a size mismatch on the receiving end, but NCCL moves
+        bytes by count and would hang (the receive never fills) or hand over another microbatch's
+        bytes.  A different number of outputs would make ``zip`` drop sends the peer waits for.
+        The dtype is not checked: the cast below makes it the planned one."""
+        shapes = [tuple(o.shape) for o in outputs]
+        planned = [tuple(t.shape) for t in infos]
+        if shapes != planned:
+            raise AutosplitError(
+                f"stage {s} produced outputs of shapes {shapes} for microbatch {i}, but the plan's boundary to "
+                f"stage {s + 1} carries {planned} (the receiving rank's buffers have these shapes): the model's "
+                f"forward changed shape between planning and this step (shape-dependent Python, data-dependent "
+                f"sizes, or a module changed after parallelize); nothing was sent")
 
     def _finish_forward(self, s: int, i: int, inputs, output: torch.Tensor) -> None:
         if not self.train:
