@@ -54,8 +54,9 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with tp > 1, also shard tokens between tensor-parallel regions")
     p.add_argument("--compile-stages", action="store_true", help="run every stage module through torch.compile")
-    p.add_argument("--compile-mode", default=None, choices=("default", "reduce-overhead", "max-autotune"),
-                   help="torch.compile's mode (with --compile-stages)")
+    # the modes without CUDA graphs: "reduce-overhead" and "max-autotune" are refused (docs/parallel-modes.md)
+    p.add_argument("--compile-mode", default=None, choices=("default", "max-autotune-no-cudagraphs"),
+                   help="torch.compile's mode (with --compile-stages); the CUDA-graph modes are refused")
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,8 @@ parallelism (``dp_shard``, runtime/parallel/fsdp.py) against single-device train
 from __future__ import annotations
 
 import copy
+import gc
+import math
 
 import torch
 import torch.nn.functional as F
@@ -98,3 +100,32 @@ def bf16_close(name: str, mesh, steps: int = 3, batch: int = 8, **kw):
     dtypes = sorted({str(p.dtype) for p in pm.parameters()})
     return {"loss_diff": loss_diff, "param_diff": max_diff(pm.full_state_dict(), ref.state_dict()), "dtypes": dtypes}
 
+
+def held_beyond_user_model(name: str, mesh, dp_shard: str = "stage", microbatches: int = 2, batch: int = 8,
+                           drop_user_model: bool = False):
+    """Issue 50 item 8: the live tensor bytes autosplit holds on this rank right after ``parallelize`` of
+    a model built on the CPU (not meta) under ``dp_shard``, beyond the user's own model.
+
+    The model is built here; its storages (the user's untrained copy, documented to stay theirs) are
+    left out of the count (``drop_user_model``: the model is deleted after parallelize instead, so all
+    that stays is autosplit's; ``pm.model`` keeps it, so it is counted then).  Against this rank's
+    stages' parameter bytes at their full (tp-local) shapes and the bytes of its shards."""
+    from tests.test_meta_init import _local_bytes, live_tensor_bytes
+    before = live_tensor_bytes()
+    torch.manual_seed(0)
+    model = VARIANTS[name]()
+    user = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    example = torch.randn(batch // mesh[2] // microbatches, 3, 32, 32)
+    pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches, example_input=example,
+                               dp_shard=dp_shard)
+    del example
+    if drop_user_model:
+        del model
+        user = set()
+    gc.collect()
+    held = live_tensor_bytes(exclude=user) - before
+    local = [p for m in pm.raw_modules for p in m.parameters()]
+    stage = sum(math.prod(p.shape) * p.element_size() for p in local)
+    shards = sum(_local_bytes(p) for p in local)
+    return {"held": held, "stage": stage, "shards": shards, "ratio": held / stage,
+            "sharded": sum(isinstance(p, DTensor) for p in local), "coord": (pm.pp_rank, pm.tp_rank, pm.dp_rank)}

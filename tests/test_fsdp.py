@@ -39,6 +39,33 @@ def test_dp4_and_pipeline_dp2(pool4):
     assert all(0 < r["sharded"] < r["params"] for r in rs), rs[0]    # the tp partial-sum norms are left out
 
 
+# Issue 50 item 8: right after parallelize, a model not built on meta under dp_shard -- beyond the user's
+# own model (their untrained copy, documented to stay theirs; the check leaves its storages out) -- each
+# rank holds about its shards: <= 0.6 x its stages' parameter bytes at dp = 2 (shards are 0.5 x; the
+# rest is small index tables).  Failed before release_plan_values: at (1, 2, 2) the plan's cached
+# tp-local stages stayed alive (1.14 x on tp rank 0, 1.69 x on tp rank 1: its own stage module too,
+# held by the shared graph's owning_module).  At tp = 1 the plan's modules are the user's, so (1, 1, 2)
+# and (2, 1, 2) passed before too; they keep that so.
+HELD = 0.6
+
+
+def _held(results):
+    for r in results:
+        assert r["sharded"] > 0 and r["held"] <= HELD * r["stage"], r
+
+
+def test_non_meta_model_sharded_holds_only_its_shards(pool2):
+    _held(pool2.run(C.held_beyond_user_model, "timm_cls", (1, 1, 2)))
+
+
+@pytest.mark.parametrize("name,mesh,dp_shard", [("tp_timm", (1, 2, 2), "stage"), ("tp_timm", (1, 2, 2), "layer"),
+                                                ("timm_cls", (2, 1, 2), "stage")],
+                         ids=["tp2-stage", "tp2-layer", "pp2-stage"])
+@pytest.mark.default_cases("tp2-stage")
+def test_non_meta_model_sharded_holds_only_its_shards_with_tp_and_pp(pool4, name, mesh, dp_shard):
+    _held(pool4.run(C.held_beyond_user_model, name, mesh, dp_shard=dp_shard))
+
+
 def test_rebuilt_on_the_same_mesh_after_close(pool4):
     """close() destroys the groups; torch's DTensor caches key on mesh equality (not the groups), so a
     module rebuilt on the same mesh got the destroyed groups back from them after its AdamW steps

@@ -128,8 +128,9 @@ def test_meta_model_trains_like_materialized(pool4, variant, mesh, kw):
         assert r["held"] < r["full"], r
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every live, non-meta plain tensor in the process.
+def live_tensor_bytes(exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages of every live, non-meta plain tensor in the process (but those
+    whose storage's ``data_ptr`` is in ``exclude``).
 
     Every tensor Python code can reach is an object the garbage collector tracks (parameters and
     their shards, buffers, gradients, optimizer state, and whatever a plan, a closure or a list keeps),
@@ -144,7 +145,7 @@ def live_tensor_bytes() -> int:
         if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta and not is_fake(obj):
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
 def _local_bytes(t: torch.Tensor) -> int:

@@ -40,7 +40,7 @@ from autosplit.runtime.parallel import tp2d_collectives  # noqa: F401  (register
 from autosplit.runtime.faults.loss_check import checked_loss
 from autosplit.runtime.parallel.buffers import BufferSync
 from autosplit.runtime.parallel.data_parallel import GradBuckets
-from autosplit.runtime.parallel.fsdp import StageSharding
+from autosplit.runtime.parallel.fsdp import StageSharding, release_plan_values
 from autosplit.runtime.pipeline.compiled_stages import compile_units, unalias_grads
 from autosplit.runtime.pipeline.executor import PipelineExecutor
 from autosplit.runtime.stage.checkpointing import checkpointed
@@ -232,6 +232,9 @@ class RankPlanner:
                                                            opts.autocast)
             self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial, values)
             self.buckets = self.sharding.grads
+            # the shards are this rank's values now: the plan's copies of whole stages go (fsdp.py)
+            del modules
+            release_plan_values(plan, self.model)
         else:
             self.raw_modules = modules
             self.modules = [checkpointed(m, self.model, opts.recompute) for m in self.raw_modules]

@@ -222,6 +222,51 @@ class StageSharding:
                     m.reshard()
 
 
+def release_plan_values(plan, model: torch.nn.Module) -> int:
+    """Drop the plan's own copies of stage values once ``StageSharding`` holds this rank's shards
+    (issue 50 item 8: under ``dp_shard`` a model not built on meta kept whole stages beside its shards).
+
+    What held them: ``plan.modules`` (every stage at tp rank 0: with tp > 1 each split parameter is a
+    new tensor, rank 0's slice), ``plan._tp_modules`` (a tp rank's stage modules, built on demand), the
+    tensor-parallel plan's cache of what its makers built per tp rank (``tp_plan._cache``), and the
+    stage graphs: a tp rank's module is built on its stage's graph, and fx makes the graph name it
+    ``owning_module`` (a strong reference that outlives the cache).
+
+    The caches are emptied (a later ``plan.stage_modules`` builds them again, from the user's model)
+    and each graph is owned by its ``plan.modules`` entry again.  ``plan.modules`` stays, for its
+    names, shapes and graphs (the state dict's owners, dumps, agreement), with each tensor that is not
+    the user's own replaced by a meta tensor of its shape and dtype.  The user's model, and the tensors
+    the plan shares with it (every tensor at tp = 1, the replicated ones with tp > 1), are the user's
+    and are not touched.  Returns the bytes of the storages the plan no longer references."""
+    user_ids = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    user_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    user_ptrs.discard(0)
+    tp_plan = plan.tp_plan
+    if tp_plan is not None and isinstance(getattr(tp_plan, "_cache", None), dict):
+        tp_plan._cache.clear()
+    plan._tp_modules.clear()
+    for root in plan.modules:     # a tp rank's stage module shares its graph, which then names it as owner
+        root.graph.owning_module = root
+    memo: dict[int, torch.Tensor] = {}
+    released: dict[int, int] = {}
+    for root in plan.modules:
+        for module in root.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or t.is_meta or id(t) in user_ids:
+                        continue
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() in user_ptrs:       # a view of the user's tensor
+                        continue
+                    if id(t) not in memo:
+                        meta = torch.empty_like(t, device="meta")
+                        memo[id(t)] = (torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+                                       if isinstance(t, torch.nn.Parameter) else meta)
+                        released[storage.data_ptr()] = storage.nbytes()
+                    table[name] = memo[id(t)]
+    return sum(released.values())
+
+
 class ShardedGrads:
     """The dp gradient sync of sharded stages, with GradBuckets' interface (data_parallel.py):
     ``arm(stage)`` before a stage's last backward of the step, ``finish()`` after the schedule,

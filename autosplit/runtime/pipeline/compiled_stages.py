@@ -46,6 +46,7 @@ def compile_settings(value) -> dict | None:
     if value is None or value is False:
         return None
     if value is True:
+        _refuse_cuda_graphs({})         # inductor's global config may turn them on
         return {}
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(SETTINGS))
@@ -54,6 +55,7 @@ def compile_settings(value) -> dict | None:
                                  f"{', '.join(map(repr, unknown))}; a dict takes torch.compile's "
                                  f"{', '.join(SETTINGS)}")
         _check_with_torch(value)
+        _refuse_cuda_graphs(value)
         return dict(value)
     raise AutosplitError(f"compile_stages={value!r}: expected True, False, or a dict of torch.compile "
                          f"arguments ({', '.join(SETTINGS)})")
@@ -69,6 +71,50 @@ def _check_with_torch(settings: dict) -> None:
     except Exception as exc:    # torch raises InvalidBackend, RuntimeError or AssertionError, by value
         raise AutosplitError(f"compile_stages={settings!r}: torch.compile refuses it: {type(exc).__name__}: "
                              f"{str(exc)[:300]}") from exc
+
+
+# the modes and backend that record CUDA graphs, and the inductor option that turns them on
+_GRAPH_MODES_HINT = ('use mode="max-autotune-no-cudagraphs" (max-autotune\'s kernels without CUDA graphs) or '
+                     'mode="default"')
+
+
+def _cuda_graph_source(settings: dict) -> str | None:
+    """What in ``settings`` turns on CUDA graphs (a phrase naming it), or None.  Read from torch's own
+    table of modes (``torch._inductor.list_mode_options``: "reduce-overhead" and "max-autotune" set
+    ``triton.cudagraphs``), the ``options`` dict, the "cudagraphs" backend, and inductor's global config
+    (``torch._inductor.config.triton.cudagraphs = True`` set by the caller)."""
+    backend = settings.get("backend", "inductor")
+    if backend == "cudagraphs":
+        return 'backend="cudagraphs"'
+    if backend != "inductor":
+        return None
+    mode = settings.get("mode")
+    if mode is not None:
+        from torch._inductor import list_mode_options
+        if list_mode_options(mode, settings.get("dynamic")).get("triton.cudagraphs"):
+            return f"mode={mode!r} (it sets triton.cudagraphs)"
+    options = settings.get("options") or {}
+    if options.get("triton.cudagraphs"):
+        return "options={'triton.cudagraphs': True}"
+    if "triton.cudagraphs" not in options:      # no mode sets it False: the global config then decides
+        from torch._inductor import config
+        if config.triton.cudagraphs:
+            return "torch._inductor.config.triton.cudagraphs = True"
+    return None
+
+
+def _refuse_cuda_graphs(settings: dict) -> None:
+    """Refuse settings that record CUDA graphs (issue 50 item 6).  On a graph's replay only the recorded
+    kernels run, not Python: the zero-bubble weight-gradient op (autosplit/weight_grad_ops.py) queues its
+    GEMMs for W from its Python body, so replayed W gradients would stay zero (silently wrong), and the
+    tensor-parallel collectives (runtime/parallel/traceable_collectives.py) would be replayed as
+    recorded NCCL kernels outside the watchdog's guarded, deadline-checked calls."""
+    source = _cuda_graph_source(settings)
+    if source is not None:
+        raise AutosplitError(
+            f"compile_stages={settings!r}: {source} records CUDA graphs, which autosplit refuses: a graph's "
+            f"replay runs none of the custom ops' Python (zero-bubble's deferred weight gradients would stay "
+            f"zero) and replays the collectives outside the watchdog; {_GRAPH_MODES_HINT}")
 
 
 class _CompiledForward:
