@@ -97,7 +97,6 @@ _declare("LayerNorm layer_norm_2d LayerNorm2d", kind="norm", fresh_grad=True, ro
 _declare("RMSNorm", kind="norm", rowwise=True, cost="rms_norm")
 _declare("group_norm GroupNorm", kind="norm", cost="group_norm")
 _declare("batch_norm _BatchNorm", kind="norm", cost="batch_norm")  # _BatchNorm: torch's base of BatchNorm1d/2d/3d
-_declare("normalize", kind="norm", shard="softmax")                 # F.normalize: divides by the p-norm along a dim
 _declare("embedding", kind="gather", shard="embedding")
 
 # -- pointwise ------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Failure paths the watchdog once missed (issue 50, item 7): a fault injected on one rank ends every
 rank within timeout_s plus a margin, with a message naming the rank and what it was doing.  Each case
 runs on a pool of its own, thrown away after: a fault may leave its ranks unusable."""
+import pytest
+
 from tests import checks_fault_paths as checks
 from tests.dist_pool import Pool
 
@@ -29,6 +31,7 @@ def test_ranks_with_different_meshes_fail_before_building_groups():
         assert r["seconds"] < MARGIN_S, r          # at once, not at the deadline
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_calls_parallelize_is_named():
     timeout_s = 3.0
     r0, r1 = _values(_on_fresh_pool(checks.one_rank_skips_parallelize, timeout_s))

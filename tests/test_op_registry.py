@@ -224,15 +224,19 @@ def test_norm_reads_p_and_dim_by_name(form, reduced, kept):
     _plans(form)
 
 
-@pytest.mark.parametrize("form, dim", [
-    (lambda h, g: F.normalize(h) + g, 1),                  # torch's default dim is 1, not -1
-    (lambda h, g: F.normalize(h, 2.0, -1) + g, 2),         # p by position, then dim
-    (lambda h, g: F.normalize(h, dim=-1) * g, 2),
+@pytest.mark.parametrize("form", [
+    lambda h, g: F.normalize(h) + g,
+    lambda h, g: F.normalize(h, 2.0, -1) + g,              # p by position, then dim
+    lambda h, g: F.normalize(h, dim=-1) * g,
 ])
-def test_normalize_needs_its_dim_whole(form, dim):
+def test_normalize_stays_opaque(form):
+    """F.normalize is not declared: every dim of its input is needed whole.  Declared with the softmax
+    rule (its dim whole, the others passed through) it planned xcit's cross-covariance attention under
+    3D wrongly: q and k, normalized over tokens, kept their tp_z channel split into q @ k^T, whose
+    result then held only the diagonal blocks (tests/test_timm_zoo.py, 3d-xcit: loss off by 3.7e-5,
+    BatchNorm statistics by 8.5e-4).  Until the grid lowering is shown right for it, opaque it stays."""
     node, table, rules = _rules(form)
-    r, x = table[node], rules.layouts[node.args[0]]
-    assert op(node) is OPS["normalize"] and r.out == x and r.forbid == rules._leaves([x[dim]])
+    assert op(node).kind == "opaque" and not op(node).shard
     _plans(form)
 
 

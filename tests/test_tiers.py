@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,6 +25,7 @@ def test_tiers_partition_the_tests():
     assert everything == default | heavy
 
 
+@pytest.mark.slow
 def test_a_marker_expression_selects_by_itself():
     assert _collect("checks_tiers.py", "-m", "slow")[1] == {"test_marked", "test_cases[1]", "test_cases[3]"}
     assert _collect("checks_tiers.py", "-m", "world8")[1] == {"test_big_world"}
