@@ -131,10 +131,11 @@ def finish_step(program, scaler, loss_sum: torch.Tensor, earlier: list, num_micr
     reduce_partial_grads(program.partial_params, earlier, world, watchdog, dp_sync)
     watchdog.at("buffer broadcast over dp")
     program.sync_buffers()
-    params = [p for m in program.raw_modules for p in m.parameters()] if scaler.enabled else []
+    params, overflow = [], None
     if scaler.enabled:
         watchdog.at("loss scaler unscale")
-    overflow = scaler.unscale(params, world.device) if scaler.enabled else None
+        params = [p for m in program.raw_modules for p in m.parameters()]
+        overflow = scaler.unscale(params, world.device)
     loss, overflow_anywhere = global_mean(loss_sum, overflow, num_microbatches, world, watchdog)
     if scaler.enabled:
         watchdog.at("loss scaler update")
