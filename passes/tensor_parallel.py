@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.fx.passes.infra.pass_base import PassResult
 
 from autosplit.cost_model.comm import linear_2d_time
+from autosplit.passes.decompose_attention import decompose_attention
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.sharding.grid import shard_grid
@@ -71,6 +72,8 @@ class TensorParallel(MetaPass):
                 n.meta["spec"] = {"tp": Replicate()}
             s.put(tp_plan=None)
             return PassResult(graph_module, False)
+        # nn.MultiheadAttention as the ops it computes, so it is split by heads like any attention block
+        kept = decompose_attention(graph_module)
         if opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
             budget = (s.budget if s.budget is not None else s.profile.memory_bytes) * s.mesh.pp
             tp_plan, graph_module, mode, depth, line = choose(graph_module, s.inputs, tp, s.profile, budget,
@@ -79,6 +82,7 @@ class TensorParallel(MetaPass):
             tp_plan.notes.insert(0, line)
         else:
             tp_plan = self.rewrite(graph_module, opts.tp_mode, opts.tp_depth)
+        tp_plan.notes.extend(kept)
         s.put(tp_plan=tp_plan)
         graph = graph_module.graph
         return PassResult(fx.GraphModule(tp_plan.local_root(0, graph), graph, type(s.model).__name__), True)
