@@ -13,9 +13,11 @@ Terms:
              column-parallel layers, whose input gradients are partial sums (so its backward
              reduce-scatters); ``gather`` feeds replicated ops, whose gradients are already whole (so
              its backward only slices).  ``full`` is the unsharded size of that dim: when it does not
-             divide by n, shards are ceil(full / n) long and the last rank's is padded with zeros
-             (padding never reaches the unsharded tensor).  None: n shards of equal size, whatever it
-             is (a grid's rows: the graph then holds no microbatch size).
+             divide by n, shards are ceil(full / n) long and the last rank's is padded (see *padding*;
+             the padding never reaches the unsharded tensor).  None: n shards of equal size, whatever
+             it is (a grid's rows: the graph then holds no microbatch size).
+  padding -- the rows a padded split appends.  An activation is padded with copies of its last real
+             row, a gradient with zeros (``pad``'s ``fill``: why each, there).
   backend -- what runs an op on real tensors: the runtime binds one (autosplit/runtime/
              parallel/tp_collectives.py: process groups and autograd functions).  On meta tensors every op only
              computes its output's shape, which is all planning needs, so this module imports no
@@ -86,20 +88,41 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to a multiple of n."""
+def pad(x: torch.Tensor, dim: int, n: int, fill: str) -> torch.Tensor:
+    """``x`` extended along ``dim`` to a multiple of n with ``fill``: "copy" (copies of its last row,
+    detached; for activations) or "zero" (for gradients).
+
+    Why copies for an activation: every op a padded split passes through is row-wise (the engine
+    splits nothing else with padding), so a padding row computes what the real row it copies computes,
+    and is finite wherever the model's own values are.  Zeros are not: ``x * rsqrt(mean(x**2))`` or
+    ``x / x.norm()`` of a zero row is NaN, and the backward's 0 * inf puts NaN in the weight gradients
+    that sum over every row (a mask would have to follow the padding through every op of the region).
+    Every padded split copies the same row (the last), so an op of two padded operands (the residual
+    add of a sliced input and a reduce-scattered sum) sees copies of one row in both, and a
+    reduce-scatter summing each rank's copies of its partial last row gives copies of the summed one.
+    Detached: a padding row reaches no output, and no gradient must flow back through the copy.
+    Why zeros for a gradient: the padding rows reach no output, so their gradient is zero; a copy
+    would add the last row's gradient again to every weight gradient.
+    """
+    if fill not in ("copy", "zero"):
+        raise ValueError(f"pad: fill is 'copy' (an activation) or 'zero' (a gradient), not {fill!r}")
     dim = _dim(x, dim)
     extra = -x.shape[dim] % n
     if not extra:
         return x
-    widths = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
-    return F.pad(x, widths)
+    if fill == "zero":
+        widths = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+        return F.pad(x, widths)
+    last = x.detach().narrow(dim, x.shape[dim] - 1, 1)                  # (..., 1, ...)
+    sizes = list(x.shape)
+    sizes[dim] = extra
+    return torch.cat([x, last.expand(sizes)], dim=dim)
 
 
-def shard(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``x`` split n ways along ``dim`` (padded first)."""
+def shard(x: torch.Tensor, dim: int, n: int, rank: int, fill: str) -> torch.Tensor:
+    """Rank ``rank``'s part of ``x`` split n ways along ``dim`` (padded first with ``fill``: see ``pad``)."""
     dim = _dim(x, dim)
-    return pad(x, dim, n).chunk(n, dim=dim)[rank].contiguous()
+    return pad(x, dim, n, fill).chunk(n, dim=dim)[rank].contiguous()
 
 
 def copy_to_axis(x: torch.Tensor, axis: str, owned: bool = False) -> torch.Tensor:
@@ -144,7 +167,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor
     """Partial sums -> Shard(dim) over n ranks: reduce-scatter forward, all-gather backward."""
     dim = _dim(x, dim)
     if _planning(x):
-        return shard(x, dim, n, 0).clone()
+        return shard(x, dim, n, 0, "copy").clone()
     return _backend().reduce_scatter(x, dim, axis)
 
 
@@ -152,7 +175,7 @@ def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     """Replicated -> Shard(dim) over n ranks: this rank's slice forward, all-gather backward."""
     dim = _dim(x, dim)
     if _planning(x):
-        return shard(x, dim, n, 0).clone()
+        return shard(x, dim, n, 0, "copy").clone()
     return _backend().local_slice(x, dim, axis)
 
 

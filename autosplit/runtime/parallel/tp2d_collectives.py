@@ -36,24 +36,18 @@ def _gather_w(w, row):          # (out/q, in/q) -> (out/q, in)
     return T._all_gather(w, 1, row, w.shape[1] * dist.get_world_size(T._group(row)))
 
 
-class _Linear2D(torch.autograd.Function):
-    """Both forms save only the local blocks x (..., in/q) and w (out/q, in/q)."""
+def _linear_2d(x, w, row: str, col: str, form: str) -> torch.Tensor:
+    """The forward of either form (tp_functions.py ``Linear2D``): (..., in/q) x (out/q, in/q) -> (..., out/q)."""
+    T.COUNTS[("linear_2d", "fwd")] += 1
+    if form == "summa":
+        return _summa_forward(x, w, row, col)
+    return _gather_x(x, col) @ _gather_w(w, row).t()
 
-    @staticmethod
-    def forward(ctx, x, w, row, col, form):
-        ctx.save_for_backward(x, w)
-        ctx.axes, ctx.form = (row, col), form
-        T.COUNTS[("linear_2d", "fwd")] += 1
-        if form == "summa":
-            return _summa_forward(x, w, row, col)
-        return _gather_x(x, col) @ _gather_w(w, row).t()    # (..., out/q)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        T.COUNTS[("linear_2d", "bwd")] += 1
-        grads = (_summa_backward if ctx.form == "summa" else _gather_backward)(x, w, dy, *ctx.axes)
-        return (*grads, None, None, None)
+def _linear_2d_backward(x, w, dy, row: str, col: str, form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of either form, from the local blocks x, w and dy."""
+    T.COUNTS[("linear_2d", "bwd")] += 1
+    return (_summa_backward if form == "summa" else _gather_backward)(x, w, dy, row, col)
 
 
 def _gather_backward(x, w, dy, row, col):
@@ -110,26 +104,7 @@ def _summa_backward(x, w, dy, row, col):
     return dx, dw
 
 
-class _SumStats(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        T.COUNTS[("sum_stats", "fwd")] += 1
-        return T._all_reduce(x.clone(), axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        T.COUNTS[("sum_stats", "bwd")] += 1
-        return T._all_reduce(grad.clone(), ctx.axis), None
-
-
-def linear_2d(x, w, row: str, col: str, q: int, form: str):
-    return _Linear2D.apply(x, w, row, col, form)
-
-
-sum_stats = _SumStats.apply
-
-# The 2D ops join the backend that autosplit/tp/ops.py calls (this module builds on tp_collectives'
-# helpers, so the registration goes this way round and the import graph stays acyclic).
-T._Backend.linear_2d = staticmethod(linear_2d)
-T._Backend.sum_stats = staticmethod(sum_stats)
+# The 2D ops join the eager transport (this module builds on tp_collectives' helpers, so the
+# registration goes this way round and the import graph stays acyclic).
+T.Eager.linear_2d = staticmethod(_linear_2d)
+T.Eager.linear_2d_backward = staticmethod(_linear_2d_backward)

@@ -1,4 +1,5 @@
-"""The runtime half of tensor-parallel collectives: process groups, waits and autograd functions.
+"""The runtime half of tensor-parallel collectives: process groups, waits, and the eager transport of
+the autograd functions (written once for both backends in runtime/parallel/tp_functions.py).
 
 Terms: see autosplit/tp/ops.py (the graph vocabulary: axis, copy, all_reduce, all_gather, gather,
 reduce_scatter, local_slice).  ``bind_axis_groups`` tells the ops which process group each axis
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from autosplit.runtime.parallel.tp_functions import functions
 from autosplit.tp import ops
 from autosplit.tp.ops import pad, shard
 from autosplit.weight_grad import DEFERRED
@@ -113,11 +115,14 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str, full: int) -> torch.Tensor
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False) -> torch.Tensor:
-    """``backward``: an entry's input gradient; the queued weight-gradient GEMMs overlap it."""
+    """``backward``: an entry's input gradient; the queued weight-gradient GEMMs overlap it, and a padded
+    split pads it with zeros (an activation with copies of its last row: ``ops.pad``)."""
     group = _group(axis)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
+    fill = "zero" if backward else "copy"
     if dist.get_backend(group) == "nccl":
-        chunks = pad(x, dim, n).movedim(dim, 0).contiguous()
+        # each rank pads its partial sum with copies of its last row: their sum is the summed last row
+        chunks = pad(x, dim, n, fill).movedim(dim, 0).contiguous()
         out = torch.empty_like(chunks.chunk(n)[0])
         work = dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True)
         if backward:
@@ -125,45 +130,51 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False
         _wait(work, f"reduce_scatter over {axis}", "input_grad" if backward else "other")
         return out.movedim(0, dim).contiguous()
     if backward:                                                 # gloo has no reduce_scatter
-        return shard(_all_reduce_overlapped(x.clone(), axis), dim, n, rank)
-    return shard(_all_reduce(x.clone(), axis), dim, n, rank)
+        return shard(_all_reduce_overlapped(x.clone(), axis), dim, n, rank, fill)
+    return shard(_all_reduce(x.clone(), axis), dim, n, rank, fill)
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, owned=False):
-        ctx.axis, ctx.owned = axis, owned
-        COUNTS[("copy", "fwd")] += 1
-        return x.view_as(x)
+class Eager:
+    """The transport of the eager backend (runtime/parallel/tp_functions.py): process groups called
+    directly, each call counted where its bytes move."""
 
     @staticmethod
-    def backward(ctx, grad):
-        COUNTS[("copy", "bwd")] += 1
-        # in place only where the graph says the gradient is this op's alone (``owned``: every reader
-        # computes a fresh input gradient, a GEMM's, as Megatron's f before a column-parallel linear).
-        # Otherwise autograd may hand the same gradient to other readers (an add passes its one gradient
-        # to both operands; a one-row expand or a slice of a cat hands a view of it), and an in-place
-        # sum would change what they read (2.5D's cls token: its gradient summed twice).
-        return _all_reduce_overlapped(grad if ctx.owned else grad.clone(), ctx.axis), None, None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        COUNTS[("all_reduce", "fwd")] += 1
-        out = _all_reduce(x, axis)
-        if out is x:
-            ctx.mark_dirty(x)     # reduced in place: autograd must know x changed
-        return out
+    def rank(axis: str) -> int:
+        return dist.get_rank(_group(axis))
 
     @staticmethod
-    def backward(ctx, grad):
-        COUNTS[("all_reduce", "bwd")] += 1
-        return grad, None
+    def size(axis: str) -> int:
+        return dist.get_world_size(_group(axis))
+
+    @staticmethod
+    def note(key: str) -> None:
+        COUNTS[tuple(key.split("/"))] += 1
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor, axis: str, key: str, overlap: bool, owned: bool) -> torch.Tensor:
+        """``owned``: the caller's buffer is summed in place (``_all_reduce``), else a copy of it."""
+        Eager.note(key)
+        x = x if owned else x.clone()
+        return (_all_reduce_overlapped if overlap else _all_reduce)(x, axis)
+
+    @staticmethod
+    def all_gather(x: torch.Tensor, dim: int, axis: str, full: int | None, key: str) -> torch.Tensor:
+        Eager.note(key)
+        return _all_gather(x, dim, axis, full)
+
+    @staticmethod
+    def reduce_scatter(x: torch.Tensor, dim: int, axis: str, key: str, backward: bool) -> torch.Tensor:
+        Eager.note(key)
+        return _reduce_scatter(x, dim, axis, backward=backward)
+
+    # linear_2d / linear_2d_backward: tp2d_collectives.py adds them (it builds on the helpers above)
 
 
-class _AllReduceStart(_AllReduce):
-    """``_AllReduce`` launched, not waited (its backward, identity, is inherited)."""
+FUNCTIONS = functions(Eager)
+
+
+class _AllReduceStart(torch.autograd.Function):
+    """The forward all-reduce launched, not waited; identity backward."""
 
     @staticmethod
     def forward(ctx, x, axis):
@@ -173,6 +184,11 @@ class _AllReduceStart(_AllReduce):
         if out is x:
             ctx.mark_dirty(x)
         return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        COUNTS[("all_reduce", "bwd")] += 1
+        return grad, None
 
 
 class _Wait(torch.autograd.Function):
@@ -190,80 +206,27 @@ class _Wait(torch.autograd.Function):
         return grad
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, full):
-        ctx.dim, ctx.axis = dim, axis
-        COUNTS[("all_gather", "fwd")] += 1
-        return _all_gather(x, dim, axis, full)
-
-    @staticmethod
-    def backward(ctx, grad):
-        COUNTS[("all_gather", "bwd")] += 1          # runs a reduce-scatter
-        return _reduce_scatter(grad, ctx.dim, ctx.axis, backward=True), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, full):
-        group = _group(axis)
-        ctx.dim, ctx.n, ctx.rank = dim, dist.get_world_size(group), dist.get_rank(group)
-        COUNTS[("gather", "fwd")] += 1
-        return _all_gather(x, dim, axis, full)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return shard(grad, ctx.dim, ctx.n, ctx.rank), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):
-        ctx.dim, ctx.axis, ctx.full = dim, axis, x.shape[dim]
-        COUNTS[("reduce_scatter", "fwd")] += 1
-        return _reduce_scatter(x, dim, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        COUNTS[("reduce_scatter", "bwd")] += 1      # runs an all-gather
-        return _all_gather(grad, ctx.dim, ctx.axis, ctx.full), None, None
-
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):
-        group = _group(axis)
-        ctx.dim, ctx.axis, ctx.full = dim, axis, x.shape[dim]
-        COUNTS[("local_slice", "fwd")] += 1
-        return shard(x, dim, dist.get_world_size(group), dist.get_rank(group))
-
-    @staticmethod
-    def backward(ctx, grad):
-        COUNTS[("local_slice", "bwd")] += 1         # runs an all-gather
-        return _all_gather(grad, ctx.dim, ctx.axis, ctx.full), None, None
-
-
 def reduce_grad(grad: torch.Tensor, axis: str) -> torch.Tensor:
     """Sum a parameter's partial gradient over the axis (a tensor hook, not a graph node)."""
     COUNTS[("grad_all_reduce", "bwd")] += 1
     return _all_reduce(grad, axis)
 
 
-
-
 class _Backend:
     """What ``autosplit.tp.ops`` calls on real tensors."""
 
-    @staticmethod
-    def axis_rank(axis: str) -> int:
-        return dist.get_rank(_group(axis))
-
-    copy_to_axis = staticmethod(_Copy.apply)
-    all_reduce = staticmethod(_AllReduce.apply)
+    axis_rank = staticmethod(Eager.rank)
+    copy_to_axis = staticmethod(FUNCTIONS.Copy.apply)
+    all_reduce = staticmethod(FUNCTIONS.AllReduce.apply)
     all_reduce_start = staticmethod(_AllReduceStart.apply)
     wait = staticmethod(_Wait.apply)
-    all_gather = staticmethod(_AllGather.apply)
-    gather = staticmethod(_Gather.apply)
-    reduce_scatter = staticmethod(_ReduceScatter.apply)
-    local_slice = staticmethod(_Slice.apply)
+    all_gather = staticmethod(FUNCTIONS.AllGather.apply)
+    gather = staticmethod(FUNCTIONS.Gather.apply)
+    reduce_scatter = staticmethod(FUNCTIONS.ReduceScatter.apply)
+    local_slice = staticmethod(FUNCTIONS.Slice.apply)
 
+    @staticmethod
+    def linear_2d(x, w, row: str, col: str, q: int, form: str):
+        return FUNCTIONS.Linear2D.apply(x, w, row, col, form)
+
+    sum_stats = staticmethod(FUNCTIONS.SumStats.apply)

@@ -11,10 +11,11 @@ process groups, the Watchdog, ``COUNTS``, the backward overlap with deferred wei
                 failing rank's message.
   functional -- a custom op may not return (an alias of) its input, so the ops that reduce in place in
                 eager mode (``all_reduce``) reduce a copy here; inductor owns the buffers anyway.
-  autograd   -- ``torch.autograd.Function``s around the ops, the eager backend's classes op for op
-                (dynamo traces a Function's forward and backward; AOTAutograd puts the backward ops in
-                the compiled backward graph).  A rank's coordinate along an axis (``local_slice``,
-                ``gather``'s backward) is read while tracing and becomes a constant of this rank's graph.
+  autograd   -- the Functions of runtime/parallel/tp_functions.py, written once for both backends, over
+                ``Traced`` (the custom ops) here (dynamo traces a Function's forward and backward;
+                AOTAutograd puts the backward ops in the compiled backward graph).  A rank's coordinate
+                along an axis (``local_slice``, ``gather``'s backward) is read while tracing and becomes
+                a constant of this rank's graph.
   in flight  -- ``all_reduce_start`` returns a *ticket* (a one-element int64 tensor naming the launch)
                 with the input; ``wait`` takes the pair and returns the sum.  The ticket is the data
                 edge that keeps inductor from reordering the wait before the launch, while the
@@ -32,8 +33,8 @@ from torch import Tensor
 
 from autosplit.runtime.parallel import tp2d_collectives as T2
 from autosplit.runtime.parallel import tp_collectives as T
+from autosplit.runtime.parallel.tp_functions import functions
 from autosplit.tp import ops
-from autosplit.tp.ops import shard
 
 _TICKETS = itertools.count()
 _LAUNCHED: dict[int, tuple] = {}        # ticket -> (buffer, Work, what): launched, not yet waited
@@ -81,6 +82,8 @@ def _(x, dim, axis, n, full, count):
 
 @torch.library.custom_op("autosplit::reduce_scatter", mutates_args=())
 def reduce_scatter(x: Tensor, dim: int, axis: str, n: int, count: str, overlap: bool) -> Tensor:
+    """``overlap``: an input gradient (all_gather's backward), whose padding rows are zeros; a forward
+    sum's are copies of its last row (``ops.pad``)."""
     T.COUNTS[tuple(count.split("/"))] += 1
     return T._reduce_scatter(x, dim, axis, backward=overlap)
 
@@ -124,10 +127,7 @@ def _(ticket, like):
 
 @torch.library.custom_op("autosplit::linear_2d", mutates_args=())
 def linear_2d(x: Tensor, w: Tensor, row: str, col: str, form: str) -> Tensor:
-    T.COUNTS[("linear_2d", "fwd")] += 1
-    if form == "summa":
-        return T2._summa_forward(x, w, row, col)
-    return T2._gather_x(x, col) @ T2._gather_w(w, row).t()
+    return T2._linear_2d(x, w, row, col, form)          # counts linear_2d/fwd
 
 
 @linear_2d.register_fake
@@ -137,8 +137,7 @@ def _(x, w, row, col, form):
 
 @torch.library.custom_op("autosplit::linear_2d_backward", mutates_args=())
 def linear_2d_backward(x: Tensor, w: Tensor, dy: Tensor, row: str, col: str, form: str) -> tuple[Tensor, Tensor]:
-    T.COUNTS[("linear_2d", "bwd")] += 1
-    dx, dw = (T2._summa_backward if form == "summa" else T2._gather_backward)(x, w, dy, row, col)
+    dx, dw = T2._linear_2d_backward(x, w, dy, row, col, form)   # counts linear_2d/bwd
     return dx.contiguous(), dw.contiguous()
 
 
@@ -147,108 +146,49 @@ def _(x, w, dy, row, col, form):
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
-# ---- autograd: the eager backend's Functions, op for op ----------------------------------------------
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return x.view_as(x)
+# ---- autograd: the Functions of runtime/parallel/tp_functions.py over the custom ops -------------------
+class Traced:
+    """The traceable transport (tp_functions.py): each collective one custom op, counted inside it; a
+    sum always on a copy (a custom op never writes its input, so ``owned`` changes nothing here).  A
+    rank's coordinate along an axis is read while tracing and becomes a constant of this rank's graph."""
+
+    size = staticmethod(_size)
+    rank = staticmethod(T.Eager.rank)
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.axis, "copy/bwd", True), None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        return all_reduce(x, axis, "all_reduce/fwd", False)
+    def note(key: str) -> None:
+        """A call that moves nothing: not counted when compiled (its Python does not run in the graph)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, full):
-        ctx.dim, ctx.axis, ctx.n = dim, axis, _size(axis)
-        return all_gather(x, dim, axis, ctx.n, full, "all_gather/fwd")
+    def all_reduce(x: Tensor, axis: str, key: str, overlap: bool, owned: bool) -> Tensor:
+        return all_reduce(x, axis, key, overlap)
 
     @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.axis, ctx.n, "all_gather/bwd", True), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, full):
-        ctx.dim, ctx.n, ctx.rank = dim, _size(axis), ops.axis_rank(axis)
-        return all_gather(x, dim, axis, ctx.n, full, "gather/fwd")
+    def all_gather(x: Tensor, dim: int, axis: str, full: int | None, key: str) -> Tensor:
+        return all_gather(x, dim, axis, _size(axis), full, key)
 
     @staticmethod
-    def backward(ctx, grad):
-        return shard(grad, ctx.dim, ctx.n, ctx.rank), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):
-        ctx.dim, ctx.axis, ctx.n, ctx.full = dim, axis, _size(axis), x.shape[dim]
-        return reduce_scatter(x, dim, axis, ctx.n, "reduce_scatter/fwd", False)
+    def reduce_scatter(x: Tensor, dim: int, axis: str, key: str, backward: bool) -> Tensor:
+        return reduce_scatter(x, dim, axis, _size(axis), key, backward)
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.axis, ctx.n, ctx.full, "reduce_scatter/bwd"), None, None
-
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):
-        ctx.dim, ctx.axis, ctx.n, ctx.full = dim, axis, _size(axis), x.shape[dim]
-        return shard(x, dim, ctx.n, ops.axis_rank(axis))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.axis, ctx.n, ctx.full, "local_slice/bwd"), None, None
-
-
-class _Linear2D(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, row, col, form):
-        ctx.save_for_backward(x, w)
-        ctx.axes, ctx.form = (row, col), form
+    def linear_2d(x: Tensor, w: Tensor, row: str, col: str, form: str) -> Tensor:
         return linear_2d(x, w, row, col, form)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx, dw = linear_2d_backward(x, w, dy, *ctx.axes, ctx.form)
-        return dx, dw, None, None, None
+    def linear_2d_backward(x: Tensor, w: Tensor, dy: Tensor, row: str, col: str, form: str):
+        return linear_2d_backward(x, w, dy, row, col, form)
 
 
-class _SumStats(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return all_reduce(x, axis, "sum_stats/fwd", False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.axis, "sum_stats/bwd", False), None
+FUNCTIONS = functions(Traced)
 
 
 class TraceableBackend:
     """What ``autosplit.tp.ops`` calls while dynamo traces a stage (``ops.bind_traceable``)."""
 
-    axis_rank = staticmethod(T._Backend.axis_rank)
-
-    @staticmethod
-    def copy_to_axis(x, axis, owned=False):
-        # the sum is taken on a copy whatever ``owned`` says: a custom op never writes its input
-        return _Copy.apply(x, axis)
-
-    all_reduce = staticmethod(_AllReduce.apply)
+    axis_rank = staticmethod(T.Eager.rank)
+    copy_to_axis = staticmethod(FUNCTIONS.Copy.apply)
+    all_reduce = staticmethod(FUNCTIONS.AllReduce.apply)
 
     @staticmethod
     def all_reduce_start(x, axis):
@@ -260,16 +200,16 @@ class TraceableBackend:
         ticket, x = pair
         return _Waited.apply(ticket, x)
 
-    all_gather = staticmethod(_AllGather.apply)
-    gather = staticmethod(_Gather.apply)
-    reduce_scatter = staticmethod(_ReduceScatter.apply)
-    local_slice = staticmethod(_Slice.apply)
+    all_gather = staticmethod(FUNCTIONS.AllGather.apply)
+    gather = staticmethod(FUNCTIONS.Gather.apply)
+    reduce_scatter = staticmethod(FUNCTIONS.ReduceScatter.apply)
+    local_slice = staticmethod(FUNCTIONS.Slice.apply)
 
     @staticmethod
     def linear_2d(x, w, row, col, q, form):
-        return _Linear2D.apply(x, w, row, col, form)
+        return FUNCTIONS.Linear2D.apply(x, w, row, col, form)
 
-    sum_stats = staticmethod(_SumStats.apply)
+    sum_stats = staticmethod(FUNCTIONS.SumStats.apply)
 
 
 class _Waited(torch.autograd.Function):
