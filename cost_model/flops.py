@@ -25,6 +25,8 @@ Rules (N = output elements):
   einsum               product of all index sizes (the loop nest) MACs per extra operand.
   sdpa                 2 matmuls of B*L*S*E MACs (QK^T, PV) + softmax 5 FLOPs per score; is_causal halves.
                        Saves q, k, v, out and a float32 logsumexp per row (flash style, no score matrix).
+                       Backward as flash kernels run it: 5 matmuls (QK^T recomputed, dV, dP, dQ, dK) and
+                       the softmax twice (recompute, gradient): 2.5x the forward's matmul FLOPs.
   MultiheadAttention   in-projections + the two attention matmuls + out-projection + softmax.
   norms                layer/group/batch norm 5 FLOPs/elt (+1 each for weight, bias); rms_norm 4 (+1).
   pointwise            per-element FLOPs: the registry entry's ``elt_cost`` (passes/op_registry.py).
@@ -48,8 +50,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from autosplit.passes.op_dims import named, nth
 from autosplit.passes.op_names import op_name
-from autosplit.passes.op_registry import cost_entry, module_entry
+from autosplit.passes.op_registry import arguments, cost_entry, module_entry
 from autosplit.passes.shape_prop import tensor_bytes
 
 
@@ -82,14 +85,16 @@ class _Est(NamedTuple):     # what a rule returns; bytes are added generically b
 
 # ----------------------------------------------------------------------------- argument helpers
 
+def _node_arg(node: fx.Node, i: int, name: str | None = None, default=None):
+    """Argument ``name`` of the registry's normalised view (passes/op_dims.py ``named``: by name,
+    overload resolved, whatever the caller spelled by keyword); without a name, the ``i``-th in the
+    signature's order (``nth``: operands named differently by overloads, as mm's ``mat2``)."""
+    return nth(node, i, default) if name is None else named(node, i, name, default)
+
+
 def _arg(node: fx.Node, i: int, name: str | None = None, default=None):
-    """Value of positional arg ``i`` (or kwarg ``name``): a Node's meta['val'], else the constant."""
-    if i is not None and i < len(node.args):
-        a = node.args[i]
-    elif name is not None and name in node.kwargs:
-        a = node.kwargs[name]
-    else:
-        return default
+    """``_node_arg``'s value: a Node's meta['val'], else the constant."""
+    a = _node_arg(node, i, name, default)
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
@@ -110,7 +115,7 @@ def _act_bytes(node: fx.Node, *positions: tuple[int, str], compute: bool = False
     out = node.meta.get("val")
     total = 0
     for i, name in positions:
-        a = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        a = _node_arg(node, i, name)
         if isinstance(a, fx.Node) and not _is_param(a):
             val = a.meta.get("val")
             if compute and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) \
@@ -148,7 +153,7 @@ def _linear(node, module):
 def _linear_2d(node, module):
     """(..., in/q) local block times the gathered (out/q, in) weight: a local GEMM over the full
     input features; backward two GEMMs.  Saves only the local blocks (x and w)."""
-    x, q = _arg(node, 0), node.args[4]
+    x, q = _arg(node, 0), node.args[4]          # our own op (autosplit/tp/ops.py): positional
     macs = _numel(node) * x.shape[-1] * q
     return _Est(2 * macs, 4 * macs, tensor_bytes(x))          # w is the parameter itself: not extra
 
@@ -164,11 +169,11 @@ def _attention_heads(node, module):
 
 
 def _matmul(node, module):   # matmul / mm / bmm: out[..., m, n] = sum_k a[..., m, k] b[..., k, n]
-    return _mm(node, (0, "input"), (1, "other"), add=0)
+    return _mm(node, (0, None), (1, None), add=0)          # other (matmul) / mat2 (mm, bmm)
 
 
 def _addmm(node, module):    # addmm(input, m1, m2) / baddbmm(input, b1, b2) = beta input + alpha m1 @ m2
-    return _mm(node, (1, "mat1"), (2, "mat2"), add=_numel(node))
+    return _mm(node, (1, None), (2, None), add=_numel(node))   # mat1, mat2 / batch1, batch2
 
 
 def _mm(node, pa, pb, add):
@@ -218,7 +223,9 @@ def _sdpa(node, module):
     fwd = 2 * macs + pointwise
     lse = batch * L * 4
     saved = _act_bytes(node, (0, "query"), (1, "key"), (2, "value")) + tensor_bytes(out) + lse
-    return _Est(fwd, 2 * fwd, saved)
+    # flash backward: QK^T again, then dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (5 matmuls to the
+    # forward's 2), the softmax recomputed from the saved logsumexp and its gradient (2 x pointwise)
+    return _Est(fwd, 5 * macs + 2 * pointwise, saved)
 
 
 def _seq_and_batch(x: torch.Tensor, batch_first: bool) -> tuple[int, int]:
@@ -250,7 +257,9 @@ def _pointwise(node, module):
     """FLOPs per element from the entry's ``elt_cost`` (passes/op_registry.py)."""
     per_elt, bwd_mult, needs = cost_entry(node).elt_cost
     n = _numel(node)
-    tensor_args = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
+    found = arguments(node)                    # keyword operands too (torch.add(x, other=y))
+    values = list(found.values()) if found is not None else list(node.args)
+    tensor_args = [i for i, a in enumerate(values) if isinstance(a, fx.Node)
                    and isinstance(a.meta.get("val"), torch.Tensor)]
     if needs == "output":
         saved = tensor_bytes(node.meta["val"])
@@ -372,9 +381,9 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> 
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     ins = node.all_input_nodes
     if getattr(node.target, "comm_kind", None) and not getattr(node.target, "cost_rule", None):
-        # a collective: its time is communication (comm.py)
-        moved = sum(tensor_bytes(a.meta.get("val")) for a in ins) + tensor_bytes(node.meta["val"])
-        return NodeCost(fwd_bytes=moved, bwd_bytes=moved)
+        # a collective: its time is communication (comm.py ``collective_time``), priced there alone; as a
+        # memory-bound op here too it would be priced twice (NCCL's kernels copy inside that time)
+        return ZERO
     in_b = sum(tensor_bytes(a.meta.get("val")) for a in ins)
     attr_b = sum(tensor_bytes(a.meta.get("val")) for a in ins if _is_param(a))
     out_b, param_b = tensor_bytes(node.meta["val"]), _module_params(module)

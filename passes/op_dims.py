@@ -15,6 +15,8 @@ Terms:
                   from the registry's normalised view (passes/op_registry.py ``arguments``: by name, the
                   overload resolved by torch's signatures), never by position; positions are the fallback
                   for a call torch gives no signature for.
+  nth          -- the i-th argument in the signature's order, keyword or not (``nth``): the operands of
+                  ops whose operand names differ between overloads (matmul's ``other``, mm's ``mat2``).
   shape read   -- ``x.shape`` / ``x.size()`` (the whole shape), then ``[i]`` with a constant int (one dim)
                   or a constant slice (several).
 """
@@ -45,8 +47,8 @@ def norm(d: int, ndim: int) -> int:
 
 
 def dim(node: fx.Node, i: int, name: str, ndim: int, default: int = 0) -> int:
-    """The normalized single dim of argument ``i`` / ``name`` (``default`` when it is absent)."""
-    d = arg(node, i, name, _ABSENT)
+    """The normalized single dim of argument ``name`` (see *named*; ``default`` when it is absent)."""
+    d = named(node, i, name, _ABSENT)
     return norm(default if d is _ABSENT or d is None else d, ndim)
 
 
@@ -64,6 +66,18 @@ def named(node: fx.Node, i: int, name: str, default=None):
     if found is None:
         return arg(node, i, name, default)
     return found.get(name, default)
+
+
+def nth(node: fx.Node, i: int, default=None):
+    """Argument ``i`` in the order of torch's signature for the call (whatever the caller spelled by
+    keyword: ``torch.matmul(a, other=b)``, ``torch.pow(x, exponent=y)``); argument ``i`` as given when
+    torch has no signature for it.  For operands whose name differs between overloads (``other``,
+    ``mat2``, ``exponent``)."""
+    found = arguments(node)
+    if found is None:
+        return node.args[i] if len(node.args) > i else default
+    values = list(found.values())
+    return values[i] if len(values) > i else default
 
 
 def reduced_dims(node: fx.Node, ndim: int) -> list[int]:

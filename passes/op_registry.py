@@ -41,6 +41,8 @@ Terms:
 """
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 
 import torch
@@ -246,13 +248,17 @@ def arguments(node: fx.Node) -> dict | None:
         target = node.target
     else:
         return None
-    if target is None:
+    if not callable(target):
+        return None                 # x.float(): torch.float is a dtype, not the method's function
+    if inspect.isfunction(target) and not (getattr(target, "__module__", None) or "").startswith("torch"):
+        # a Python function of ours or the user's (autosplit.tp.ops.layer_norm_2d): its own parameter
+        # names are not torch's ("x", not "input"), so no pass may read it through torch's
         return None
     try:
         found = normalize_function(target, tuple(node.args), dict(node.kwargs),
                                    arg_types=tuple(_type(a) for a in node.args),
                                    kwarg_types={k: _type(v) for k, v in node.kwargs.items()},
                                    normalize_to_only_use_kwargs=True)
-    except (RuntimeError, TypeError, ValueError):
+    except (RuntimeError, TypeError, ValueError, AssertionError):
         return None
     return dict(found.kwargs) if found is not None else None

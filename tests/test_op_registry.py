@@ -256,3 +256,28 @@ def test_adding_an_op_is_one_registry_entry():
     assert cost.fwd_flops == entry.elt_cost[0] * node.meta["val"].numel() > 0
     plan = _plans(form)
     assert any(n.target is torch.addcmul for n in plan.graph.graph.nodes)
+
+
+class _CrossCovariance(torch.nn.Module):
+    """q, k of one linear (one class of channels, as xcit's); q^T @ k over the tokens: (B, C, C) holds
+    that class in both dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk, self.out = torch.nn.Linear(6, 16), torch.nn.Linear(8, 6)
+
+    def forward(self, x):                                    # (B, N, 6)
+        q, k = self.qk(x).unflatten(-1, (2, 8)).unbind(-2)   # (B, N, 8) each
+        return self.out(q @ (q.transpose(-2, -1) @ k))       # (B, N, 6)
+
+
+def test_a_class_in_two_dims_of_one_tensor_is_not_split():
+    """q^T @ k with q and k split on the same channel class gave each rank its diagonal (4, 4) block of
+    the (8, 8) product, planned as split by rows (S(1)), and q @ that block kept the shapes consistent:
+    silently wrong (the engine bug behind xcit's 3D failure with F.normalize declared).  A class that
+    lies in two dims of an operand or output is not split there (passes/sharding/strategies.py)."""
+    from torch.distributed.tensor import Shard
+    plan = autosplit.compile(_CrossCovariance(), mesh=(1, 2, 1), example_input=torch.randn(2, 5, 6), device="cpu")
+    qtk = next(n for n in plan.graph.graph.nodes if n.name == "matmul")     # the inner one, traced first
+    assert qtk.target is operator.matmul
+    assert not isinstance(qtk.meta["spec"]["tp"], Shard), qtk.meta["spec"]

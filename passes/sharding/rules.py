@@ -103,7 +103,7 @@ class Rules:
             r = self._rule(n, name, module)
         except _NoRule as exc:
             return self.opaque(n, str(exc))
-        if base is not None and (not r.operands or r.operands[0][0] is not n.args[0]):
+        if base is not None and (not r.operands or r.operands[0][0] is not D.nth(n, 0)):
             return self.opaque(n, f"in-place '{name}' without its written tensor first")
         entry = module_entry(module) if module is not None else op(n, self.gm)
         r.rowwise = entry.rowwise and r.kind != "opaque"
@@ -111,7 +111,7 @@ class Rules:
 
     # -- the table: the registry names each op's method (passes/op_registry.py, ``shard``) ---------------
     def _rule(self, n: fx.Node, name: str, module) -> OpRule:
-        x = self.lay(n.args[0]) if n.args else None
+        x = self.lay(D.nth(n, 0))                     # the first argument, positional or by keyword
         nd = len(x) if isinstance(x, list) else 0
         if type(module) is nn.Linear:          # a subclass may have its own forward: opaque
             return self._linear(n, x, module.out_features, module.bias is not None, kind="linear")
@@ -124,10 +124,14 @@ class Rules:
         entry = op(n, self.gm)
         if not entry.shard:
             raise _NoRule(f"'{name}' has no sharding rule")
+        if entry.lower and set(n.kwargs) & _SIZE_KEYWORDS:
+            # the lowering makes sizes local where they are given positionally (lower.py local_view,
+            # local_unflatten, split's size): by keyword they would stay global on split ranks
+            raise _NoRule(f"'{name}' with its sizes by keyword ({', '.join(sorted(set(n.kwargs) & _SIZE_KEYWORDS))})")
         return getattr(self, "_" + entry.shard)(n, x, nd, entry, module)
 
     def _linear_fn(self, n, x, nd, entry, module) -> OpRule:
-        w, b = D.arg(n, 1, "weight"), D.arg(n, 2, "bias")
+        w, b = D.named(n, 1, "weight"), D.named(n, 2, "bias")
         r = self._linear(n, x, n.meta["val"].shape[-1], b is not None, w=self.lay(w), kind="op")
         r.operands.append((w, self.lay(w)))
         if b is not None:
@@ -136,49 +140,51 @@ class Rules:
         return r
 
     def _unary(self, n, x, nd, entry, module) -> OpRule:
-        return OpRule(x, [(n.args[0], x)], linear=entry.linear_in)
+        return OpRule(x, [(D.nth(n, 0), x)], linear=entry.linear_in)
 
     def _view(self, n, x, nd, entry, module) -> OpRule:
+        if any(isinstance(a, torch.dtype) for a in (*n.args, *n.kwargs.values())):
+            raise _NoRule(f"{op_name(n, self.gm)} to a dtype reinterprets the bytes, no sizes to make local")
         val = n.meta["val"]
         out = self.f.reshape(x, list(val.shape))
         if out is None:
             raise _NoRule(f"{op_name(n, self.gm)} to {tuple(val.shape)} regroups dims no factor survives")
-        return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
+        return OpRule(out, [(D.nth(n, 0), x)], linear="first", kind="view")
 
     def _expand(self, n, x, nd, entry, module) -> OpRule:
-        shape, src = list(n.meta["val"].shape), n.args[0].meta["val"].shape
+        shape, src = list(n.meta["val"].shape), D.nth(n, 0).meta["val"].shape
         k = len(shape) - len(src)
         out = [[self.f.new(s)] for s in shape[:k]] + \
               [x[i] if src[i] == shape[k + i] else [self.f.new(shape[k + i])] for i in range(len(src))]
-        return OpRule(out, [(n.args[0], x)], linear="first", kind="view")
+        return OpRule(out, [(D.nth(n, 0), x)], linear="first", kind="view")
 
     def _permute(self, n, x, nd, entry, module) -> OpRule:
-        return OpRule([x[d] for d in D.permute_order(n, nd)], [(n.args[0], x)], linear="first")
+        return OpRule([x[d] for d in D.permute_order(n, nd)], [(D.nth(n, 0), x)], linear="first")
 
     def _transpose(self, n, x, nd, entry, module) -> OpRule:
         # x.t() takes no dims: it swaps the first and the last
         a, b = D.transpose_dims(n, nd) if len(n.args) > 1 or n.kwargs else (0, nd - 1)
         out = list(x)
         out[a], out[b] = out[b], out[a]
-        return OpRule(out, [(n.args[0], x)], linear="first")
+        return OpRule(out, [(D.nth(n, 0), x)], linear="first")
 
     def _unsqueeze(self, n, x, nd, entry, module) -> OpRule:
         d = D.unsqueeze_dim(n, nd)
-        return OpRule(x[:d] + [[self.f.new(1)]] + x[d:], [(n.args[0], x)], linear="first")
+        return OpRule(x[:d] + [[self.f.new(1)]] + x[d:], [(D.nth(n, 0), x)], linear="first")
 
     def _squeeze(self, n, x, nd, entry, module) -> OpRule:
-        gone = D.squeeze_dims(n, n.args[0].meta["val"].shape)
-        return OpRule([x[d] for d in range(nd) if d not in gone], [(n.args[0], x)], linear="first")
+        gone = D.squeeze_dims(n, D.nth(n, 0).meta["val"].shape)
+        return OpRule([x[d] for d in range(nd) if d not in gone], [(D.nth(n, 0), x)], linear="first")
 
     def _unbind(self, n, x, nd, entry, module) -> OpRule:
         d = D.dim(n, 1, "dim", nd)
-        return OpRule(tuple(x[:d] + x[d + 1:] for _ in n.meta["val"]), [(n.args[0], x)], linear="first")
+        return OpRule(tuple(x[:d] + x[d + 1:] for _ in n.meta["val"]), [(D.nth(n, 0), x)], linear="first")
 
     def _scan(self, n, x, nd, entry, module) -> OpRule:     # a running sum / product along one dim
-        return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.dim(n, 1, "dim", nd)]]), linear=entry.linear_in)
+        return OpRule(x, [(D.nth(n, 0), x)], forbid=self._leaves([x[D.dim(n, 1, "dim", nd)]]), linear=entry.linear_in)
 
     def _softmax(self, n, x, nd, entry, module) -> OpRule:
-        return OpRule(x, [(n.args[0], x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
+        return OpRule(x, [(D.nth(n, 0), x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
 
     def _reduce(self, n, x, nd, entry, module) -> OpRule:
         dims = D.reduced_dims(n, nd)
@@ -189,14 +195,20 @@ class Rules:
         if isinstance(val, tuple):                 # x.max(dim): (values, indices), both of the reduced layout
             if entry.reduce == "partial" or len(val) != 2:
                 raise _NoRule(f"{op_name(n, self.gm)} returning {len(val)} values")
-            return OpRule((out, list(out)), [(n.args[0], x)], forbid=leaves)
+            return OpRule((out, list(out)), [(D.nth(n, 0), x)], forbid=leaves)
         if entry.reduce == "partial":
-            return OpRule(out, [(n.args[0], x)], contract=leaves, linear="first")
-        return OpRule(out, [(n.args[0], x)], forbid=leaves)
+            return OpRule(out, [(D.nth(n, 0), x)], contract=leaves, linear="first")
+        return OpRule(out, [(D.nth(n, 0), x)], forbid=leaves)
 
     def _embedding(self, n, x, nd, entry, module) -> OpRule:
-        w = self.lay(D.arg(n, 1, "weight"))
-        return OpRule(x + [w[1]], [(n.args[0], x), (n.args[1], w)], forbid=self._leaves([w[0]]))
+        """F.embedding(input, weight) and torch.embedding(weight, indices): rows of the weight gathered."""
+        table = D.named(n, 1, "weight")
+        index = D.named(n, 0, "input") if D.named(n, 0, "input") is not table else None
+        index = D.named(n, 1, "indices") if index is None else index
+        w, x = self.lay(table), self.lay(index)
+        if w is None or x is None:
+            raise _NoRule("an embedding of a non-tensor")
+        return OpRule(x + [w[1]], [(index, x), (table, w)], forbid=self._leaves([w[0]]))
 
     def _leaves(self, dims) -> set[int]:
         return {leaf for d in dims for leaf in self.f.flat(d)}
@@ -209,28 +221,28 @@ class Rules:
         if x is None:
             raise _NoRule("a linear of a non-tensor")
         if w is None:
-            w = [[self.f.new(out_features)], [self.f.new(n.args[0].meta["val"].shape[-1])]]
+            w = [[self.f.new(out_features)], [self.f.new(D.nth(n, 0).meta["val"].shape[-1])]]
         self._align(x[-1], w[1])
         out = x[:-1] + [w[0]]
         params = {"weight": w, "bias": [w[0]]} if bias else {"weight": w}
-        return OpRule(out, [(n.args[0], x)], contract=self._leaves([x[-1]]), linear="one" if not bias else "",
+        return OpRule(out, [(D.nth(n, 0), x)], contract=self._leaves([x[-1]]), linear="one" if not bias else "",
                       kind=kind, params=params if kind == "linear" else {})
 
     def _conv(self, n, x, nd, entry, module) -> OpRule:
         """(B, Cin, *spatial) -> (B, Cout, *spatial'): the batch passes, Cin is summed over (one group),
         the output channels are the weight's; spatial dims are new (a window mixes them)."""
-        groups = module.groups if module is not None else D.arg(n, 6, "groups", 1)
+        groups = module.groups if module is not None else D.named(n, 6, "groups", 1)
         if x is None or groups != 1:
             raise _NoRule("a grouped convolution")
-        w = self.fresh(module.weight.shape) if module is not None else self.lay(D.arg(n, 1, "weight"))
+        w = self.fresh(module.weight.shape) if module is not None else self.lay(D.named(n, 1, "weight"))
         self._align(x[1], w[1])
         val = n.meta["val"]
         out = [x[0], w[0]] + [[self.f.new(s)] for s in val.shape[2:]]
-        ops = [(n.args[0], x)]
+        ops = [(D.nth(n, 0), x)]
         params = {}
         if module is None:
-            ops.append((n.args[1], w))
-            b = D.arg(n, 2, "bias")
+            ops.append((D.named(n, 1, "weight"), w))
+            b = D.named(n, 2, "bias")
             if is_tensor(b):
                 self._align(self.lay(b)[0], w[0])
                 ops.append((b, self.lay(b)))
@@ -259,12 +271,12 @@ class Rules:
 
     def _norm(self, n, x, nd, entry, module) -> OpRule:
         shape = module.normalized_shape if module is not None and hasattr(module, "normalized_shape") else \
-            D.arg(n, 1, "normalized_shape")
+            D.named(n, 1, "normalized_shape")
         k = 1 if isinstance(shape, int) else len(shape)
-        ops = [(n.args[0], x)]
+        ops = [(D.nth(n, 0), x)]
         params = {}
         for i, key in ((2, "weight"), (3, "bias")) if module is None else ():
-            p = D.arg(n, i, key)
+            p = D.named(n, i, key)
             if is_tensor(p):
                 self._align_trailing(self.lay(p), x)
                 ops.append((p, self.lay(p)))
@@ -285,7 +297,7 @@ class Rules:
         return self._broadcast(n, [a for a in (*n.args, *n.kwargs.values()) if is_tensor(a)], entry.linear_in)
 
     def _binary(self, n, x, nd, entry, module) -> OpRule:
-        a, b = D.arg(n, 0, "input"), D.arg(n, 1, "other")
+        a, b = D.nth(n, 0), D.nth(n, 1)        # input and other / exponent, positional or by keyword
         linear = entry.linear_in
         if linear == "first" and is_tensor(b) and not is_tensor(a):
             linear = ""                        # 1 / P: not linear in its Partial operand
@@ -313,12 +325,12 @@ class Rules:
         name = op_name(n, self.gm)
         val = n.meta["val"]
         d = D.dim(n, 2, "dim", nd)
-        if len({t.shape[d] for t in val}) != 1 or not isinstance(D.arg(n, 1, "chunks"), int):
+        if len({t.shape[d] for t in val}) != 1 or not isinstance(D.nth(n, 1), int):
             raise _NoRule(f"uneven {name}")
         rest = self.f.split_leading(x[d], len(val))
         if rest is None:
             raise _NoRule(f"{name} into {len(val)} does not split the dim's outermost factor")
-        return OpRule(tuple(x[:d] + [rest] + x[d + 1:] for _ in val), [(n.args[0], x)], linear="first")
+        return OpRule(tuple(x[:d] + [rest] + x[d + 1:] for _ in val), [(D.nth(n, 0), x)], linear="first")
 
     def _getitem(self, n, x, nd, entry, module) -> OpRule:
         src, idx = n.args[0], n.args[1]
@@ -397,7 +409,7 @@ class Rules:
         return OpRule(out, [(a, la) for a, la in zip(tensors, lays)], forbid=forbid, linear="all")
 
     def _matmul(self, n, x, nd, entry, module) -> OpRule:
-        a, b = n.args[:2]
+        a, b = D.nth(n, 0), D.nth(n, 1)        # input and other / mat2, positional or by keyword
         la, lb = self.lay(a), self.lay(b)
         if la is None or lb is None or len(la) < 2 or len(lb) < 2:
             raise _NoRule("matmul with a vector or non-tensor operand")
@@ -409,7 +421,7 @@ class Rules:
         return OpRule(batch + [la[-2], lb[-1]], [(a, la), (b, lb)], contract=self._leaves([la[-1]]), linear="one")
 
     def _sdpa(self, n, x, nd, entry, module) -> OpRule:
-        q, k, v = n.args[:3]
+        q, k, v = D.nth(n, 0), D.nth(n, 1), D.nth(n, 2)
         lq, lk, lv = self.lay(q), self.lay(k), self.lay(v)
         if lq is None or lk is None or lv is None:
             raise _NoRule("attention with a non-tensor operand")
@@ -419,12 +431,15 @@ class Rules:
         self._align(lq[-1], lk[-1])
         self._align(lk[-2], lv[-2])
         ops = [(q, lq), (k, lk), (v, lv)]
-        mask = D.arg(n, 3, "attn_mask")
+        mask = D.named(n, 3, "attn_mask")
         if is_tensor(mask):
             scores = lq[:-1] + [lk[-2]]
             self._align_trailing(self.lay(mask), scores)
             ops.append((mask, self.lay(mask)))
         return OpRule(lq[:-1] + [lv[-1]], ops, forbid=self._leaves([lq[-1], lk[-2]]))
+
+
+_SIZE_KEYWORDS = {"size", "shape", "sizes", "split_size", "split_size_or_sections"}
 
 
 class _NoRule(Exception):

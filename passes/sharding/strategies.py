@@ -97,6 +97,12 @@ class Enumerator:
                     return d, leaf, k == 0
         return None
 
+    def _twice(self, layout, cls) -> bool:
+        """Does class ``cls`` lie in more than one dim of ``layout`` (of any element of a tuple)?"""
+        if isinstance(layout, tuple):
+            return any(self._twice(x, cls) for x in layout if x is not None)
+        return sum(1 for dim in layout or [] if any(self.f.find(leaf) == cls for leaf in self.f.flat(dim))) > 1
+
     def _has(self, layout, cls) -> bool:
         if isinstance(layout, tuple):
             return all(self._has(x, cls) for x in layout if x is not None)
@@ -129,6 +135,11 @@ class Enumerator:
         weighted = op(n, self.gm).weighted      # F.linear / F.conv: (input, weight, bias)
         for c in sorted(cands):
             if c in forbid or not self._ok(c):
+                continue
+            if any(self._twice(lay, c) for lay in [x for _, x in ops] + [r.out]):
+                # a place ("S", c) splits the first dim holding c: where c is in two dims of one tensor
+                # (w @ w, q @ k^T over one class of tokens or channels) the other dim stays whole on one
+                # operand and split on another, and each rank would compute its diagonal block only
                 continue
             if self._has(r.out, c):
                 out = ("S", c)
