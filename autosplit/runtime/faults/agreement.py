@@ -79,7 +79,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def model_checksums(model: torch.nn.Module, device=None) -> tuple[list[str], list[int]]:
     """(names, checksums) of every tensor of ``model.state_dict()``; meta tensors count 0.
-    ``device``: where to compute (a GPU reads a CPU-resident model faster than the CPU sums it)."""
+    ``device``: where to compute (a GPU reads a CPU-resident model faster than the CPU sums it).
+    Blocks the host on a GPU (``.cpu()``): call it through ``Watchdog.blocking``."""
     names, sums = [], []
     for name, t in model.state_dict().items():
         names.append(name)
@@ -114,7 +115,12 @@ def check_agreement(world, watchdog, plan, model, check_params: bool, error: str
     model_text, model_key = _model_field(model)
     texts["model"] = model_text
     keys = dict(texts, model=model_key)
-    names, sums = model_checksums(model, world.device) if check_params and error is None else ([], [])
+    names, sums = [], []
+    if check_params and error is None:
+        # a blocking call (deadlines.py): on a GPU every ``.cpu()`` waits for the device's queue, and on
+        # any device a rank that stops here would leave its peers waiting in the gather below while it
+        # never reaches its own deadline; this way a stop ends every rank, naming this one and the action
+        names, sums = watchdog.blocking(lambda: model_checksums(model, world.device), "parameter checksums")
     row = [nonce(), int(error is not None)] + [stable_hash(keys[f]) for f in _FIELDS] + [stable_hash(str(sums))]
     rows = gather_rows(world, watchdog, row, "plan agreement")
     if all(r[1:] == rows[0][1:] for r in rows) and not rows[0][1]:

@@ -31,6 +31,12 @@ Terms:
                  message names that rank first, so the survivors do not report themselves.
   explain     -- what a timed-out wait adds about its handle: for a transfer of an ordered transport
                  (p2p.py), the earlier group it is queued behind.
+  blocking call -- a call that can block the host with no deadline checked inside it: a device value read
+                 on the host (``.cpu()`` of the parameter checksums waits for the GPU's queue), or NCCL's
+                 first collective on a group (the call creates the communicator and returns only once
+                 every rank of the group has joined).  ``Watchdog.blocking`` runs it on the helper thread
+                 and waits for it like for a Future: busy (this rank computes; a peer's diagnosis names it
+                 as stalled there, and its own timeout blames itself) or waiting (on other ranks).
 A wait abandoned on failure leaves its helper thread blocked; the threads are daemons, and the
 ParallelModule is unusable after a RankFailure anyway.
 """
@@ -188,10 +194,28 @@ class Watchdog:
             return
         if handle.is_completed():
             return self._until(lambda: True, doing, handle.wait)
+        future = self._helper().submit(handle.wait)
+        return self._until(future.done, doing, future.result, future, explain=explain)
+
+    def blocking(self, fn, doing: str, waiting: bool = False):
+        """``fn()``, a call that may block the host (see *blocking call*), bounded by the deadline and ended
+        by another rank's failure; returns its result.  An exception of ``fn`` is published as this rank's
+        failure at ``doing`` (a RankFailure).  ``waiting``: ``fn`` waits on other ranks (the heartbeat says
+        *waiting*, and a timeout asks the heartbeats whom to blame); otherwise this rank is *busy* at
+        ``doing``.  A call abandoned at the deadline keeps the helper thread (a daemon); the module is
+        unusable after a RankFailure anyway."""
+        future = self._helper().submit(fn)
+        self._until(future.done, doing, lambda: None, future, waiting=waiting)
+        try:
+            return future.result()
+        except Exception as exc:     # the call itself failed on this rank: no peer to blame
+            raise self.fail(doing, exc) from exc
+
+    def _helper(self) -> SerialThread:
+        # one helper for gloo's waits and blocking calls: the main thread never runs two at once
         if self._waiter is None:
             self._waiter = SerialThread("autosplit-wait")
-        future = self._waiter.submit(handle.wait)
-        return self._until(future.done, doing, future.result, future, explain=explain)
+        return self._waiter
 
     def close(self) -> None:
         """End the waiting thread (a later wait starts a new one)."""
@@ -215,12 +239,14 @@ class Watchdog:
         self._until(done, doing, lambda: None)
 
     def _until(self, done, doing: str, finish, future: Future | None = None, start: float | None = None,
-               explain=None) -> None:
+               explain=None, waiting: bool = True) -> None:
         """Poll ``done()`` until true, then ``finish()``; raise on a deadline or another rank's failure.
         With ``future`` (what ``done`` reports on), block on it between checks instead of sleeping.
-        ``start``: when the deadline starts counting (default now)."""
+        ``start``: when the deadline starts counting (default now).  ``waiting``: what the heartbeat says
+        meanwhile, and whether a timeout or error asks it whom to blame (False: a blocking call of this
+        rank's own, which is to blame itself)."""
         before = self.beat.doing, self.beat.waiting
-        self.beat.at(doing, waiting=True)
+        self.beat.at(doing, waiting=waiting)
         now = time.monotonic()
         deadline = (now if start is None else start) + self.timeout_s
         next_check, sleep = now + _CHECK_EVERY_S, _POLL_S[0]
@@ -231,9 +257,10 @@ class Watchdog:
                 next_check = now + _CHECK_EVERY_S
                 if now > deadline:
                     why = explain() if explain is not None else None
+                    what = "no progress for" if waiting else "not finished after"
                     raise self.fail(doing, TimeoutError(
-                        f"no progress for {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"
-                        + (f"; {why}" if why else "")), blame_others=True)
+                        f"{what} {self.timeout_s:g} s (set AUTOSPLIT_TIMEOUT or timeout_s to change)"
+                        + (f"; {why}" if why else "")), blame_others=waiting)
             if future is not None:
                 wait_futures([future], timeout=max(0.0, next_check - time.monotonic()))
                 continue
@@ -242,5 +269,5 @@ class Watchdog:
         try:
             finish()
         except Exception as exc:
-            raise self.fail(doing, exc, blame_others=True) from exc
+            raise self.fail(doing, exc, blame_others=waiting) from exc
         self.beat.at(*before)

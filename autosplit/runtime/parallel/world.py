@@ -2,7 +2,8 @@
 
 Terms:
   world    -- all processes of the job (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or an already
-              initialized default process group).
+              initialized default process group).  Where no default group exists, every rank joins the
+              job's store first, within ``timeout_s`` (faults/job_store.py), and the group is built on it.
   backend  -- NCCL with ``cuda:LOCAL_RANK`` when GPUs are present, gloo on CPU otherwise; chosen here.
   groups   -- one process group per mesh axis ("pp", "tp", "dp"), from torch's DeviceMesh of shape
               (pp, dp, tp): tp innermost, so tensor-parallel ranks are consecutive (see mesh.py).
@@ -36,6 +37,7 @@ from autosplit.errors import AutosplitError
 from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
 from autosplit.runtime.faults.arguments import agree_on_arguments
 from autosplit.runtime.faults.heartbeat import watch_s
+from autosplit.runtime.faults.job_store import join_job
 from autosplit.tp.axes import tp_axes
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
@@ -175,6 +177,11 @@ def _choose_backend() -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def _layout_arguments(shape: MeshShape, tp_mode: str, tp_depth: int | None) -> dict[str, str]:
+    """What decides the groups a rank builds (faults/arguments.py *layout arguments*), as text."""
+    return {"mesh": str(shape), "tp_mode": repr(tp_mode), "tp_depth": repr(tp_depth)}
+
+
 def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", tp_depth: int | None = None) -> World:
     """Join (or create) the default process group and build the mesh's axis groups.
 
@@ -184,7 +191,8 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise AutosplitError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds (every "
                              f"distributed wait gives up after it)")
-    if dist.is_initialized():
+    joined_here = not dist.is_initialized()     # the layout agreement is then part of joining
+    if not joined_here:
         backend = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         size = dist.get_world_size()
@@ -203,14 +211,21 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
             # device_id binds the default group to this GPU, so its communicators are created eagerly,
             # on every rank at once.  TORCH_NCCL_ASYNC_ERROR_HANDLING is the user's (see the docstring).
             options["device_id"] = device
-        dist.init_process_group(backend, timeout=timedelta(seconds=nccl_timeout_s(timeout_s, size)), **options)
+        group_timeout_s = nccl_timeout_s(timeout_s, size)
+        # Our own rendezvous, before the default group (faults/job_store.py): every rank joins the store
+        # and agrees on the layout arguments within timeout_s, or the ranks that joined name those that
+        # did not; torch's would wait group_timeout_s and count the missing ranks without naming them.
+        rank = int(os.environ["RANK"])
+        store = join_job(rank, size, _layout_arguments(shape, tp_mode, tp_depth), timeout_s, group_timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=group_timeout_s), **options)
     shape = MeshShape.parse(mesh, world_size=size)
-    # Before the first group: ranks whose layout arguments differ would create different groups (or a
-    # different number of them) and wait on each other forever inside torch; the exchange goes through
-    # the store, bounded by timeout_s, and raises the same error on every rank (faults/arguments.py).
-    agree_on_arguments(dist.distributed_c10d._get_default_store(), dist.get_rank(), size,
-                       {"mesh": str(shape), "tp_mode": repr(tp_mode), "tp_depth": repr(tp_depth)},
-                       timeout_s)
+    if not joined_here:
+        # Before the first group: ranks whose layout arguments differ would create different groups (or a
+        # different number of them) and wait on each other forever inside torch; the exchange goes through
+        # the store, bounded by timeout_s, and raises the same error on every rank (faults/arguments.py).
+        agree_on_arguments(dist.distributed_c10d._get_default_store(), dist.get_rank(), size,
+                           _layout_arguments(shape, tp_mode, tp_depth), timeout_s)
     dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
     # Every axis on a group of its own (the default group's backend named for each): DeviceMesh would
     # run an axis spanning the whole world on the default group, which is the user's, which we

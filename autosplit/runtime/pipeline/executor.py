@@ -70,8 +70,11 @@ class PipelineExecutor:
         if self.transport is not None and world.backend == "nccl":
             # NCCL's first operation on a communicator must involve all of its ranks (see
             # batch_isend_irecv's documentation): one all-reduce over pp creates it before any pair talks.
+            # Creating it blocks inside the call until every pp rank joins: a blocking call (deadlines.py).
             warm = torch.zeros(1, device=world.device)
-            watchdog.wait(dist.all_reduce(warm, group=world.group("pp"), async_op=True), "pp group start")
+            work = watchdog.blocking(lambda: dist.all_reduce(warm, group=world.group("pp"), async_op=True),
+                                     "pp group start", waiting=True)
+            watchdog.wait(work, "pp group start")
 
     def close(self) -> None:
         """Release the transport's thread (the strict transport runs one); the executor is unusable after."""
