@@ -21,7 +21,6 @@ line printed is the path of DIR/report.html, the page to open in a browser.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -30,26 +29,14 @@ import torch
 
 import autosplit
 from autosplit.cli_options import add_plan_options, plan_options
+from autosplit.check.cli import add_check_parser, run_check
 from autosplit.cli_search import add_search_parser, run_search
 from autosplit.cost_model.profiles import get_profile
 from autosplit.errors import AutosplitError
 from autosplit.inputs import default_input_shape
+from autosplit.model_spec import build_model
 from autosplit.profiling.cli import add_profile_parser, run_profile
 from autosplit.report.dump import dump_plan
-
-
-def build_model(spec: str, img_size: int | None = None) -> torch.nn.Module:
-    """A model on the meta device from a timm name or 'package.module:factory'."""
-    with torch.device("meta"):
-        if ":" in spec:
-            module_name, _, factory = spec.partition(":")
-            return getattr(importlib.import_module(module_name), factory)()
-        import timm
-        if spec not in timm.list_models():
-            raise AutosplitError(f"unknown model {spec!r}: not a timm model name (see timm.list_models('vit*')) "
-                                 f"and not of the form 'package.module:factory'")
-        kwargs = {"img_size": img_size} if img_size else {}
-        return timm.create_model(spec, pretrained=False, **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="the directory given to pm.save_checkpoint")
     export.add_argument("out", help="the file to write (torch.save of the state dict)")
     add_profile_parser(sub)
+    add_check_parser(sub)
     return p
 
 
@@ -95,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_search(args, build_model)
         if args.command == "profile":
             return run_profile(args)
+        if args.command == "check":
+            return run_check(args)
         start = time.perf_counter()
         profile = get_profile(args.device)          # measured once for "cpu", then reused for the report
         model = build_model(args.model, args.image_size)

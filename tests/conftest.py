@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 
-from tests.dist_pool import Pool
+from tests.dist_pool import Pool, gpus_missing
 
 # measured cost-model profiles (cost_model/profile_cache.py): the tests never read or write the user's
 # cache.  Made here, at import, so that every process the tests start (the pools' spawned workers)
@@ -61,29 +61,32 @@ def pytest_unconfigure(config):
     shutil.rmtree(PROFILE_DIR, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def pool1():
-    pool = Pool(1)
+def _pool(size: int):
+    """A pool of ``size`` ranks on the backend AUTOSPLIT_TEST_BACKEND names (tests/dist_pool.py); a test
+    that needs more GPUs than present is skipped, saying how many it needs."""
+    missing = gpus_missing(size)
+    if missing:
+        pytest.skip(missing)
+    pool = Pool(size)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool1():
+    yield from _pool(1)
 
 
 @pytest.fixture(scope="session")
 def pool2():
-    pool = Pool(2)
-    yield pool
-    pool.close()
+    yield from _pool(2)
 
 
 @pytest.fixture(scope="session")
 def pool4():
-    pool = Pool(4)
-    yield pool
-    pool.close()
+    yield from _pool(4)
 
 
 @pytest.fixture(scope="session")
 def pool8():
-    pool = Pool(8)
-    yield pool
-    pool.close()
+    yield from _pool(8)

@@ -1,4 +1,4 @@
-"""A pool of spawned gloo processes that stays up across checks (spawning torch costs seconds).
+"""A pool of spawned processes (a gloo or NCCL world) that stays up across checks (spawning torch costs seconds).
 
 ``pool.run(fn, *args, **kwargs)`` runs ``fn(*args, **kwargs)`` on every rank (fn must be importable: a module-level
 function) and returns the per-rank results; an exception on any rank is re-raised in the test with
@@ -8,6 +8,12 @@ closed after use; ``run`` kills the pool when its timeout expires.
 Point-to-point runs with the strict transport (``AUTOSPLIT_STRICT_P2P=1``: NCCL's ordering on gloo)
 unless the environment running the tests sets ``AUTOSPLIT_STRICT_P2P=0``, so every pipeline test
 would hang, and time out, on an order that would hang on NCCL.
+
+The backend comes from the environment: ``AUTOSPLIT_TEST_BACKEND=gloo`` (the default: CPU ranks) or
+``nccl`` (rank r on ``cuda:r``, its LOCAL_RANK; ``torch.cuda.set_device`` before the group is made, so
+``autosplit.parallelize`` finds NCCL and that GPU as it does under torchrun).  ``device()`` is the
+rank's device, for a check that creates tensors where the rank computes; ``gpus_missing(size)`` says
+why a world of ``size`` ranks cannot run here (tests/conftest.py skips those tests with it).
 """
 from __future__ import annotations
 
@@ -27,6 +33,26 @@ def _free_port() -> int:
 
 
 STRICT = os.environ.get("AUTOSPLIT_STRICT_P2P", "1")
+BACKEND = os.environ.get("AUTOSPLIT_TEST_BACKEND", "gloo").lower()
+if BACKEND not in ("gloo", "nccl"):
+    raise ValueError(f"AUTOSPLIT_TEST_BACKEND={BACKEND!r}: expected gloo (CPU ranks) or nccl (one GPU per rank)")
+
+
+def gpus_missing(size: int) -> str | None:
+    """Why a world of ``size`` ranks cannot run on this backend here (the GPUs it needs), or None."""
+    if BACKEND != "nccl":
+        return None
+    import torch
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if present >= size:
+        return None
+    return f"AUTOSPLIT_TEST_BACKEND=nccl: needs {size} GPUs (one per rank), {present} present"
+
+
+def device():
+    """This rank's device: ``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo."""
+    import torch
+    return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
 
 
 def _worker(rank: int, size: int, port: int, tasks, results) -> None:
@@ -37,7 +63,11 @@ def _worker(rank: int, size: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     from datetime import timedelta
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=60))
+    extra = {}
+    if BACKEND == "nccl":     # the GPU first: the group binds to it (device_id), as autosplit's own does
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(BACKEND, rank=rank, world_size=size, timeout=timedelta(seconds=60), **extra)
     while True:
         task = tasks.get()
         if task is None:

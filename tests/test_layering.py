@@ -4,7 +4,7 @@
 Layers, bottom to top (an arrow: may import):
 
     errors, mesh  <-  schedule  <-  passes, cost_model, tp.ops  <-  report (presenters)  <-  plan, compiler
-        <-  runtime (faults <- stage <- parallel <- state <- pipeline <- entry points)  <-  profiling
+        <-  runtime (faults <- stage <- parallel <- state <- pipeline <- entry points)  <-  profiling, check
         <-  autosplit (lazy names)
 
 Planning is pure: nothing below the runtime loads ``autosplit.runtime``; the package's public names
@@ -213,8 +213,9 @@ def test_the_profiling_scan_finds_an_indirect_import():
 ROOMS = ["autosplit.runtime.faults", "autosplit.runtime.stage", "autosplit.runtime.parallel",
          "autosplit.runtime.state", "autosplit.runtime.pipeline", "autosplit.runtime"]
 # Modules outside the runtime that may import it: the package's lazy public names, the command line,
-# and measuring a machine (autosplit.profiling runs collectives).  The graph side never does.
-RUNTIME_USERS = ("autosplit.__main__", "autosplit.profiling")
+# measuring a machine (autosplit.profiling runs collectives) and checking a job on it (autosplit.check
+# trains through parallelize).  The graph side never does.
+RUNTIME_USERS = ("autosplit.__main__", "autosplit.profiling", "autosplit.check")
 # The presenters (autosplit.report) format the plan they are given: nothing above the plan's data.
 ABOVE_PRESENTERS = ("autosplit.plan", "autosplit.compiler", "autosplit.runtime", "autosplit.strategy",
                     "autosplit.profiling")
