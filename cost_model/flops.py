@@ -158,16 +158,6 @@ def _linear_2d(node, module):
     return _Est(2 * macs, 4 * macs, tensor_bytes(x))          # w is the parameter itself: not extra
 
 
-def _attention_heads(node, module):
-    """Attention over local heads from a fused (B, N, 3*h*D) input: QK^T and PV."""
-    x = _arg(node, 0)
-    batch, n, width = math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1] // 3     # width = h * D
-    macs = 2 * batch * n * n * width                                             # QK^T and PV
-    fwd = 2 * macs + 5 * batch * n * n                                           # + softmax (per head: ~)
-    
-    return _Est(fwd, 2 * fwd, tensor_bytes(x) + tensor_bytes(node.meta["val"]))
-
-
 def _matmul(node, module):   # matmul / mm / bmm: out[..., m, n] = sum_k a[..., m, k] b[..., k, n]
     return _mm(node, (0, None), (1, None), add=0)          # other (matmul) / mat2 (mm, bmm)
 
@@ -352,7 +342,7 @@ _RULES = {   # cost class (passes/op_registry.py): (rule, reads its weight in ba
     "linear": (_linear, True), "conv": (_linear, True), "matmul": (_matmul, True), "addmm": (_addmm, True),
     "einsum": (_einsum, True), "scaled_dot_product_attention": (_sdpa, False),
     "multi_head_attention": (_mha, True), "linear_2d": (_linear_2d, True),
-    "attention_heads": (_attention_heads, False), "softmax": (_softmax, False), "dropout": (_dropout, False),
+    "softmax": (_softmax, False), "dropout": (_dropout, False),
     "reduce": (_reduce, False), "reshape": (_reshape, False), "getitem": (_getitem, False),
     "cast": (_cast, False), "contiguous": (_contiguous, False), "copy": (_copy, False),
     **{n: (_norm(n), True) for n in _NORM_AFFINE},

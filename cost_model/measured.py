@@ -34,7 +34,7 @@ OP_CLASSES = ("matmul", "attention", "norm", "softmax", "pointwise", "view")
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 _BY_RULE = {**{k: "matmul" for k in ("linear", "conv", "matmul", "addmm", "einsum", "linear_2d",
                                       "multi_head_attention")},
-            "scaled_dot_product_attention": "attention", "attention_heads": "attention",
+            "scaled_dot_product_attention": "attention",
             **{k: "norm" for k in ("layer_norm", "group_norm", "batch_norm", "rms_norm", "layer_norm_2d")},
             "softmax": "softmax"}
 _FLOP_CLASSES = ("matmul", "attention")

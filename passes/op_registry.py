@@ -92,7 +92,6 @@ _declare("Conv1d Conv2d Conv3d", kind="conv", fresh_grad=True, rowwise=True, cos
 _declare("scaled_dot_product_attention", kind="attention", shard="sdpa", fresh_grad=True, random="dropout_p",
          cost="scaled_dot_product_attention")
 _declare("MultiheadAttention", kind="attention", fresh_grad=True, cost="multi_head_attention")
-_declare("LocalMultiheadAttention", kind="attention", fresh_grad=True)
 _declare("layer_norm", kind="norm", shard="norm", fresh_grad=True, lower="stats", rowwise=True, cost="layer_norm")
 _declare("rms_norm", kind="norm", shard="norm", rowwise=True, cost="rms_norm")
 _declare("LayerNorm layer_norm_2d LayerNorm2d", kind="norm", fresh_grad=True, rowwise=True, cost="layer_norm")

@@ -2,9 +2,9 @@
 candidates of one op with their costs (``plan.explain``).
 
 Terms (place, strategy: strategies.py; Sharding: engine.py):
-  layer    -- a node that holds a weight or mixes heads: a Linear (module or ``F.linear``), a
-              MultiheadAttention, an attention (``scaled_dot_product_attention``, or a ``matmul`` of two
-              activations: ``q @ k^T``, ``attn @ v``).
+  layer    -- a node that holds a weight or mixes heads: a Linear (module or ``F.linear``), or an
+              attention (``scaled_dot_product_attention``, or a ``matmul`` of two activations:
+              ``q @ k^T``, ``attn @ v``).
   column / row -- a Linear split by output features / by input features (its sum reduced after).
   by <dims> -- a Linear whose input is split on other dims (tokens, batch): its weight stays whole.
   block    -- report/tp_tables.py's: the module path up to its first numbered part; identical lines of
@@ -26,7 +26,7 @@ from autosplit.passes.sharding.strategies import P, R, edge_bytes
 def _is_layer(sh, v: fx.Node) -> bool:
     rule = sh.nodes[v].rule
     kind = op(v, sh.gm).kind
-    if rule.kind in ("linear", "mha") or kind in ("linear", "attention"):
+    if rule.kind == "linear" or kind in ("linear", "attention"):
         return True
     return kind == "gemm" and all(a.op != "get_attr" for a, _ in rule.operands)   # two activations
 
@@ -69,8 +69,6 @@ def how(sh, v: fx.Node) -> str:
             return "partial input, weight whole"
         if s.sharded:
             return f"by {_dims(sh, v, s.cls)}, weight whole"
-    elif rule.kind == "mha" and s.out == P:
-        return f"by heads ({size()} -> {size() // sh.n} per rank)"
     elif s.sharded:
         return f"split on {_dims(sh, v, s.cls)}" if s.cls is not None else "partial"
     return "whole: " + why_whole(sh, v)
@@ -81,7 +79,7 @@ def why_whole(sh, v: fx.Node) -> str:
     if len(ns.options) > 1:
         return "not profitable (the cost model prices every split above keeping it whole)"
     rule = ns.rule
-    dims = rule.params.get("weight") or rule.params.get("heads") or \
+    dims = rule.params.get("weight") or \
         (rule.operands[1][1] if functional_linear(v) else None)
     if not dims:
         return ns.why_whole or "no strategy splits it"
@@ -122,7 +120,7 @@ def layer_lines(sh) -> list[str]:
     for v in sh.gm.graph.nodes:
         if v in sh.nodes and v in sh.chosen and _is_layer(sh, v):
             path = v.meta.get("module_path") or v.name
-            weighted = sh.nodes[v].rule.kind in ("linear", "mha") or functional_linear(v)
+            weighted = sh.nodes[v].rule.kind == "linear" or functional_linear(v)
             label = path if weighted else f"{path} [{v.name}]"
             lines.append(f"{label}: {how(sh, v)}")
     return lines

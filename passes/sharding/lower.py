@@ -51,7 +51,7 @@ from autosplit.passes.sharding.factors import index_sets
 from autosplit.passes.sharding.strategies import P, R
 from autosplit.passes.sharding.tp_plan import fetch
 from autosplit.tp import ops as C
-from autosplit.tp.local_modules import LocalMultiheadAttention, column_linear, row_linear
+from autosplit.tp.local_modules import column_linear, row_linear
 from autosplit.tp.shards import RankSlices, ShardedParam
 
 
@@ -209,8 +209,6 @@ class Lowering:
         s = chosen[self.axes[0]]
         if rule.kind == "linear" and s.params:
             self.linear_module(node, s)
-        elif rule.kind == "mha" and s.out == P:
-            self.mha(node, s)
         elif rule.kind == "param" and (any(isinstance(c.out, tuple) for c in chosen.values()) or node in self.stored):
             self.param(node, chosen)
         if any(c.pending_bias for c in chosen.values()) and entry.weighted:
@@ -248,8 +246,7 @@ class Lowering:
             module = self.gm.get_submodule(node.target)
             bias_after = s.pending_bias and sh.nodes[node].rule.kind == "linear"
             names += [f"{node.target}.{k}" for k, _ in module.named_parameters()
-                      if k not in split and not (bias_after and k == "bias") and
-                      not (sh.nodes[node].rule.kind == "mha" and s.out == P)]
+                      if k not in split and not (bias_after and k == "bias")]
         return names
 
     # -- transitions ----------------------------------------------------------------------------
@@ -352,11 +349,8 @@ class Lowering:
         s, rule = sh.chosen[p], sh.nodes[p].rule
         if not s.pending_bias:
             return reduced
-        owner = rule.operands[0][0] if rule.operands and sh.nodes[rule.operands[0][0]].rule.kind == "mha" else p
-        if owner is not p:                    # getitem 0 of a MultiheadAttention: out_proj's bias
-            rule = sh.nodes[owner].rule
-        if rule.kind in ("linear", "mha"):
-            target = f"{owner.target}.bias" if rule.kind == "linear" else f"{owner.target}.out_proj.bias"
+        if rule.kind == "linear":
+            target = f"{p.target}.bias"
             if fetch(self.gm, target) is None:
                 return reduced
             with self.graph.inserting_after(reduced):
@@ -366,7 +360,7 @@ class Lowering:
             at = bias                          # created right after the reduced sum
         else:
             bias, at = self.pending.get(p, rule.operands[2][0]), reduced
-        raw = rule.operands[2][0] if rule.kind not in ("linear", "mha") else bias
+        raw = rule.operands[2][0] if rule.kind != "linear" else bias
         place, last = self.spec[reduced][axis], reduced.meta["val"].dim() - 1
         if isinstance(place, Shard) and place.dim == last:
             bias = self._new(at, C.local_slice, (bias, 0, axis, self.n(axis)), bias, axis, Shard(0))
@@ -478,22 +472,6 @@ class Lowering:
 
     def _record(self, name, dim, shape, parts) -> None:
         self.plan.sharded[name] = ShardedParam.along(name, dim, tuple(shape), parts)
-
-    def mha(self, node: fx.Node, s) -> None:
-        mha, n = self.gm.get_submodule(node.target), self.n(self.axes[0])
-        E, H = mha.embed_dim, mha.num_heads
-        Dh, h = E // H, H // n
-        rows = [torch.arange(3 * E).reshape(3, H, Dh)[:, r * h:(r + 1) * h].reshape(-1) for r in range(n)]
-        cols = [torch.arange(E).reshape(H, Dh)[r * h:(r + 1) * h].reshape(-1) for r in range(n)]
-        self.plan.makers[node.target] = lambda r: LocalMultiheadAttention(mha, rows[r], cols[r], h)
-        self._record(f"{node.target}.in_proj_weight", 0, (3 * E, E), rows)
-        if mha.in_proj_bias is not None:
-            self._record(f"{node.target}.in_proj_bias", 0, (3 * E,), rows)
-        self._record(f"{node.target}.out_proj.weight", 1, (E, E), cols)
-        x = D.arg(node, 0, "query")                       # q is k is v (the rule's condition)
-        node.args = (x, x, x, *node.args[3:])
-        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("query", "key", "value")}
-        node.meta["tp_random"] = mha.dropout > 0          # its attention dropout sees this rank's heads only
 
     # -- 2D grid forms --------------------------------------------------------------------------
     def _linear_2d(self, node: fx.Node) -> bool:

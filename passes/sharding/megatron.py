@@ -3,7 +3,8 @@ over one axis ``tp``.
 
 Terms (engine: engine.py; lowering: lower.py; plan: tp_plan.py):
   feature class -- a class (factors.py) that a Linear's weight carries (its output or input features,
-                   the heads inside a fused qkv) or a MultiheadAttention's heads, and that no op needs
+                   the heads inside a fused qkv, an nn.MultiheadAttention's among them once decomposed),
+                   and that no op needs
                    whole anywhere.  Under ``tp_mode="1d"`` only these may be split: Megatron's candidate
                    set (column- and row-parallel linears, attention by heads).  The residual stream's
                    features are a Linear's too, but every layer norm needs them whole, so between
@@ -39,12 +40,12 @@ def feature_classes(sh: Sharding, table: dict) -> set[int]:
 
 
 def _weights(sh: Sharding, table: dict) -> set[int]:
-    """The classes of Linear weights and attention heads."""
+    """The classes of Linear weights (a fused qkv's heads among them)."""
     f, out = sh.factors, set()
     for node, rule in table.items():
         dims = []
-        if rule.kind in ("linear", "mha"):
-            dims = rule.params.get("weight") or rule.params.get("heads") or []
+        if rule.kind == "linear":
+            dims = rule.params.get("weight") or []
         elif rule.kind == "op" and functional_linear(node) and len(rule.operands) > 1:
             dims = rule.operands[1][1]
         out |= {f.find(leaf) for d in dims for leaf in f.flat(d)}
@@ -56,7 +57,7 @@ def token_classes(sh: Sharding, table: dict) -> set[int]:
     (B, N, C) activation (sequence parallelism splits these between blocks)."""
     f, out = sh.factors, set()
     for node, rule in table.items():
-        if rule.kind in ("linear", "mha") or (rule.kind == "op" and functional_linear(node)):
+        if rule.kind == "linear" or (rule.kind == "op" and functional_linear(node)):
             x = rule.operands[0][1]
             out |= {f.find(leaf) for d in x[1:-1] for leaf in f.flat(d)}
     return out

@@ -1,10 +1,11 @@
 """The sharding engine's rules: for each op, how its output's dims come from its operands'.  Which
 rule an op takes is the registry's (passes/op_registry.py, ``shard``: the method ``"_" + shard`` here);
-the module classes with parameters (Linear, MultiheadAttention, convolutions, norms) are taken first.
+the module classes with parameters (Linear, convolutions, norms) are taken first; an
+``nn.MultiheadAttention`` reaches the engine as its ops (passes/decompose_attention.py) or stays opaque.
 
 Terms (factors, classes, layouts: passes/sharding/factors.py):
   OpRule    -- what one node does to dims: its output layout (a tuple of layouts for chunk/unbind/
-               MultiheadAttention), its tensor operands with the layouts they are paired by, and the
+               a module's tuple), its tensor operands with the layouts they are paired by, and the
                leaves it ``contract``s (sums over: a linear's input features, a matmul's k, ``sum``; a
                shard of one gives a Partial output), ``forbid``s (needs whole: softmax's dim, a norm's
                normalized dims, attention's head_dim and key tokens) and whether it is ``linear`` in
@@ -34,6 +35,7 @@ import torch.fx as fx
 from torch import nn
 
 from autosplit.passes import op_dims as D
+from autosplit.passes.decompose_attention import kept_reason
 from autosplit.passes.op_names import inplace_base, op_name
 from autosplit.passes.op_registry import OPAQUE, module_entry, op
 from autosplit.passes.sharding.factors import Factors
@@ -45,7 +47,7 @@ class OpRule:
     contract: set = field(default_factory=set)
     forbid: set = field(default_factory=set)
     linear: str = ""                              # "all" | "one" | "first" | ""
-    kind: str = "op"                              # "op" | "view" | "opaque" | "input" | "param" | "linear" | "mha"
+    kind: str = "op"                              # "op" | "view" | "opaque" | "input" | "param" | "linear"
     params: dict = field(default_factory=dict)    # call_module: param name -> layout
     why: str = ""                                 # opaque: why no rule applies
     rowwise: bool = False                         # each index of a kept dim is computed alone (padding-safe)
@@ -57,7 +59,7 @@ def is_tensor(n) -> bool:
 
 
 def tensorish(n) -> bool:
-    """Does ``n`` hold a tensor, or a tuple of them (chunk, unbind, MultiheadAttention)?"""
+    """Does ``n`` hold a tensor, or a tuple of them (chunk, unbind, a module's outputs)?"""
     val = n.meta.get("val") if isinstance(n, fx.Node) else None
     if isinstance(val, torch.Tensor):
         return True
@@ -116,7 +118,8 @@ class Rules:
         if type(module) is nn.Linear:          # a subclass may have its own forward: opaque
             return self._linear(n, x, module.out_features, module.bias is not None, kind="linear")
         if isinstance(module, nn.MultiheadAttention):
-            return self._mha(n, x, module)
+            # plain self-attention reached the engine as its ops (passes/decompose_attention.py)
+            raise _NoRule(f"nn.MultiheadAttention kept whole ({kept_reason(n, module) or 'not decomposed'})")
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             return self._conv(n, x, nd, OPAQUE, module)
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -253,21 +256,6 @@ class Rules:
                           why="a convolution module runs whole (its batch and output channels still pair with "
                               "the model's dims)")
         return OpRule(out, ops, contract=self._leaves([x[1]]), forbid=self._leaves(x[2:]))
-
-    def _mha(self, n, x, m: nn.MultiheadAttention) -> OpRule:
-        """The module as one op: heads are sharded inside it (autosplit/tp/local_modules.py)."""
-        q, k, v = D.arg(n, 0, "query"), D.arg(n, 1, "key"), D.arg(n, 2, "value")
-        x = self.lay(q)
-        masks = [D.arg(n, 3, "key_padding_mask"), D.arg(n, 5, "attn_mask")]
-        if x is None or not (q is k is v) or not m._qkv_same_embed_dim or m.bias_k is not None or \
-                m.add_zero_attn or any(a is not None for a in masks) or D.arg(n, 7, "is_causal", False):
-            raise _NoRule("MultiheadAttention that is not plain self-attention (q, k, v differ, a mask, "
-                          "bias_k or add_zero_attn)")
-        heads = self.f.new(m.num_heads)
-        out = x[:-1] + [[self.f.new(m.embed_dim)]]
-        weights = self.fresh(n.meta["val"][1].shape) if isinstance(n.meta["val"][1], torch.Tensor) else None
-        return OpRule((out, weights) if weights is not None else (out,), [(q, x)], contract={heads},
-                      forbid=self._leaves([x[-1]]), kind="mha", params={"heads": [[heads]]})
 
     def _norm(self, n, x, nd, entry, module) -> OpRule:
         shape = module.normalized_shape if module is not None and hasattr(module, "normalized_shape") else \
