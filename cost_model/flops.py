@@ -351,9 +351,7 @@ _RULES = {   # cost class (passes/op_registry.py): (rule, reads its weight in ba
 
 
 def _rule_key(node: fx.Node, module: nn.Module | None) -> str | None:
-    """The cost class of ``node``: what our own graph ops name (``cost_rule``), else the registry's."""
-    if module is None and getattr(node.target, "cost_rule", None):
-        return node.target.cost_rule
+    """The cost class of ``node``: the registry's (our own graph ops too: passes/op_registry.py ``cost_entry``)."""
     entry = module_entry(module, torch_only=True) if module is not None else cost_entry(node)
     return entry.cost or None
 
@@ -370,7 +368,7 @@ def node_cost(node: fx.Node, gm: fx.GraphModule, unknown: set | None = None) -> 
         return ZERO                     # placeholders, output, and Python-value arithmetic on shapes
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     ins = node.all_input_nodes
-    if getattr(node.target, "comm_kind", None) and not getattr(node.target, "cost_rule", None):
+    if getattr(node.target, "comm_kind", None) and not cost_entry(node).cost:
         # a collective: its time is communication (comm.py ``collective_time``), priced there alone; as a
         # memory-bound op here too it would be priced twice (NCCL's kernels copy inside that time)
         return ZERO

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosplit.errors import AutosplitError
 from autosplit.passes.infra import MetaPass
+from autosplit.passes.op_registry import cost_entry
 from autosplit.passes.shape_prop import run_on_zeros
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -70,7 +71,7 @@ class _FakeInterpreter(fx.Interpreter):
         return self.fake(super().get_attr(target, args, kwargs))
 
     def call_function(self, target, args, kwargs):
-        if getattr(target, "comm_kind", None) and not getattr(target, "cost_rule", None):
+        if getattr(target, "comm_kind", None) and not cost_entry(self.current).cost:
             # a collective moves data, never changes its dtype (ops that also compute, linear_2d and
             # layer_norm_2d, run their planning path below, which follows autocast)
             node = self.current

@@ -205,14 +205,22 @@ def module_entry(module, torch_only: bool = False) -> Op:
     return OPAQUE
 
 
+_COMPUTING_TP_OPS = frozenset({"linear_2d", "layer_norm_2d"})      # autosplit/tp/ops.py's ops that compute
+
+
 def cost_entry(node: fx.Node, gm: fx.GraphModule | None = None) -> Op:
     """The entry cost_model/flops.py prices ``node`` by: a module's by ``module_entry`` of torch's classes;
-    a function's only when it is torch's, the operator module's or a builtin (a user function named like
-    a torch op is not that op)."""
+    a function's only when it is torch's, the operator module's, a builtin or our own graph vocabulary
+    (autosplit/tp/ops.py: ``linear_2d``, ``layer_norm_2d``, the collectives); a user function named
+    like a torch op is not that op."""
     if node.op == "call_module":
         return module_entry((gm or node.graph.owning_module).get_submodule(node.target), torch_only=True)
-    if node.op == "call_function" and not (getattr(node.target, "__module__", None) or "torch").startswith(
-            ("torch", "_operator", "operator", "builtins", "math")):
+    module = (getattr(node.target, "__module__", None) or "torch") if node.op == "call_function" else "torch"
+    if module == "autosplit.tp.ops":
+        # ours: the two that compute have entries; the collectives only move data (comm.py prices them),
+        # whatever torch op shares a name with one (``gather``)
+        return OPS[node.target.__name__] if node.target.__name__ in _COMPUTING_TP_OPS else OPAQUE
+    if not module.startswith(("torch", "_operator", "operator", "builtins", "math")):
         return OPAQUE
     return op(node, gm)
 

@@ -218,8 +218,6 @@ for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_redu
                    (sum_stats, ("all_reduce", "all_reduce"))):
     _fn.comm_kind = _kind
 linear_2d.comm_kind = ("linear_2d", "linear_2d")       # priced by cost_model/comm.py's linear_2d_time
-# Compute rules in cost_model/flops.py for the ops that also compute (a GEMM, a layer norm).
-linear_2d.cost_rule, layer_norm_2d.cost_rule = "linear_2d", "layer_norm"
 # layer_norm_2d's own collectives: two sum_stats of one value per row (mean, then variance), each
 # all-reduced forward and backward.
 layer_norm_2d.comm_kind = ("all_reduce", "all_reduce")
