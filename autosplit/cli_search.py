@@ -1,4 +1,8 @@
-"""``python -m autosplit search MODEL --world 64 --global-batch 512 --device h100 --memory-budget 80GiB [--top N]``.
+"""``python -m autosplit search MODEL --world 64 --global-batch 512 --device h100 --memory-budget 80GiB [--top N]
+[--autocast bf16|fp16] [--optimizer adamw|adam|sgd|sgd_momentum]``.
+
+``--autocast`` ranks the configurations for training under ``torch.autocast`` in that dtype (every
+candidate priced with the dtypes autocast gives); ``--optimizer`` names the optimizer whose step is priced.
 
 Prints the strategy search's ranked table (mesh and options, predicted step time with its parts,
 memory of the fullest rank) and how many configurations were rejected, by reason.  MODEL as for
@@ -21,7 +25,9 @@ import sys
 
 import torch
 
+from autosplit.cli_options import AUTOCAST as AUTOCAST_NAMES
 from autosplit.cli_options import DeviceChoices, device_arg
+from autosplit.cost_model.optimizer_step import NAMES as OPTIMIZERS
 from autosplit.cost_model.profile_file import is_path
 from autosplit.cost_model.profiles import NAMES, get_profile
 from autosplit.deprecated import DeprecatedFlag
@@ -76,6 +82,10 @@ def add_search_parser(sub) -> None:
                    help="memory budget per device, e.g. 80GiB (default: none; --memory: deprecated)")
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
     p.add_argument("--image-size", type=int, default=None, help="input height/width (default: the model's)")
+    p.add_argument("--autocast", choices=sorted(AUTOCAST_NAMES), default=None,
+                   help="rank for training under torch.autocast in bf16 or fp16 (default: off, float32)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer whose step is priced (default adamw)")
 
 
 def run_search(args, build_model) -> int:
@@ -88,11 +98,13 @@ def run_search(args, build_model) -> int:
         x = torch.empty(1, *default_input_shape(model, args.image_size), device="meta")
         profile, described = _profile(args, model, x)
         ranked = search(model, args.world, x, global_batch=args.global_batch, device=profile,
-                        memory_budget=args.memory_budget, top=args.top)
+                        memory_budget=args.memory_budget, top=args.top,
+                        autocast=AUTOCAST_NAMES.get(args.autocast), optimizer=args.optimizer)
     except AutosplitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"autosplit search: {args.model} on {args.world} devices, global batch {args.global_batch}, device "
-          f"model {described}, memory budget {args.memory_budget or 'none'}")
+          f"model {described}, memory budget {args.memory_budget or 'none'}, "
+          f"{'autocast ' + args.autocast if args.autocast else 'float32'}, optimizer {args.optimizer}")
     print(ranked.table())
     return 0

@@ -98,20 +98,25 @@ class Plan:
     def summary(self) -> str:
         return "\n".join([summary_table(self), *self.batch_norm_note()])
 
-    def predicted_step(self, device=None):
+    def predicted_step(self, device=None, optimizer="adamw"):
         """The predicted seconds of one training step (``pm.step``: forward and backward of every
-        microbatch, tp, pp and dp communication), the number ``autosplit.search`` ranks by.
+        microbatch, tp, pp and dp communication, then ``opt.step()``), the number ``autosplit.search``
+        ranks by.
 
         Returns a ``cost_model.step_time.StepPrediction`` of the slowest pipeline rank: ``.total`` =
-        ``.compute`` + ``.tp_comm`` + ``.pp_comm`` + ``.dp_comm`` + ``.bubble`` (exposed seconds of each;
-        ``.dp_comm`` includes the step's own world collectives), with ``.rank`` and ``.line()``.
+        ``.compute`` + ``.tp_comm`` + ``.pp_comm`` + ``.dp_comm`` + ``.bubble`` + ``.optimizer`` (exposed
+        seconds of each; ``.dp_comm`` includes FSDP's exposed all-gathers and the step's own loss
+        all-reduces), with ``.rank`` and ``.line()``.
 
         Args:
             device: the profile to price with (a name, a profile file or a DeviceProfile); default the
                 profile the plan was compiled with (``plan.profile``), which states the node size.
+            optimizer: the optimizer the job steps with: a torch.optim class (SGD, Adam, AdamW), an
+                instance (its momentum, weight decay, ``fused`` count), or "sgd", "sgd_momentum", "adam",
+                "adamw" (default); priced over the parameters each rank owns (cost_model/optimizer_step.py).
         """
         from autosplit.cost_model.step_time import predict_plan
-        return predict_plan(self, device)
+        return predict_plan(self, device, optimizer)
 
     def explain(self, target: str) -> str:
         """How the sharding engine priced one op: each candidate strategy (its output's and operands'

@@ -45,8 +45,8 @@ class SegmentCosts:
         self.cross_node = cross_node        # pipeline transfers go over the network (comm.pipeline_crosses_nodes)
         self.recompute, self.layers, self.input_bytes = recompute, list(layers), input_bytes
         if node_parts is None:
-            self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s)
-                         for s in segments]
+            self.time = [sum(graph_time(s, profile)) + comm_time(s, tp, profile) + self.recompute_time(s) +
+                         self.recompute_comm(s) for s in segments]
         else:
             self.time = self._summed(node_parts)
         self.out_time = [self.boundary_time(k) for k in range(len(segments))]
@@ -64,6 +64,12 @@ class SegmentCosts:
             return 0.0
         return graph_time([n for n in nodes if self.recomputed(n)], self.profile)[0]
 
+    def recompute_comm(self, nodes: Sequence[fx.Node]) -> float:
+        """The forward tp collectives among the recomputed nodes: backward's recomputation runs them again."""
+        if self.recompute is None:
+            return 0.0
+        return sum(collective_time(n, self.tp, self.profile)[0] for n in nodes if self.recomputed(n))
+
     def _summed(self, node_parts) -> list[float]:
         """The segment times of ``__init__`` from per-node parts, summed as graph_time, comm_time and
         recompute_time sum them (left to right; a node without tensors adds 0.0, which changes no sum)."""
@@ -74,7 +80,8 @@ class SegmentCosts:
             bwd = sum(r[1] for r in part)
             comm = sum(r[3] + r[4] for r in part)
             again = sum(r[0] for r, n in zip(part, seg) if self.recomputed(n)) if self.recompute else 0.0
-            times.append(fwd + bwd + comm + again)
+            again_comm = sum(r[3] for r, n in zip(part, seg) if self.recomputed(n)) if self.recompute else 0.0
+            times.append(fwd + bwd + comm + again + again_comm)
             at += len(seg)
         return times
 

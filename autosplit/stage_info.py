@@ -39,6 +39,9 @@ class StageInfo:
     dp_bytes: int = 0             # data-parallel traffic per step and rank (cost_model/sharding.py)
     dp_time: float = 0.0          # its predicted seconds per step (not part of ``time``)
     dp_buckets: int = 1           # the pieces it is sent in while the final backward runs (step_time.py)
+    dp_gather: float = 0.0        # dp_shard: seconds of one pass's FSDP all-gathers (cost_model/sharding.py)
+    dp_units: int = 1             # the FSDP units they go out in
+    recompute_comm: float = 0.0   # forward tp collectives backward's recomputation runs again (in comm_time)
 
     @property
     def time(self) -> float:

@@ -41,7 +41,7 @@ from autosplit.cost_model.flops import NodeCost, _arg, _rule_key
 
 # cost classes (passes/op_registry.py, ``cost``; our own graph ops' ``cost_rule``) that run as GEMMs / fused attention
 GEMM_RULES = ("linear", "conv", "matmul", "addmm", "linear_2d", "multi_head_attention")
-ATTENTION_RULES = ("scaled_dot_product_attention", "attention_heads")
+ATTENTION_RULES = ("scaled_dot_product_attention",)
 
 
 def _val(x):
@@ -71,9 +71,6 @@ def _shape(node, module, key, out):
         q = _val(_arg(node, 0, "query"))
         return 1, q.numel() // q.shape[-1], module.embed_dim, module.embed_dim
     if key in ATTENTION_RULES:
-        if key == "attention_heads":     # fused (B, N, 3*h*D): heads unknown here, the width stands in
-            x = _val(_arg(node, 0))
-            return math.prod(x.shape[:-2]), x.shape[-2], x.shape[-2], x.shape[-1] // 3
         q, k = _val(_arg(node, 0, "query")), _val(_arg(node, 1, "key"))
         return math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1]
     if key == "linear_2d":
@@ -85,7 +82,8 @@ def _shape(node, module, key, out):
             groups = module.groups if module is not None else (_arg(node, 6, "groups", 1) or 1)
             return groups, out.numel() // out.shape[1], w.shape[0] // groups, math.prod(w.shape[1:])
         return 1, out.numel() // out.shape[-1], w.shape[0], w.shape[-1]
-    pa, pb = ((0, "input"), (1, "other")) if key == "matmul" else ((1, "mat1"), (2, "mat2"))
+    # matmul's operands by position (named input / other for torch.matmul, input / mat2 for mm and bmm)
+    pa, pb = ((0, None), (1, None)) if key == "matmul" else ((1, "mat1"), (2, "mat2"))
     a, b = _val(_arg(node, *pa)), _val(_arg(node, *pb))
     if a.dim() == 1 or b.dim() == 1:     # matrix-vector: a GEMM with n = 1
         return 1, out.numel(), 1, a.shape[-1]

@@ -14,6 +14,13 @@ Terms (runtime/parallel/fsdp.py runs what this predicts):
                 replicated, one all-reduce of P (2 x); "stage", one all-gather (in the gather dtype)
                 and one reduce-scatter (float32); "layer", 2 m all-gathers (forward and backward of
                 every microbatch) and one reduce-scatter.
+  pieces     -- how the runtime sends it, each message paying its own latency at its own size's
+                bandwidth: replicated, DDP-style buckets of DP_BUCKET_BYTES (the last one the remainder);
+                "layer", one reduce-scatter per unit and one all-gather per unit and pass (k units of
+                P / k, k = ceil(P / the largest unit)); "stage", one of each over P.
+  time       -- the gradient sync after the final backward (all-reduces or reduce-scatters: step_time.py
+                *dp sync*); ``gather``, one pass's all-gathers, is placed inside the computes that wait
+                for them (step_time.py *fsdp gathers*).
   choice     -- ``dp_shard=True``: "stage" (least traffic) when it fits the memory budget, else "layer".
 """
 from __future__ import annotations
@@ -36,8 +43,18 @@ class DataParallelCost:
     state_bytes: float
     step_bytes: float
     traffic_bytes: float
-    time: float               # predicted seconds of dp collectives per step
+    time: float               # predicted seconds of the gradient sync per step (all-reduces / reduce-scatters)
     buckets: int = 1          # pieces the sync is sent in as the final backward produces them (step_time.py)
+    gather: float = 0.0       # seconds of one pass's all-gathers ("layer": per forward and per backward;
+    #                           "stage": once a step)
+    units: int = 1            # the units those gathers go out in
+    microbatches: int = 1     # m (the "layer" gathers run once per pass of every microbatch)
+
+    @property
+    def collective_time(self) -> float:
+        """Seconds of all dp collectives of a step, where none overlapped anything."""
+        passes = 2 * self.microbatches if self.sharding == "layer" else 1
+        return self.time + passes * self.gather
 
     @property
     def memory_bytes(self) -> float:
@@ -56,17 +73,30 @@ def dp_cost(param_bytes: float, largest_unit: float, dp: int, microbatches: int,
         nodes: the nodes the dp group spans (comm.group_nodes); None: consecutive ranks.
     """
     if sharding is None or dp == 1:
+        k = dp_buckets(param_bytes, None)
         return DataParallelCost(None, STATE_FACTOR * param_bytes, 0.0, 2 * (dp - 1) / dp * param_bytes,
-                                all_reduce_time(param_bytes, dp, profile, nodes), dp_buckets(param_bytes, None))
+                                _pieces(all_reduce_time, param_bytes, k, dp, profile, nodes, DP_BUCKET_BYTES), k)
     if sharding not in GRANULARITIES:
         raise ValueError(f"sharding={sharding!r}: expected None or one of {GRANULARITIES}")
     gathered = gather_ratio * param_bytes
     gathers = 1 if sharding == "stage" else 2 * microbatches
     unsharded = gathered if sharding == "stage" else 2 * gather_ratio * largest_unit
     traffic = (dp - 1) / dp * (gathers * gathered + param_bytes)
-    time = gathers * all_gather_time(gathered, dp, profile, nodes) + reduce_scatter_time(param_bytes, dp, profile, nodes)
+    k = dp_buckets(param_bytes, sharding, largest_unit)
+    sync = _pieces(reduce_scatter_time, param_bytes, k, dp, profile, nodes)
+    gather = _pieces(all_gather_time, gathered, k, dp, profile, nodes)
     return DataParallelCost(sharding, STATE_FACTOR * param_bytes / dp, param_bytes + min(unsharded, gathered),
-                            traffic, time, dp_buckets(param_bytes, sharding, largest_unit))
+                            traffic, sync, k, gather, k, microbatches)
+
+
+def _pieces(fn, nbytes: float, k: int, dp: int, profile, nodes, size: float | None = None) -> float:
+    """Seconds of ``nbytes`` sent as k messages, one after another: of ``size`` bytes each and the
+    remainder last, or (size None) k equal ones."""
+    if k <= 1 or nbytes <= 0:
+        return fn(nbytes, dp, profile, nodes)
+    if size is None:
+        return k * fn(nbytes / k, dp, profile, nodes)
+    return (k - 1) * fn(size, dp, profile, nodes) + fn(nbytes - (k - 1) * size, dp, profile, nodes)
 
 
 def dp_buckets(param_bytes: float, sharding: str | None, largest_unit: float = 0.0) -> int:

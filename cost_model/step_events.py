@@ -22,6 +22,10 @@ class StageTimes:
     dp: float = 0.0
     dp_buckets: int = 1      # the dp sync's pieces, sent as the final backward produces them (1: after it)
     tp_hidden: float = 0.0   # of tp_bwd, seconds a B hides under its weight-gradient GEMMs (step_time.py)
+    gather_fwd: float = 0.0  # FSDP2 "layer": exposed all-gather seconds per forward (step_time.py *fsdp gathers*)
+    gather_bwd: float = 0.0  # ... per backward (B, or I under a split backward)
+    gather_first: float = 0.0  # FSDP2 "stage": the stage's one all-gather, before its first forward
+    opt: float = 0.0         # the optimizer step over the stage's parameters this rank owns (optimizer_step.py)
 
 
 @dataclass(frozen=True)
@@ -37,19 +41,29 @@ class _Node:
 
 def _duration(a, t: StageTimes) -> float:
     if a.kind is F:
-        return t.fwd + t.tp_fwd
+        return t.fwd + t.tp_fwd + _gather_part(a, t)
     if a.kind is B:
-        return t.bwd + t.tp_bwd - t.tp_hidden
+        return t.bwd + t.tp_bwd - t.tp_hidden + t.gather_bwd
     if a.kind is I:
-        return t.bwd - t.w + t.tp_bwd
+        return t.bwd - t.w + t.tp_bwd + t.gather_bwd
     return t.w
 
 
+def _gather_part(a, t: StageTimes) -> float:
+    """FSDP2's exposed all-gathers inside compute ``a`` (step_time.py *fsdp gathers*)."""
+    if a.kind is F:
+        return t.gather_fwd + (t.gather_first if a.microbatch == 0 else 0.0)
+    return 0.0 if a.kind is W else t.gather_bwd
+
+
 def _tp_part(a, t: StageTimes) -> float:
-    """The blocking tp collectives inside compute ``a`` (not compute: sharing does not stretch them)."""
+    """The blocking collectives inside compute ``a``: tp's and FSDP2's exposed all-gathers (not compute:
+    sharing does not stretch them)."""
     if a.kind is B:
-        return t.tp_bwd - t.tp_hidden
-    return t.tp_fwd if a.kind is F else 0.0 if a.kind is W else t.tp_bwd
+        return t.tp_bwd - t.tp_hidden + t.gather_bwd
+    if a.kind is F:
+        return t.tp_fwd + _gather_part(a, t)
+    return 0.0 if a.kind is W else t.tp_bwd + t.gather_bwd
 
 
 def _transfer_end(n: _Node, value: list, stages, p2p: bool) -> float:

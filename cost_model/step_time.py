@@ -35,15 +35,25 @@ Terms:
                 while the device computes).  When positive, posting is on the rank's own timeline: a
                 group is *posted* ``post`` after the rank's previous compute or post ended, becomes
                 active no earlier, and the rank's next compute starts no earlier than its last post.
-  fixed      -- seconds every rank spends per step outside the schedule, waiting in collectives over
-                the whole world: the call check's all-gather before its first action
-                (runtime/faults/call_gate.py) and the loss all-reduce after its last (runtime/parallel/gradients.py);
-                ``step_collectives`` prices them.  Added to every rank's end and to dp_comm.
+  fsdp gathers -- FSDP2 (``dp_shard``) all-gathers parameters before they are used and prefetches the next
+                unit's gather while the current unit computes (runtime/parallel/fsdp.py): under "layer" each
+                forward and each backward of a microbatch exposes the first unit's gather and whatever of the
+                others outlasts the compute before them, ``fsdp_exposed`` (``gather_fwd`` / ``gather_bwd``);
+                under "stage" the stage's one gather comes before its first forward (``gather_first``).  They
+                lengthen those computes like a blocking collective and count in dp_comm.
+  optimizer  -- ``opt.step()`` after the step (optimizer_step.py): per rank the step over the parameters
+                its stages own, after its dp sync; the ``optimizer`` part.
+  fixed      -- seconds every rank spends per step outside the schedule, waiting in collectives: the
+                call check's all-gather over the world before its first action (runtime/faults/call_gate.py)
+                and the loss all-reduce after its last, one per mesh axis larger than 1 (tp, dp, pp:
+                runtime/parallel/gradients.py); ``step_collectives`` prices them.  Added to every rank's end
+                and to dp_comm.
   slowest rank -- the rank whose last compute, group or dp sync ends last; its end is the step time.
   parts      -- of the slowest rank, adding up to ``total``: ``compute`` (its fwd + bwd seconds, as
                 stretched by sharing), ``tp_comm`` (its blocking tp collectives), ``pp_comm`` (how much later
                 it ends than with free point-to-point transfers), ``dp_comm`` (dp sync past its last compute,
-                plus *fixed*), ``bubble`` (the rest: idle waiting for other ranks).  ``exposed_comm`` is
+                FSDP's exposed gathers, plus *fixed*), ``optimizer``, ``bubble`` (the rest: idle waiting for
+                other ranks).  ``exposed_comm`` is
                 tp_comm + pp_comm.
 
 With every F = B = 1 and free communication the timed run ends at the unit simulator's step count,
@@ -61,13 +71,14 @@ from autosplit.schedule import (SPLIT_BACKWARD, Action, Group, build_schedule, d
 from autosplit.schedule.actions import RECV_B, RECV_F, F, W
 from autosplit.schedule.timing import ScheduleDeadlock, dependencies
 from autosplit.cost_model.host_contention import Sharing, resumed, run_shared, sharing_of  # noqa: F401 (re-exported)
-from autosplit.cost_model.step_events import StageTimes, _duration, _instant, _Node, _tp_part  # noqa: F401 (re-exported)
+from autosplit.cost_model.step_events import (StageTimes, _duration, _gather_part, _instant, _Node,  # noqa: F401
+                                             _tp_part)
 
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Seconds per step of the slowest rank: total = compute + bubble + tp_comm + pp_comm + dp_comm
-    (``plan.predicted_step()``; see *parts*)."""
+    """Seconds per step of the slowest rank: total = compute + bubble + tp_comm + pp_comm + dp_comm +
+    optimizer (``plan.predicted_step()``; see *parts*)."""
     total: float
     compute: float
     bubble: float
@@ -76,6 +87,7 @@ class StepPrediction:
     dp_comm: float
     rank: int                       # the slowest pipeline rank
     rank_ends: tuple[float, ...]    # per pipeline rank, when its step ends
+    optimizer: float = 0.0          # its optimizer step (see *optimizer*)
 
     @property
     def exposed_comm(self) -> float:
@@ -84,9 +96,10 @@ class StepPrediction:
 
     def line(self) -> str:
         dp = f" + dp sync {self.dp_comm * 1e3:.3f}" if self.dp_comm else ""
+        opt = f" + optimizer {self.optimizer * 1e3:.3f}" if self.optimizer else ""
         return (f"predicted step: {self.total * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + bubble "
                 f"{self.bubble * 1e3:.3f} + exposed comm {self.exposed_comm * 1e3:.3f} (tp {self.tp_comm * 1e3:.3f}, "
-                f"pp {self.pp_comm * 1e3:.3f}){dp} (slowest rank, pp rank {self.rank})")
+                f"pp {self.pp_comm * 1e3:.3f}){dp}{opt} (slowest rank, pp rank {self.rank})")
 
 
 @functools.lru_cache(maxsize=256)
@@ -231,7 +244,7 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
-    tp, last_bwd, last_dur = [0.0] * pp, [0.0] * S, [0.0] * S
+    tp, gathers, last_bwd, last_dur = [0.0] * pp, [0.0] * pp, [0.0] * S, [0.0] * S
     if sharing is None:
         timed, compute = _run(nodes, stages, p2p=True, post=post, resume=resume, overhead=overhead)
         free, _ = _run(nodes, stages, p2p=False, resume=resume, overhead=overhead)
@@ -242,36 +255,46 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
     for k, n in enumerate(nodes):
         if n.kind == "compute":
             a, t = n.action, stages[n.action.stage]
-            tp[n.rank] += _tp_part(a, t)
+            g = _gather_part(a, t)
+            tp[n.rank] += _tp_part(a, t) - g
+            gathers[n.rank] += g
             if a.kind is not F and timed[k] >= last_bwd[a.stage]:
                 last_bwd[a.stage], last_dur[a.stage] = timed[k], _duration(a, t)
-    totals = []
+    totals, opt = [], [0.0] * pp
+    for s in range(S):
+        opt[rank_of[s]] += stages[s].opt
     for r in range(pp):
         clock = 0.0
         for s in sorted((s for s in range(S) if rank_of[s] == r), key=lambda s: last_bwd[s]):
             t = stages[s]       # the buckets of the final backward's first (k-1)/k: see *dp sync*
             hidden = min(last_dur[s], t.dp) * (t.dp_buckets - 1) / t.dp_buckets if t.dp_buckets > 1 else 0.0
             clock = max(clock, last_bwd[s] - hidden) + t.dp
-        totals.append(max(ends[r], clock) + fixed)
+        # the optimizer steps once the rank's gradients are synced (opt.step() after pm.step)
+        totals.append(max(ends[r], clock) + fixed + opt[r])
     r = max(range(pp), key=lambda q: (totals[q], -q))
     p2p = max(0.0, ends[r] - free_ends[r])
-    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] - compute[r] - tp[r] - p2p,
-                          tp_comm=tp[r], pp_comm=p2p, dp_comm=totals[r] - ends[r], rank=r, rank_ends=tuple(totals))
+    return StepPrediction(total=totals[r], compute=compute[r], bubble=ends[r] - compute[r] - tp[r] - gathers[r] - p2p,
+                          tp_comm=tp[r], pp_comm=p2p, dp_comm=totals[r] - ends[r] - opt[r] + gathers[r], rank=r,
+                          rank_ends=tuple(totals), optimizer=opt[r])
 
 
-def plan_stage_times(plan, device=None) -> list[StageTimes]:
-    """StageTimes of a compiled Plan, from what its StageInfos hold: fwd / bwd / W seconds, dp sync, and
-    ``comm_time`` split into the tp collectives (priced again per stage from ``plan.graph``, the same
-    ``collective_time`` the compiler summed) and the boundary (the rest: send forward + gradient back).
+def plan_stage_times(plan, device=None, optimizer="adamw") -> list[StageTimes]:
+    """StageTimes of a compiled Plan, from what its StageInfos hold: fwd / bwd / W seconds, dp sync and
+    FSDP gathers, the optimizer step, and ``comm_time`` split into the tp collectives (priced again per
+    stage from ``plan.graph``, the same ``collective_time`` the compiler summed, with the forward ones
+    recomputation runs again in backward) and the boundary (the rest: send forward + gradient back).
 
     Args:
         plan: an autosplit Plan (read, not imported: the cost model sits below the compiler).
         device: the profile the plan was compiled with; default ``plan.profile`` where a Plan carries
             one, else ``plan.device`` by name ("h100", "cpu", ...).
+        optimizer: the job's optimizer (optimizer_step.py ``optimizer_kind``: a class, an instance or a name).
     """
     from autosplit.cost_model.comm import collective_time
+    from autosplit.cost_model.optimizer_step import optimizer_kind
     from autosplit.cost_model.profiles import get_profile
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
+    kind = optimizer_kind(optimizer)
     tp = [[0.0, 0.0] for _ in plan.stages]
     for n in plan.graph.graph.nodes:
         stage = n.meta.get("stage")
@@ -280,11 +303,27 @@ def plan_stage_times(plan, device=None) -> list[StageTimes]:
             tp[stage][0] += f
             tp[stage][1] += b
     split = plan_deferred_w_stages(plan, profile)
-    overlap = tp_overlaps(profile, plan.mesh.tp, getattr(plan, "dp_shard", None))
-    return [StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f, tp_bwd=b,
-                       send=max(0.0, (s.comm_time - f - b) / 2), dp=s.dp_time,
-                       dp_buckets=getattr(s, "dp_buckets", 1), tp_hidden=min(b, s.w_time) if overlap else 0.0)
-            for k, (s, (f, b)) in enumerate(zip(plan.stages, tp))]
+    sharding = getattr(plan, "dp_shard", None)
+    overlap = tp_overlaps(profile, plan.mesh.tp, sharding)
+    owned = plan.mesh.dp if sharding else 1          # FSDP: each rank steps its 1/dp shard
+    out = []
+    for k, (s, (f, b)) in enumerate(zip(plan.stages, tp)):
+        again = getattr(s, "recompute_comm", 0.0)
+        gathers = stage_gathers(_StageDp(sharding, getattr(s, "dp_gather", 0.0), getattr(s, "dp_units", 1)),
+                                s.fwd_time, s.bwd_time)
+        out.append(StageTimes(fwd=s.fwd_time, bwd=s.bwd_time, w=s.w_time if k in split else 0.0, tp_fwd=f,
+                              tp_bwd=b + again, send=max(0.0, (s.comm_time - f - b - again) / 2), dp=s.dp_time,
+                              dp_buckets=getattr(s, "dp_buckets", 1),
+                              tp_hidden=min(b + again, s.w_time) if overlap else 0.0,
+                              opt=kind.time(s.param_bytes / owned, len(s.params), profile), **gathers))
+    return out
+
+
+class _StageDp:
+    """The fields of a DataParallelCost ``stage_gathers`` reads, from a StageInfo."""
+
+    def __init__(self, sharding, gather: float, units: int):
+        self.sharding, self.gather, self.units = sharding, gather, units
 
 
 def tp_overlaps(profile, tp: int, dp_shard) -> bool:
@@ -316,14 +355,16 @@ def plan_deferred_w_stages(plan, device=None) -> frozenset[int]:
                              plan.mesh.tp, profile.device_type)
 
 
-def predict_plan(plan, device=None) -> StepPrediction:
-    """``predict_step`` of a compiled Plan (its schedule, mesh and StageInfos; see plan_stage_times)."""
+def predict_plan(plan, device=None, optimizer="adamw") -> StepPrediction:
+    """``predict_step`` of a compiled Plan (its schedule, mesh and StageInfos; see plan_stage_times), with
+    ``optimizer``'s step (optimizer_step.py) as the ``optimizer`` part."""
     from autosplit.cost_model.profiles import get_profile
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
     mesh = plan.mesh
     return predict_step(plan.schedule, mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                        plan_stage_times(plan, profile), sharing_of(profile, mesh.tp * mesh.dp),
-                        profile.p2p_post, profile.p2p_wake, step_collectives(profile, mesh.pp * mesh.tp * mesh.dp),
+                        plan_stage_times(plan, profile, optimizer), sharing_of(profile, mesh.tp * mesh.dp),
+                        profile.p2p_post, profile.p2p_wake,
+                        step_collectives(profile, mesh.pp * mesh.tp * mesh.dp, (mesh.pp, mesh.tp, mesh.dp)),
                         profile.resume, profile.pass_overhead)
 
 
@@ -331,17 +372,47 @@ CALL_ROW_BYTES = 5 * 8      # runtime/faults/call_gate.py: one row of five int64
 LOSS_BYTES = 2 * 8          # runtime/parallel/gradients.py global_mean: loss and overflow flag, float64
 
 
-def step_collectives(profile, world_size: int) -> float:
-    """Seconds of *fixed*: the call check's all-gather of one row per rank and the loss all-reduce, over
-    ``world_size`` ranks with ``profile``'s collectives (0 for one rank).
+def step_collectives(profile, world_size: int, mesh: tuple[int, int, int] | None = None) -> float:
+    """Seconds of *fixed*: the call check's all-gather of one row per rank over the world, and the loss
+    all-reduces (0 for one rank).
 
     Args:
         profile: a DeviceProfile or a profile name.
         world_size: ranks of the job (pp * tp * dp).
+        mesh: (pp, tp, dp): the loss is summed by one all-reduce per axis larger than 1, tp, dp then pp
+            (runtime/parallel/gradients.py ``global_mean``), each over the nodes its group spans (tp
+            consecutive ranks, dp every tp-th, pp every (tp dp)-th: mesh.py's layout); None: one
+            all-reduce over the world.
     """
-    from autosplit.cost_model.comm import all_gather_time, all_reduce_time
-    return all_gather_time(CALL_ROW_BYTES * world_size, world_size, profile) + \
-        all_reduce_time(LOSS_BYTES, world_size, profile)
+    from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes
+    gather = all_gather_time(CALL_ROW_BYTES * world_size, world_size, profile)
+    if mesh is None:
+        return gather + all_reduce_time(LOSS_BYTES, world_size, profile)
+    pp, tp, dp = mesh
+    # one group after another (each waits for the sum before it): their times add
+    return gather + sum(all_reduce_time(LOSS_BYTES, n, profile, group_nodes(profile, n, stride))
+                        for n, stride in ((tp, 1), (dp, tp), (pp, tp * dp)) if n > 1)
+
+
+def fsdp_exposed(gather: float, units: int, compute: float) -> float:
+    """Exposed seconds of one pass's FSDP2 all-gathers (*fsdp gathers*): ``gather`` seconds over ``units``
+    equal units, each prefetched while the unit before it computes (``compute`` / units of the pass):
+    the first unit's gather waits in full, every later one only for what outlasts that compute."""
+    if gather <= 0 or units <= 0:
+        return 0.0
+    one = gather / units
+    return one + (units - 1) * max(0.0, one - compute / units)
+
+
+def stage_gathers(dp_cost, fwd: float, bwd: float) -> dict:
+    """StageTimes' gather fields of one stage from its ``cost_model.sharding.DataParallelCost`` and its
+    compute per microbatch (forward, backward)."""
+    if dp_cost.sharding == "layer":
+        return {"gather_fwd": fsdp_exposed(dp_cost.gather, dp_cost.units, fwd),
+                "gather_bwd": fsdp_exposed(dp_cost.gather, dp_cost.units, bwd)}
+    if dp_cost.sharding == "stage":
+        return {"gather_first": dp_cost.gather}
+    return {}
 
 
 def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
@@ -352,7 +423,8 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
       its computes run one after another (m forwards and backwards of each of its stages);
       without a split backward its last compute is a backward of a stage >= l, and that microbatch's
       backwards of stages < l all follow it.
-    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s]; transfers (and wake),
+    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s], and then its
+    optimizer step (sum_{s on r} opt_s); transfers (and wake),
     posting, dp sync and the step's own collectives only add, and so do sharing and resume (factors of at
     least 1).  With equal stages and 1F1B this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)
@@ -364,5 +436,6 @@ def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: 
         mine = place.stages(r)
         low = min(mine)
         busy = num_microbatches * sum(fwd[s] + bwd[s] for s in mine)
-        bound = max(bound, sum(fwd[:low]) + busy + (0.0 if split else sum(bwd[:low])))
+        opt = sum(stages[s].opt for s in mine)          # after the rank's last compute (*optimizer*)
+        bound = max(bound, sum(fwd[:low]) + busy + (0.0 if split else sum(bwd[:low])) + opt)
     return bound

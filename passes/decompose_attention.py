@@ -24,6 +24,7 @@ by running them on meta tensors, and the module path of the call they replace.
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -133,7 +134,7 @@ def _propagate(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
     for n in nodes:
         args, kwargs = val(n.args), val(n.kwargs)
         if n.op == "get_attr":
-            t = gm.get_parameter(n.target) if "." in n.target else getattr(gm, n.target)
+            t = functools.reduce(getattr, n.target.split("."), gm)       # a parameter of the module
             n.meta["val"] = torch.empty(t.shape, dtype=t.dtype, device="meta")
         elif n.op == "call_module":
             n.meta["val"] = gm.get_submodule(n.target)()

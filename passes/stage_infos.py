@@ -83,10 +83,12 @@ class BuildStageInfos(MetaPass):
                 nodes=[n.name for n in nodes], params=list(params),
                 n_params=sum(p.numel() for p in params.values()),
                 param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd + seg.recompute_time(nodes),
-                comm_time=seg.boundary_time(bounds[st]) + comm_time(nodes, s.mesh.tp, seg.profile),
+                comm_time=seg.boundary_time(bounds[st]) + comm_time(nodes, s.mesh.tp, seg.profile) +
+                seg.recompute_comm(nodes), recompute_comm=seg.recompute_comm(nodes),
                 activation_bytes=kept, in_flight=seg.in_flight[st],
                 memory_bytes=int(dp.memory_bytes) + seg.in_flight[st] * kept + recompute,
                 dp_bytes=int(dp.traffic_bytes), dp_time=dp.time, dp_buckets=dp.buckets,
+                dp_gather=dp.gather, dp_units=dp.units,
                 inputs=tensor_infos([by_name[n] for n in s.split.inputs[st]]),
                 outputs=tensor_infos([by_name[n] for n in s.split.outputs[st]]),
                 recompute_bytes=recompute, w_time=w))

@@ -96,5 +96,12 @@ class TensorParallel(MetaPass):
             q = dict(axes).get("tp_col", 1)
             return shard_grid(gm, mode, axes, s.profile, form_chooser(opts.tp_2d_form, q, s.profile),
                               price_vals=layout_vals(gm, s.inputs, batch_ways(axes)))
+        if mode == "auto":
+            # the engine's free choice under a memory budget: priced at the plan's own microbatch rows (at
+            # 2 rows its budget would see tiny activations) and its microbatch count (partial gradients are
+            # summed once a step).  The fixed layouts stay at 2 rows and one microbatch: the strategy
+            # search prices one rewrite of each for every size and count, and compile must plan what it priced.
+            return shard_1d(gm, tp, s.profile, opts.sequence_parallel, auto=True, memory_budget=budget,
+                            microbatches=s.num_microbatches)
         return shard_1d(gm, tp, s.profile, opts.sequence_parallel, price_vals=layout_vals(gm, s.inputs, 1),
-                        auto=mode == "auto", memory_budget=budget)
+                        auto=False, memory_budget=budget)

@@ -39,12 +39,16 @@ def test_local_shapes_and_shape_constants():
     assert "copy_to_axis" in code and "all_reduce" in code and "'tp'" in code
 
 
-def test_multihead_attention_leaf_sharded_by_heads():
+def test_multihead_attention_sharded_by_heads():
+    """torchvision's nn.MultiheadAttention reaches the engine as its ops (passes/decompose_attention.py):
+    its fused in-projection split by heads, its out-projection by input features."""
     plan = _plan("tp_torchvision")
-    names = [r for r in plan.tp_plan.regions if "self_attention: by heads (4 -> 2 per rank)" in r]
-    assert len(names) == 2
+    lines = [r for r in plan.tp_plan.regions if r.startswith("encoder.layers.encoder_layer_0.self_attention")]
+    assert lines[0].endswith("column, output 96 features by a factor of 4 (48 per rank)"), lines
+    assert "split on dim 1 (4 -> 2 per rank)" in lines[1] and "row, input 32 features" in lines[2], lines
     local = dict(plan.stage_modules(0, 1)[0].named_parameters())
     assert local["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"].shape == (48, 32)
+    assert local["encoder.layers.encoder_layer_0.self_attention.out_proj.weight"].shape == (32, 16)
 
 
 def test_heads_that_do_not_divide_stay_whole_and_say_why():

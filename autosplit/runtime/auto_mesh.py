@@ -33,15 +33,13 @@ def _world() -> tuple[int, int]:
 
 
 def auto_arguments(model, example_input, global_batch, compile_options: dict, autocast) -> dict:
-    """``parallelize`` keywords of the search's first candidate: mesh, its options, and an example
-    microbatch of the chosen size; the table is logged at INFO on rank 0."""
+    """``parallelize`` keywords of the search's first candidate: mesh, its options (``autocast`` among
+    them: the search prices the dtypes it gives), and an example microbatch of the chosen size; the table
+    is logged at INFO on rank 0."""
     from autosplit.strategy import search
     if global_batch is None:
         raise AutosplitError("mesh='auto' needs global_batch=<samples per optimizer step over all replicas>: the "
                              "search chooses dp and the microbatch count from it")
-    if autocast is not None:
-        raise AutosplitError(f"mesh='auto' with autocast={autocast}: the search prices float32 training only; "
-                             f"choose the mesh yourself (python -m autosplit search ... shows the ranking)")
     device = compile_options.get("device")
     if device is None:
         if not torch.cuda.is_available():
@@ -60,7 +58,7 @@ def auto_arguments(model, example_input, global_batch, compile_options: dict, au
     ranked = search(model, world, example_input, global_batch=global_batch, device=device,
                     memory_budget=compile_options.get("memory_budget"),
                     leaf_modules=compile_options.get("leaf_modules", ()),
-                    concrete_args=compile_options.get("concrete_args"))
+                    concrete_args=compile_options.get("concrete_args"), autocast=autocast)
     if not ranked:
         raise AutosplitError(f"mesh='auto': no configuration of {world} ranks fits; the search rejected:\n"
                              f"{ranked.table()}")
@@ -70,5 +68,5 @@ def auto_arguments(model, example_input, global_batch, compile_options: dict, au
     options = dict(best.options)
     micro = global_batch // best.mesh[2] // options["num_microbatches"]
     example = tuple(torch.empty(micro, *x.shape[1:], dtype=x.dtype, device="meta") for x in inputs)
-    return {**compile_options, **options, "device": device, "mesh": best.mesh,
+    return {**compile_options, **options, "autocast": autocast, "device": device, "mesh": best.mesh,
             "example_input": example if len(example) > 1 else example[0]}

@@ -3,8 +3,8 @@
 Terms:
   Candidate -- one full configuration: ``mesh`` (pp, tp, dp) and ``options`` (the ``parallelize`` /
                ``compile`` keywords it implies), with its predicted ``step_time`` (seconds), ``parts``
-               (compute, bubble, exposed_comm, dp_comm: seconds of the slowest rank, adding up to
-               step_time; cost_model/step_time.py) and ``memory`` (bytes on the fullest rank: the sum
+               (compute, bubble, exposed_comm = tp_comm + pp_comm, dp_comm, optimizer: seconds of the
+               slowest rank, adding up to step_time; cost_model/step_time.py) and ``memory`` (bytes on the fullest rank: the sum
                of its stages' predicted memory).
   Rejected  -- a configuration the search did not price, with ``why`` (the arithmetic) and ``kind``
                (what the table counts: "tensor parallel", "batch", "stages", "memory", "schedule").
@@ -87,11 +87,12 @@ class SearchResult(list):
         return Counter(r.kind for r in self.rejected)
 
     def table(self) -> str:
-        rows = [("rank", "configuration", "step ms", "compute", "bubble", "tp comm", "pp comm", "dp sync", "memory")]
+        rows = [("rank", "configuration", "step ms", "compute", "bubble", "tp comm", "pp comm", "dp sync", "optimizer",
+                 "memory")]
         for i, c in enumerate(self, 1):
             p = c.parts
             rows.append((str(i), c.label, f"{c.step_time * 1e3:.3f}", *(f"{p.get(k, 0.0) * 1e3:.3f}" for k in
-                         ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm")), _bytes(c.memory)))
+                         ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")), _bytes(c.memory)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -26,8 +26,9 @@ from torch.utils._pytree import tree_leaves
 from autosplit.cost_model import collective_time, get_profile, p2p_time
 from autosplit.cost_model.roofline import node_time
 from autosplit.cost_model.sharding import StageDataParallel, unit_sums
+from autosplit.cost_model.optimizer_step import optimizer_kind
 from autosplit.cost_model.step_time import (StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of,
-                                           step_collectives, tp_overlaps)
+                                           stage_gathers, step_collectives, tp_overlaps)
 from autosplit.cost_model.weight_grad import weight_grad_time
 from autosplit.errors import PlanError
 from autosplit.passes.partition import balanced_bounds, cut_fits, rank_balanced_bounds
@@ -70,10 +71,12 @@ class Group:
         self.segment_of = np.repeat(np.arange(len(ends)), np.diff([-1, *ends]))
         # per node, as compile sums them per stage: fwd, bwd + recompute, W, tp fwd, tp bwd
         base = _node_parts(layout_graph, b, profile)
-        if recompute is not None:        # a recomputed node's forward runs again in backward (its f)
-            base = base.copy()
+        if recompute is not None:        # a recomputed node's forward runs again in backward (its f), and
+            base = base.copy()           # so do its forward tp collectives (tp f into tp b)
             rule = SegmentCosts([], [], 1, profile, [], recompute=recompute, layers=layers)
-            base[:, 1] += np.where([rule.recomputed(n) for n in nodes], base[:, 0], 0.0)
+            again = np.array([rule.recomputed(n) for n in nodes], dtype=bool)
+            base[:, 1] += np.where(again, base[:, 0], 0.0)
+            base[:, 4] += np.where(again, base[:, 3], 0.0)
         self.node_parts = base
         self.send = [p2p_time(c.nbytes, profile, cross_node) for c in cuts] + [0.0]
         # the bounds' inputs, from the nodes (compile's SegmentCosts is built only when a configuration of
@@ -129,7 +132,14 @@ class Group:
         for k, used in self.graph.param_names:
             names[stage[k]].update(used)
         sizes = self.graph.param_bytes
+        self._names = (tuple(bounds), names)
         return sums, [sum(sizes[n] for n in group) for group in names]
+
+    def stage_tensors(self, bounds: list[int]) -> list[int]:
+        """Per stage the parameter tensors it holds (``stages``' names, of the same cut)."""
+        if getattr(self, "_names", (None,))[0] != tuple(bounds):
+            self.stages(bounds)
+        return [len(group) for group in self._names[1]]
 
 
 def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
@@ -159,24 +169,32 @@ def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
 PRUNED = "pruned"
 
 
-def _stage_times(group: Group, bounds, split: frozenset[int], dpc, overlap: bool = False
-                 ) -> tuple[list[StageTimes], list]:
+def _stage_times(group: Group, bounds, split: frozenset[int], dpc, overlap: bool = False, optimizer=None,
+                 owned: int = 1) -> tuple[list[StageTimes], list]:
+    """``optimizer``: the OptimizerKind stepping each stage's parameters (1/``owned`` of them under FSDP)."""
     sums, param_bytes = group.stages(bounds)
+    tensors = group.stage_tensors(bounds)
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = [], []
     for s, (a, b) in enumerate(ranges):
         f, bw, w, tf, tb = (float(x) for x in sums[s])
         costs.append(dpc(a, b, param_bytes[s]))
+        # compile's StageInfo: bwd holds the recomputed forward, fwd alone is the forward pass
+        opt = optimizer.time(param_bytes[s] / owned, tensors[s], group.profile) if optimizer is not None else 0.0
         stages.append(StageTimes(fwd=f, bwd=bw, w=w if s in split else 0.0, tp_fwd=tf, tp_bwd=tb, send=group.send[b],
                                  dp=costs[-1].time, dp_buckets=costs[-1].buckets,
-                                 tp_hidden=min(tb, w) if overlap else 0.0))
+                                 tp_hidden=min(tb, w) if overlap else 0.0, opt=opt,
+                                 **stage_gathers(costs[-1], f, bw)))
     return stages, costs
 
 
 def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget,
-          incumbent: float = float("inf")):
+          incumbent: float = float("inf"), optimizer=None):
     """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
-    or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``."""
+    or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``.  ``optimizer``:
+    the OptimizerKind the job steps with (cost_model/optimizer_step.py), None: AdamW."""
+    optimizer = optimizer if optimizer is not None else optimizer_kind("adamw")
+    owned = dp if sharding else 1
     S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp,
                                                             group.profile.device_type)
     dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0,
@@ -187,7 +205,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     bounds = group.bounds(S)
     if budget is None:                        # the cut is final: bound before simulating anything
         bounds = _rank_cut(group, bounds, stage_rank)
-        stages, _ = _stage_times(group, bounds, split, dpc, overlap)
+        stages, _ = _stage_times(group, bounds, split, dpc, overlap, optimizer, owned)
         if lower_bound(schedule, pp, m, v, stages) > incumbent:
             return PRUNED
     seg.in_flight = list(in_flight(schedule, pp, m, v))
@@ -208,7 +226,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
         if cut_fits(moved, lambda s, a, b: memory(s, a, b) <= budget):
             bounds = moved                                   # the moved cut where it fits, else the stage cut
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
-    stages, costs = _stage_times(group, bounds, split, dpc, overlap)
+    stages, costs = _stage_times(group, bounds, split, dpc, overlap, optimizer, owned)
     if lower_bound(schedule, pp, m, v, stages) > incumbent:
         return PRUNED
     stage_memory = []
@@ -220,6 +238,6 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
     profile = get_profile(group.profile)
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
-                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp),
+                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp, (pp, group.graph.tp, dp)),
                          profile.resume, profile.pass_overhead)
     return price, rank_memory, bounds

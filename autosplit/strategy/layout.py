@@ -17,6 +17,12 @@ Terms:
               scale linearly) makes ``at`` fall back to a real propagation at b.
               ``tests/test_search.py`` checks it against a fresh trace at other sizes.
   segment costs -- ``autosplit.segment_costs.SegmentCosts`` of the rescaled graph, per recompute mode.
+  autocast -- torch.bfloat16 / torch.float16: after every shape propagation the graph gets the dtypes
+              torch.autocast gives on the profile's device (passes/autocast_prop.py, as compile's
+              AutocastDtypeProp after its local shape propagation), so both recorded sizes carry them and
+              every rescaled value keeps them: GEMMs at the half-precision rate, activations, saved
+              bytes, tp collectives and pipeline boundaries in the dtype autocast gives.  The sharding
+              engine still chooses on the float32 graph, as compile's TensorParallel pass does.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.profiles import get_profile
 from autosplit.errors import AutosplitError
+from autosplit.passes.autocast_prop import AutocastDtypeProp
 from autosplit.passes.batch_norm import fewest_rows, find_batch_norms, one_row_refusal
 from autosplit.passes.check_output import check_single_output
 from autosplit.passes.cut_points import find_cuts
@@ -71,13 +78,15 @@ class LayoutGraph:
     """The rank-0 graph of one layout, rescalable to any microbatch size (see the module docstring)."""
 
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
-                 sequence_parallel: bool, profile="h100", tp_depth: int | None = None, repeats: Repeats | None = None):
+                 sequence_parallel: bool, profile="h100", tp_depth: int | None = None, repeats: Repeats | None = None,
+                 autocast: torch.dtype | None = None):
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy); ``profile``
         prices the sharding engine's candidates (compile's ``device``); ``tp_depth``: 2.5D's d;
         ``repeats``: ``traced`` reduced to four of its identical layers (passes/repeats.py): the rewrite
         works on it and copies the rest, or rewrites ``traced`` where the layers came out different
-        (``tp_plan`` is then the reduced graph's plan: the search prices graphs, it builds no modules)."""
-        self.inputs, self.tp, self.profile = inputs, tp, get_profile(profile)
+        (``tp_plan`` is then the reduced graph's plan: the search prices graphs, it builds no modules);
+        ``autocast``: the half dtype the job trains in, or None (float32; module docstring)."""
+        self.inputs, self.tp, self.profile, self.autocast = inputs, tp, get_profile(profile), autocast
         grid = tp_mode in GRID_MODES and tp > 1
         self.axes = tp_axes(tp_mode, tp, tp_depth) if grid else ()
         self.unit = batch_ways(self.axes) if grid else 1
@@ -87,16 +96,18 @@ class LayoutGraph:
         reduced = repeats is not None and tp > 1
         gm, self.tp_plan = self._build(repeats.graph if reduced else traced, 2 * self.unit, tp, tp_mode,
                                        sequence_parallel)
+        self._cast(gm, 2 * self.unit)
         earlier = {n: n.meta.get("val") for n in gm.graph.nodes}
-        MetaShapeProp(_with_batch(inputs, 3 * self.unit))(gm)
+        self._propagate(gm, 3 * self.unit, earlier)
         self.expanded = False           # layers put back as copies of a rewritten one (passes/repeats.py)
         origin: dict = {}               # a copied node -> its source in the rewritten graph
         if reduced:
             out = expand(gm, repeats, earlier)
             if out is None:             # the rewrite treated identical layers differently: the whole graph
                 gm, self.tp_plan = self._build(traced, 2 * self.unit, tp, tp_mode, sequence_parallel)
+                self._cast(gm, 2 * self.unit)
                 earlier = {n: n.meta.get("val") for n in gm.graph.nodes}
-                MetaShapeProp(_with_batch(inputs, 3 * self.unit))(gm)
+                self._propagate(gm, 3 * self.unit, earlier)
             else:
                 graph, root, origin = out
                 gm = _GraphModule(root, graph, type(traced).__name__)
@@ -113,6 +124,24 @@ class LayoutGraph:
         self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
         self.b = None
         self.unknown_ops: list[str] = []
+
+    def _cast(self, gm: fx.GraphModule, b: int) -> None:
+        """The dtypes autocast gives, on ``gm`` propagated at b rows (nothing without autocast)."""
+        if self.autocast is not None:
+            AutocastDtypeProp(_with_batch(self.inputs, b), self.autocast, self.profile.device_type)(gm)
+
+    def _propagate(self, gm: fx.GraphModule, b: int, cast: dict | None = None) -> None:
+        """Shapes (and autocast's dtypes) of ``gm`` at b rows; ``cast``: node -> its value at another size
+        already under autocast, whose dtypes are taken (autocast's dtype of an op does not depend on the
+        rows, and a second run on fake tensors costs as much as the first)."""
+        MetaShapeProp(_with_batch(self.inputs, b))(gm)
+        if self.autocast is None:
+            return
+        if cast is None:
+            self._cast(gm, b)
+            return
+        for n in gm.graph.nodes:
+            n.meta["val"] = _dtypes_of(n.meta.get("val"), cast.get(n))
 
     def _build(self, traced, b, tp, tp_mode, sp):
         gm = _GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
@@ -164,7 +193,7 @@ class LayoutGraph:
                 n.meta["val"] = (source.meta["val"] if source is not None else
                                  tree_unflatten([_extrapolate(x, y, k) for x, y in zip(one, two)], spec))
         except _NotAffine:
-            MetaShapeProp(_with_batch(self.inputs, b))(self.gm)
+            self._propagate(self.gm, b)
         unknown: set[str] = set()       # AnnotateCosts' node_cost; a copy's is its source's (same op, shapes)
         for n in self.nodes:
             source = origin.get(n)
@@ -209,7 +238,7 @@ TRACE_ROWS = 2
 def trace_model(model, inputs: tuple[torch.Tensor, ...], leaf_modules=(), concrete_args=None) -> fx.GraphModule:
     """The model traced once (train and eval mode, as compile does), refused as compile refuses it, its
     shapes propagated at TRACE_ROWS rows (only the inputs' per-sample shapes and dtypes are used)."""
-    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args)
+    gm = trace(model, len(inputs), leaf_modules=leaf_modules, concrete_args=concrete_args, example_inputs=inputs)
     with kept_module_state(model):      # a leaf's forward may keep a meta tensor on itself (trace.ModuleState)
         MetaShapeProp(_with_batch(inputs, TRACE_ROWS))(gm)
     check_single_output(gm)
@@ -222,6 +251,17 @@ def fewest_microbatch_rows(traced: fx.GraphModule) -> tuple[int, str | None]:
     ``fewest_rows``); and why not 1, naming the layer with its arithmetic (None where 1 will do)."""
     rows, layer = fewest_rows(find_batch_norms(traced), TRACE_ROWS)
     return rows, (one_row_refusal(layer, TRACE_ROWS) if layer is not None else None)
+
+
+def _dtypes_of(val, other):
+    """``val`` with each tensor leaf in the dtype of ``other``'s leaf at the same place (same structure)."""
+    leaves, spec = tree_flatten(val)
+    theirs, _ = tree_flatten(other)
+    if len(theirs) != len(leaves):
+        return val
+    return tree_unflatten([torch.empty_strided(x.shape, x.stride(), dtype=y.dtype, device="meta")
+                           if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype != y.dtype else x
+                           for x, y in zip(leaves, theirs)], spec)
 
 
 class _NotAffine(Exception):

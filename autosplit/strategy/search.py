@@ -17,7 +17,8 @@ Order of work, cheapest refusals first:
        step time >= m * (compute floor of one microbatch through all stages) / pp: some rank is at
          least that busy (floors.py: the roofline compile prices, or for a grid layout not yet
          rewritten a floor of any split of the ops), and the timed schedule runs a rank's computes
-         one after another;
+         one after another; plus the optimizer's traffic over the mean rank's parameters (1/pp of
+         them, 1/dp of that under dp_shard), which the fullest rank steps after its last compute;
      reject what the memory bound puts over the budget, and price the rest in increasing order of the
      time bound, stopping once the bound exceeds the ``top``-th best step time found (everything
      after it is slower than ``top`` configurations already found: pruned, never wrongly);
@@ -36,7 +37,9 @@ from collections import defaultdict
 from autosplit import validate
 from autosplit.cost_model import get_profile
 from autosplit.errors import AutosplitError
+from autosplit.cost_model.optimizer_step import optimizer_kind
 from autosplit.model_layers import layer_paths
+from autosplit.options import AUTOCAST
 from autosplit.passes.repeats import reduce
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
 from autosplit.cost_model.comm import pipeline_crosses_nodes
@@ -73,9 +76,11 @@ class _Clock(dict):
         return dict(self)
 
 
-def _options(layout, schedule, v, m, recompute, shard, budget) -> dict:
+def _options(layout, schedule, v, m, recompute, shard, budget, autocast=None) -> dict:
     o = {"num_microbatches": m, "schedule": schedule, "chunks_per_rank": v, "tp_mode": layout.tp_mode,
          "sequence_parallel": layout.sequence_parallel, "dp_shard": shard, "recompute": recompute}
+    if autocast is not None:           # compile / parallelize plan the same dtypes the search priced
+        o["autocast"] = autocast
     if layout.tp_mode in ("2d", "2.5d"):
         o["tp_2d_form"] = "allgather"
     if layout.tp_depth is not None:
@@ -87,7 +92,8 @@ def _options(layout, schedule, v, m, recompute, shard, budget) -> dict:
 
 @keeps_module_state       # it traces and propagates shapes (leaves' forwards run) many times
 def search(model, world_size: int, example_input, *, global_batch: int, device="h100", memory_budget=None,
-           top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None) -> SearchResult:
+           top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None, autocast=None,
+           optimizer="adamw") -> SearchResult:
     """Ranked configurations of ``model`` on ``world_size`` devices, fastest predicted step first.
 
     Args:
@@ -102,6 +108,12 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         top: how many configurations to return.
         prune: False prices every configuration (the brute force the tests compare against).
         leaf_modules, concrete_args: as for ``autosplit.compile``.
+        autocast: None (float32), torch.bfloat16 or torch.float16: the job trains under
+            ``torch.autocast`` in that dtype; every candidate is priced with the dtypes autocast gives
+            (layout.py *autocast*) and its ``options`` carry ``autocast`` for ``compile``/``parallelize``.
+        optimizer: the optimizer the job steps with (a torch.optim class, an instance, or a name such as
+            "adamw", "adam", "sgd"): its step over the parameters each rank owns is priced
+            (cost_model/optimizer_step.py) and shown as the ``optimizer`` part.
     Returns:
         A SearchResult: a list of Candidates (``.mesh``, ``.options`` for ``parallelize``/``compile``,
         ``.step_time`` s, ``.memory`` bytes, ``.parts``), with ``.rejected`` (each with ``.why``),
@@ -116,6 +128,9 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     leaves = validate.leaf_modules(model, leaf_modules)
     validate.concrete_args(model, len(inputs), concrete_args)
     profile = get_profile(device)
+    if not any(autocast is a for a in AUTOCAST):
+        raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
+    opt_kind = optimizer_kind(optimizer)
     layers = layer_paths(model)
     sample_bytes = sum(x[:1].numel() * x.element_size() for x in inputs)
     with clock("trace"):
@@ -136,7 +151,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         graph = None
         build = lambda layout=layout: LayoutGraph(traced, inputs, layout.tp, layout.tp_mode,  # noqa: E731
                                                   layout.sequence_parallel, profile, tp_depth=layout.tp_depth,
-                                                  repeats=repeats)
+                                                  repeats=repeats, autocast=autocast)
         if known is None and layout.unit > 1 and single is not None:
             graph = DeferredLayout(build, layout.tp, layout.unit, single)   # built when first priced
         elif known is None:
@@ -194,7 +209,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             time_floor, saved, params = graph.floors(b, profile)    # strategy/floors.py
         for recompute in recompute_modes():
             for shard, why in shardings(dp, schedule):
-                options = _options(layout, schedule, v, m, recompute, shard, budget)
+                options = _options(layout, schedule, v, m, recompute, shard, budget, autocast)
                 if why:
                     rejected.append(Rejected((pp, layout.tp, dp), options, why, "schedule"))
                     continue
@@ -205,12 +220,14 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
-                bounded.append((m * time_floor / pp, describe((pp, layout.tp, dp), options), (graph, b, recompute),
-                                pp, dp, schedule, v, m, shard, options))
+                # the fullest rank steps at least the mean of the parameters it owns (optimizer_step.py)
+                opt_floor = opt_kind.floor(params / pp / (dp if shard else 1), profile)
+                bounded.append((m * time_floor / pp + opt_floor, describe((pp, layout.tp, dp), options),
+                                (graph, b, recompute), pp, dp, schedule, v, m, shard, options, opt_floor))
 
     bounded.sort(key=lambda c: (c[0], c[1]))
     found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
-    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options) in enumerate(bounded):
+    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options, opt_floor) in enumerate(bounded):
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
@@ -223,7 +240,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
             # a rank's compute is at least 1/tp of the single-device ops' times (an op split n ways
             # takes at least 1/n of its time: GEMM efficiency falls with size, launches stay)
-            if m * groups[base_key].work / (deferred.tp * pp) > incumbent:
+            if m * groups[base_key].work / (deferred.tp * pp) + opt_floor > incumbent:
                 pruned += 1
                 continue
             with clock("rewrite"):
@@ -250,11 +267,11 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         group = groups[key]
         mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
-        if m * group.work / pp > incumbent:   # the same bound with the group's full op times
+        if m * group.work / pp + opt_floor > incumbent:   # the same bound with the group's full op times
             pruned += 1
             continue
         with clock("pricing"):
-            result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent)
+            result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent, opt_kind)
         if result is PRUNED:
             pruned += 1
             continue
@@ -264,7 +281,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         pred, memory, bounds = result
         found.append(Candidate(mesh, options, pred.total, memory, {
             "compute": pred.compute, "bubble": pred.bubble, "exposed_comm": pred.exposed_comm,
-            "tp_comm": pred.tp_comm, "pp_comm": pred.pp_comm, "dp_comm": pred.dp_comm}, tuple(bounds)))
+            "tp_comm": pred.tp_comm, "pp_comm": pred.pp_comm, "dp_comm": pred.dp_comm,
+            "optimizer": pred.optimizer}, tuple(bounds)))
         heapq.heappush(best, -pred.total)
         if len(best) > top:
             heapq.heappop(best)

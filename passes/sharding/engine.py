@@ -213,7 +213,7 @@ def _problem(sh: Sharding, enum: Enumerator, table: dict, order: list, must_spli
             found = _edges(sh, enum, index, v)
         except Exception as exc:        # noqa: BLE001
             raise rule_failure("the sharding engine's redistributions", v, exc) from exc
-        edges += [e[:3] for e in found]
+        edges += [(e[0], e[1], e[2], e[4]) for e in found]
         reads += [(v, e[3]) for e in found]
     out_node = next(v for v in gm.graph.nodes if v.op == "output")
     for p in out_node.all_input_nodes:  # the model's output is whole on every rank
@@ -286,8 +286,11 @@ def _mib(nbytes: float) -> str:
 
 
 def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
-    """(producer, consumer, {(option a, option b): seconds}, operand index) for each tensor operand of
-    ``v``; a pair missing from the dict is impossible."""
+    """(producer, consumer, {(option a, option b): seconds}, operand index, {(a, b): shared key}) for each
+    tensor operand of ``v``; a pair missing from the dict is impossible.  The key names the collective
+    the lowering inserts (lower.py ``transition``: one per producer, place needed and, for a whole
+    operand, whether its consumer runs split), so that consumers needing the same one pay it once
+    (solve.py *shared*): q, k and v projections of one input share its copy."""
     ns, edges = sh.nodes[v], []
     writes = inplace_base(v, sh.gm) is not None
     for k, (p, lay) in enumerate(ns.rule.operands):
@@ -296,7 +299,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
         element = isinstance(p.meta.get("val"), (tuple, list))
         alias = any(u is not v for u in p.users)
         nbytes = edge_bytes(p, v)
-        pairs = {}
+        pairs, keys = {}, {}
         for a, sa in enumerate(sh.nodes[p].options):
             for b, sb in enumerate(ns.options):
                 if element and sa.out != sb.ins[k]:
@@ -309,7 +312,8 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
                 t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded)
                 if t is not None:
                     pairs[(a, b)] = t
-        edges.append((index[p], index[v], pairs, k))
+                    keys[(a, b)] = (sb.ins[k], sb.sharded if sb.ins[k] == R else None, nbytes)
+        edges.append((index[p], index[v], pairs, k, keys))
     return edges
 
 
@@ -317,8 +321,7 @@ SMALL_WEIGHT = 16     # a Linear weight this many times smaller than the largest
 
 
 def _weight_groups(sh: Sharding, order, index) -> list:
-    """For each Linear (module or ``F.linear`` of a parameter) and MultiheadAttention, the options that
-    split its weight.
+    """For each Linear (module or ``F.linear`` of a parameter), the options that split its weight.
 
     Weights under 1/SMALL_WEIGHT of the model's largest Linear weight are left to the cost alone:
     cait's talking-heads projections (heads x heads) split only by gathering the attention scores
@@ -329,9 +332,6 @@ def _weight_groups(sh: Sharding, order, index) -> list:
         if ns.rule.kind == "linear":
             opts = [(index[v], i) for i, s in enumerate(ns.options) if dict(s.params).get("weight") is not None]
             numel = sh.gm.get_submodule(v.target).weight.numel()
-        elif ns.rule.kind == "mha":
-            opts = [(index[v], i) for i, s in enumerate(ns.options) if s.out != R]
-            numel = sh.gm.get_submodule(v.target).in_proj_weight.numel()
         elif ns.rule.kind == "op" and functional_linear(v) and len(ns.rule.operands) > 1 and \
                 ns.rule.operands[1][0].op == "get_attr":
             # F.linear of a parameter: split where it is used (a weight stored split, then gathered

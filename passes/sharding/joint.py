@@ -58,17 +58,24 @@ def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Shard
         costs.append([pa.costs[i][a] * pb.costs[i][b] / whole if whole > 0 else pa.costs[i][a] + pb.costs[i][b]
                       for a, b in opts])
     edges = []
-    for (p, c, ta), (p2, c2, tb), read in zip(pa.edges, pb.edges, pa.reads, strict=True):
+    for ea, eb, read in zip(pa.edges, pb.edges, pa.reads, strict=True):
+        (p, c, ta), (p2, c2, tb) = ea[:3], eb[:3]
+        ka, kb = (ea[3] if len(ea) > 3 else {}), (eb[3] if len(eb) > 3 else {})
         assert (p, c) == (p2, c2), "the two axes' programs list their edges in one order"
         split_a = _splits(sa, pa, p)
         split_b = _splits(sb, pb, p)
-        joint = {}
+        joint, keys = {}, {}
         for x, (a1, b1) in enumerate(pairs[p]):
             for y, (a2, b2) in enumerate(pairs[c]):
                 t, u = ta.get((a1, a2)), tb.get((b1, b2))
                 if t is not None and u is not None and not _nests_inside(sa, sb, pa.order[p], read, a1, a2, b2):
                     joint[(x, y)] = t / (nb if split_b[b1] else 1) + u / (na if split_a[a1] else 1)
-        edges.append((p, c, joint))
+                    # one producer's collectives on both axes, as lowered (solve.py *shared*): shared where
+                    # both axes' are (a free move shares trivially)
+                    key = (ka.get((a1, a2)) if t else "free", kb.get((b1, b2)) if u else "free")
+                    if None not in key:
+                        keys[(x, y)] = key
+        edges.append((p, c, joint, keys))
     must = [_lift(group, pairs, 0) for group in pa.must] + [_lift(group, pairs, 1) for group in pb.must]
     picks = solve(costs, edges, [g for g in must if g])
     take(sa, pa, [pairs[i][k][0] for i, k in enumerate(picks)])

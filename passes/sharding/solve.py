@@ -6,6 +6,11 @@ Terms (strategy, transition: strategies.py):
                equalities below make it the product x[p, a] * x[c, b] at any integer x).  Only pairs
                with a possible transition exist, so an impossible pair is excluded, not penalised.
   objective -- sum of compute(v, s) x[v, s] + sum of transition(e, a, b) z[e, a, b].
+  shared    -- y[p, a, key] (continuous in [0, 1]): the lowering inserts one collective per producer p,
+               its place a and the place its consumers need (lower.py ``transition`` caches it by that
+               key), so edges whose pairs carry the same key pay its time once, on y, with y >= z for
+               each of them (y is their OR at any integer x).  Priced per edge instead, a tensor read by
+               three split projections (q, k, v) paid its collective three times.
   memory    -- optionally, sum of bytes(v, s) x[v, s] <= budget: what a rank keeps (tp_mode="auto").
   must      -- options the caller requires one of (tp_mode="1d": a Linear's weight is split when any
                rule can split it; Megatron's contract): a penalty above any plan's time on the others,
@@ -32,8 +37,9 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
 
     Args:
         nodes: per node, the compute cost of each option (seconds).
-        edges: (producer index, consumer index, {(a, b): seconds}) for every tensor edge; pairs
-            missing from the dict are impossible.
+        edges: (producer index, consumer index, {(a, b): seconds}[, {(a, b): key}]) for every tensor
+            edge; pairs missing from the dict are impossible; pairs of one producer's edges with equal
+            keys at the same producer option share one collective (*shared*).
         must: groups of (node index, option index); one of each group's options is chosen wherever
             some plan allows it.
         memory: (per node, the bytes each option keeps on a rank; the budget), or None.  Raises
@@ -59,7 +65,7 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
 
     for v, costs in enumerate(nodes):
         add([(offset[v] + s, 1.0) for s in range(len(costs))], 1.0, 1.0)
-    moves = sum(max(pairs.values(), default=0.0) for _, _, pairs in edges)
+    moves = sum(max(edge[2].values(), default=0.0) for edge in edges)
     penalty = 1e3 * (sum(max(c) for c in nodes) + moves + 1.0)   # above any plan's time: a violation never pays
     for group in must:
         allowed = {(v, s) for v, s in group}
@@ -72,18 +78,32 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
         add([(offset[v] + k, float(b)) for v, opts in enumerate(per_node) for k, b in enumerate(opts) if b],
             -np.inf, float(budget))
     z_first = nvar
-    for p, c, pairs in edges:
+    shared: dict[tuple, list] = {}                # (producer, its option, key) -> [(z, seconds)]
+    for edge in edges:
+        p, c, pairs = edge[:3]
+        keys = edge[3] if len(edge) > 3 else {}
         by_a: dict[int, list[int]] = {a: [] for a in range(len(nodes[p]))}
         by_b: dict[int, list[int]] = {b: [] for b in range(len(nodes[c]))}
         for (a, b), t in pairs.items():
             by_a[a].append(nvar)
             by_b[b].append(nvar)
-            cost.append(t)
+            key = keys.get((a, b))
+            if key is not None and t > 0:
+                shared.setdefault((p, a, key), []).append((nvar, t))
+                cost.append(0.0)
+            else:
+                cost.append(t)
             nvar += 1
         for a, zs in by_a.items():
             add([(z, 1.0) for z in zs] + [(offset[p] + a, -1.0)], 0.0, 0.0)
         for b, zs in by_b.items():
             add([(z, 1.0) for z in zs] + [(offset[c] + b, -1.0)], 0.0, 0.0)
+    for zs in shared.values():                   # y >= z of every edge sharing the collective
+        y = nvar
+        cost.append(max(t for _, t in zs))
+        nvar += 1
+        for z, _ in zs:
+            add([(z, 1.0), (y, -1.0)], -np.inf, 0.0)
     a = coo_matrix((vals, (rows, cols)), shape=(row, nvar)).tocsr()
     integrality = np.zeros(nvar)
     integrality[:z_first] = 1

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
 from autosplit.cost_model.flops import node_cost
+from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.roofline import op_time, output_dtype
 from autosplit.passes.op_names import inplace_base
 from autosplit.passes.op_registry import op
@@ -154,14 +155,12 @@ class Enumerator:
             if c in {self.f.find(x) for x in r.stats} and not self._leads(r.out, c):
                 continue                       # layer_norm_2d splits its features in contiguous blocks
             ins = tuple(("S", c) if self._has(lay, c) else R for _, lay in ops)
-            if r.kind == "mha" and (out != P or self._weights_used(n)):
-                continue
-            params = tuple((k, self._param_dim(lay, c)) for k, lay in r.params.items() if k != "heads")
+            params = tuple((k, self._param_dim(lay, c)) for k, lay in r.params.items())
             if out != P and all(i == R for i in ins) and r.kind != "view" and \
                     all(d is None for _, d in params):
                 continue                       # computed whole from whole operands: not a shard
             bias_operand = weighted and len(ops) == 3 and out == P and ins[2] == R   # F.linear(x, w, b)
-            pending = out == P and (r.kind == "mha" or "bias" in r.params or bias_operand)
+            pending = out == P and ("bias" in r.params or bias_operand)
             ns.options.append(Strategy(c, out, ins, params, pending))
         if r.linear and not isinstance(r.out, tuple) and not (not self.partial_linears and weighted):
             for i in ({"all": [None], "one": range(len(ops)), "first": [0]}[r.linear]):
@@ -177,9 +176,6 @@ class Enumerator:
             ns.options = [s for s in ns.options if all(len({s.ins[k] for k in ks}) == 1 for ks in dup)]
         if op(n, self.gm).kind == "conv":
             ns.options = [s for s in ns.options if s.out != P]   # a channel bias would broadcast wrongly
-        if ops and isinstance(ops[0][0].meta.get("val"), (tuple, list)) and self.rules[ops[0][0]].kind == "mha":
-            # the attention's output, a Partial sum still without out_proj's bias (added once reduced)
-            ns.options = [Strategy(s.cls, s.out, s.ins, s.params, s.out == P) for s in ns.options]
         if len(ns.options) == 1:
             ns.why_whole = self._why_whole(r, forbid)
         return self._priced(ns)
@@ -194,9 +190,6 @@ class Enumerator:
     def _param_dim(self, layout, c):
         w = self.where(layout, c)
         return None if w is None else w[0]
-
-    def _weights_used(self, n: fx.Node) -> bool:
-        return any(u.args[1] != 0 and u.users for u in n.users)
 
     def _why_whole(self, r: OpRule, forbid) -> str:
         sizes = [self.f.size[x] for x in r.forbid]
@@ -228,18 +221,34 @@ class Enumerator:
             params = 4.0 * operand_bytes(n)
         elif n.op == "call_module":
             params = 4.0 * sum(p.numel() * p.element_size() for p in self.gm.get_submodule(n.target).parameters())
-        ns.compute = [base / self.n if s.sharded else base for s in ns.options]
+        out_time = self._output_time(n) if base else 0.0
+        ns.compute = [self._compute(base, out_time, s) for s in ns.options]
         if n.op == "call_module" and params:     # a split op on whole module weights: their gradient is summed
             whole = all_reduce_time(params / 4.0, self.n, self.profile, self.nodes) / self.microbatches
-            ns.compute = [c + (whole if s.sharded and not any(d is not None for _, d in s.params) and
-                               not (ns.rule.kind == "mha" and s.out == P) else 0.0)
+            ns.compute = [c + (whole if s.sharded and not any(d is not None for _, d in s.params) else 0.0)
                           for c, s in zip(ns.compute, ns.options)]
-        ns.memory = [saved / (self.n if s.sharded else 1) +
+        ns.memory = [saved / (self.n if s.sharded and not (s.out == P and s.cls is None) else 1) +
                      params / (self.n if (isinstance(s.out, tuple) and ns.rule.kind == "param") or
-                               any(d is not None for _, d in s.params) or (ns.rule.kind == "mha" and s.out == P)
-                               else 1)
+                               any(d is not None for _, d in s.params) else 1)
                      for s in ns.options]
         return ns
+
+    def _compute(self, base: float, out_time: float, s: Strategy) -> float:
+        """One option's seconds: a Partial value is the whole tensor on every rank (each holds a summand),
+        so an op on Partial operands (no class split) runs at full size, and a contraction over a split
+        class, 1/n of the FLOPs, still writes (and reads back the gradient of) a whole output."""
+        if not s.sharded:
+            return base
+        if s.out == P and s.cls is None:
+            return base
+        if s.out == P:
+            return base / self.n + out_time * (1 - 1 / self.n)
+        return base / self.n
+
+    def _output_time(self, n: fx.Node) -> float:
+        """Seconds to write ``n``'s whole output and read its gradient back at the achievable bandwidth."""
+        p = get_profile(self.profile)
+        return 2 * operand_bytes(n) / (p.mem_bandwidth * p.bandwidth_efficiency)
 
     # -- transitions ----------------------------------------------------------------------------
     def transition(self, producer: fx.Node, have, need, layout, nbytes: float, consumer_sharded: bool):
