@@ -42,6 +42,7 @@ from autosplit.passes.cut_points import find_cuts
 from autosplit.passes.repeats import Repeats, expand
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
+from autosplit.passes.decompose_attention import decompose_attention
 from autosplit.passes.sharding.grid import shard_grid
 from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.strategy.floors import at_size, node_table, time_floor
@@ -153,6 +154,7 @@ class LayoutGraph:
             traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
         if tp == 1:
             return gm, None
+        decompose_attention(gm)     # as compile's TensorParallel pass does: nn.MultiheadAttention as its ops
         if self.axes:           # built at 2 units only: priced there, as compile prices a layout
             plan = shard_grid(gm, tp_mode, self.axes, self.profile, lambda node, x, w: "allgather")
         else:
