@@ -19,7 +19,10 @@ Terms (rows: datacenter_rows.py; kernel model: kernels.py):
                 compiling every row again with them (benchmarks/datacenter_table.py).
   fitted     -- per GPU, ``PARAMS``: gemm_efficiency, attention_efficiency, bandwidth_efficiency (each at
                 most 1: no kernel beats the datasheet peak or the memory bandwidth; attention is no faster
-                than a GEMM of its shape) and op_overhead (0-100 us).  Lower bounds: attention 0.5
+                than a GEMM of its shape) and op_overhead (4-100 us: no eager op is launched and dispatched in
+                under ~4 us, the profile's default; at 0 the fit called a tiny model's ops free and the stage
+                cut followed the boundary bytes alone: a 4-block ViT cut after its patch embedding).
+                Lower bounds: attention 0.5
                 (FlashAttention-2 runs forward and backward at 50-73 % of the A100's peak, Dao 2023, where
                 large GEMMs run at 70-85 %), bandwidth 0.5 (copies reach 80-90 % of HBM bandwidth); without
                 them the few long-sequence rows let the fit explain a slow row by an attention 10x slower
@@ -46,7 +49,7 @@ from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.roofline import output_dtype
 
 PARAMS = ("gemm_efficiency", "attention_efficiency", "bandwidth_efficiency", "op_overhead")
-LOWER = (0.05, 0.5, 0.5, 0.0)
+LOWER = (0.05, 0.5, 0.5, 4e-6)
 UPPER = (1.0, 1.0, 1.0, 100e-6)
 SEED = 0
 _CLASS = {"matmul": 1, "attention": 2}
