@@ -9,6 +9,11 @@ Terms:
   mode          -- train / eval: the graph follows it (see trace_modes.py), like the eager model.
   module path   -- the dotted name of the module a node came from (``blocks.3.attn.qkv``), kept in
                    ``node.meta["module_path"]`` so stages and dumps can show the original names.
+  concrete shapes -- with ``example_inputs``, proxies carry meta values and a branch on a shape is decided
+                   at trace time, kept as a shape guard (trace_concrete.py); timm's registered no-trace
+                   modules are then traced into, and become leaves only where that fails.
+  leaf reason   -- why a module that is not torch's own op runs whole: ``node.meta["leaf"]`` on its
+                   ``call_module`` node (the plan's summary lists them, trace_notes.py).
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from torch import nn
 
 from autosplit.errors import TraceError
 from autosplit.passes.op_names import keeps_effect
-from autosplit.trace_modes import ModeBranch, branch_module, follow_mode, mode_constants
+from autosplit.trace_concrete import ConcreteTracer
+from autosplit.trace_modes import ModeBranch, branch_module, differing_modules, follow_mode, mode_constants
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -39,19 +45,24 @@ def _timm_notrace():
     return tuple(timm_fx.get_notrace_modules()), tuple(timm_fx.get_notrace_functions())
 
 
-class _Tracer(fx.Tracer):
-    """fx.Tracer that remembers which module it is inside, for error messages."""
+class _Tracer(ConcreteTracer):
+    """The concrete-shape tracer (trace_concrete.py) that remembers which module it is inside, for error
+    messages, and which modules it traced into only because it had concrete shapes (``try_types``)."""
 
-    def __init__(self, leaf_types: tuple[type, ...], autowrap_functions: tuple, leaf_ids: set[int] = frozenset()):
-        super().__init__(autowrap_functions=autowrap_functions)
-        self.leaf_types, self.leaf_ids = leaf_types, leaf_ids
+    def __init__(self, example_inputs: tuple | None, leaf_types: tuple[type, ...], try_types: tuple[type, ...],
+                 autowrap_functions: tuple, leaf_ids: set[int] = frozenset()):
+        super().__init__(example_inputs, autowrap_functions=autowrap_functions)
+        self.leaf_types, self.try_types, self.leaf_ids = leaf_types, try_types, leaf_ids
         self.module_scope: list[tuple[str, nn.Module]] = []
         self.failed_scope: list[tuple[str, nn.Module]] | None = None
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, self.leaf_types) or id(m) in self.leaf_ids or super().is_leaf_module(m, qualname)
+        return (isinstance(m, self.leaf_types) or id(m) in self.leaf_ids or super().is_leaf_module(m, qualname)
+                or (self.example is None and isinstance(m, self.try_types)))
 
     def call_module(self, m, forward, args, kwargs):
+        if self.computing:          # a leaf running on meta values (trace_concrete.py): not traced
+            return super().call_module(m, forward, args, kwargs)
         self.module_scope.append((self.path_of_module(m), m))
         try:
             return super().call_module(m, forward, args, kwargs)
@@ -63,10 +74,19 @@ class _Tracer(fx.Tracer):
             self.module_scope.pop()
 
 
+class _RetryAsLeaf(Exception):
+    """Tracing into ``module`` (one torch.fx alone would keep whole) failed: trace again with it a leaf."""
+
+    def __init__(self, path: str, module: nn.Module, cause: BaseException):
+        self.path, self.module, self.cause = path, module, cause
+        super().__init__(path)
+
+
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost stack frame outside torch itself: the model's own source line."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
-    frames = [f for f in frames if not f.filename.endswith(os.path.join("autosplit", "trace.py"))]
+    own = tuple(os.path.join("autosplit", f) for f in ("trace.py", "trace_concrete.py"))
+    frames = [f for f in frames if not f.filename.endswith(own)]
     return frames[-1] if frames else None
 
 
@@ -155,44 +175,74 @@ def _concrete_args(model: nn.Module, n_inputs: int, given: dict | None) -> dict:
 
 
 def trace(model: nn.Module, n_inputs: int = 1, *, leaf_modules: Sequence[type] = (),
-          concrete_args: dict | None = None) -> fx.GraphModule:
-    """Symbolically trace ``model`` (which is not modified) into a GraphModule sharing its parameters.
+          concrete_args: dict | None = None, example_inputs: Sequence[torch.Tensor] | None = None) -> fx.GraphModule:
+    """Trace ``model`` (which is not modified) into a GraphModule sharing its parameters.
 
     The graph follows train / eval mode (trace_modes.py): the model is traced in both modes; constants
     frozen from ``self.training`` become ModeSwitch nodes, and a submodule whose ops differ between
     the modes is traced again as a leaf.  The model's own mode flags are restored afterwards.
+
+    Args:
+        model: the nn.Module.
+        n_inputs: how many positional inputs the example has (later forward parameters take their
+            defaults or ``concrete_args``).
+        leaf_modules: module classes kept whole (one ``call_module`` node each).
+        concrete_args: forward parameters fixed to a value.
+        example_inputs: the ``n_inputs`` inputs (any device; only shapes and dtypes are read): tracing
+            with concrete shapes (trace_concrete.py), where a branch on a shape is decided from them and
+            kept as a shape guard, and timm's no-trace modules are traced into.  None: plain symbolic
+            tracing, timm's no-trace modules kept whole.
     """
+    if example_inputs is not None and len(example_inputs) != n_inputs:
+        raise TraceError(f"trace: {len(example_inputs)} example inputs for n_inputs={n_inputs}")
     flags = {m: m.training for m in model.modules()}
     state = ModuleState(model)
-    leaf_ids: set[int] = set()
+    leaf_ids: dict[int, str] = {}              # id(module) -> why it was made a leaf here
     try:
-        for _ in range(len(flags) + 1):        # each round makes one more module a leaf
-            # each trace starts from the model as the user gave it: what the train-mode trace left on
-            # a module (a cache its forward filled) would make the eval-mode trace read it as an
-            # attribute and differ, making that module a leaf for no reason of its own
-            state.restore()
-            model.train(True)
-            train_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids)
-            state.restore()
-            model.train(False)
-            eval_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids)
+        for _ in range(len(flags) + 1):        # each round makes one or more modules leaves
             try:
+                # each trace starts from the model as the user gave it: what the train-mode trace left on
+                # a module (a cache its forward filled) would make the eval-mode trace read it as an
+                # attribute and differ, making that module a leaf for no reason of its own
+                state.restore()
+                model.train(True)
+                train_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids, example_inputs)
+                state.restore()
+                model.train(False)
+                eval_gm = _trace_once(model, n_inputs, leaf_modules, concrete_args, leaf_ids, example_inputs)
                 constants = mode_constants(train_gm, eval_gm)
                 break
             except ModeBranch as branch:
-                path, module = branch_module(model, branch)
-                if id(module) in leaf_ids:      # defensive: a leaf cannot differ inside
-                    raise TraceError(f"module '{path}' differs between train and eval mode even as a leaf") from branch
-                leaf_ids.add(id(module))
+                why = "its forward runs different operations in train and eval mode (trace_modes.py)"
+                found = [model.get_submodule(p) for p in differing_modules(train_gm, eval_gm)]
+                found = [m for m in found if id(m) not in leaf_ids]
+                if not found:                   # the first difference's module (the root: refused there)
+                    path, module = branch_module(model, branch)
+                    if id(module) in leaf_ids:  # defensive: a leaf cannot differ inside
+                        raise TraceError(f"module '{path}' differs between train and eval mode even as a leaf"
+                                         ) from branch
+                    found = [module]
+                leaf_ids.update((id(m), why) for m in found)
+            except _RetryAsLeaf as retry:
+                leaf_ids[id(retry.module)] = (f"timm registers {type(retry.module).__qualname__} as not traceable by "
+                                              f"torch.fx, and tracing it with concrete shapes failed: "
+                                              f"{_first_line(retry.cause)}")
     finally:
         state.restore()         # the training flags too
     follow_mode(train_gm, constants, model.training)
     return train_gm
 
 
-def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, leaf_ids: set[int]) -> fx.GraphModule:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, leaf_ids: dict[int, str],
+                example_inputs) -> fx.GraphModule:
     timm_leaves, timm_functions = _timm_notrace()
-    tracer = _Tracer(tuple(leaf_modules) + timm_leaves, timm_functions, leaf_ids)
+    tracer = _Tracer(None if example_inputs is None else tuple(example_inputs), tuple(leaf_modules), timm_leaves,
+                     timm_functions, leaf_ids)
     concrete = _concrete_args(model, n_inputs, concrete_args)
     # fx stores each tensor the forward creates as a constant (``_tensor_constant0``) on the root, i.e.
     # on the user's model; the GraphModule has its own reference.  The caller (``trace``) removes them
@@ -205,12 +255,31 @@ def _trace_once(model: nn.Module, n_inputs: int, leaf_modules, concrete_args, le
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types (TraceError, TypeError, RuntimeError ...)
+        tried = [(p, m) for p, m in tracer.failed_scope or [] if isinstance(m, tracer.try_types)]
+        if tried and tracer.example is not None:    # the innermost one fx alone keeps whole: keep it whole
+            raise _RetryAsLeaf(*tried[-1], exc) from exc
         raise _explain(exc, tracer.failed_scope or []) from exc
     _drop_concrete_placeholders(gm.graph, n_inputs)
     gm.recompile()
     for node in gm.graph.nodes:
         node.meta["module_path"] = _module_path(node)
+        if node.op == "call_module":
+            why = _leaf_reason(gm.get_submodule(node.target), tracer)
+            if why:
+                node.meta["leaf"] = why
     return gm
+
+
+def _leaf_reason(module: nn.Module, tracer: _Tracer) -> str | None:
+    """Why ``module`` runs whole, where that is not because it is torch's own op (None then)."""
+    if id(module) in tracer.leaf_ids:
+        return tracer.leaf_ids[id(module)]
+    if isinstance(module, tracer.leaf_types):
+        return "listed in leaf_modules"
+    if isinstance(module, tracer.try_types):
+        return (f"timm registers {type(module).__qualname__} as not traceable by torch.fx (traced without "
+                f"example inputs, so not with concrete shapes)")
+    return None
 
 
 def _module_path(node: fx.Node) -> str:

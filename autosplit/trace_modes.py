@@ -15,9 +15,13 @@ Terms:
                    cannot be a leaf and is refused with the node and source module named.
 
 We trace twice (train, then eval; the model's flags restored after) and compare the graphs node by
-node: same ops on the same inputs everywhere, differing only in constants, or not.
+node: same ops on the same inputs everywhere, differing only in constants, or not.  Where not, every
+innermost module whose ops differ (``differing_modules``: timm's DropPath in each block of a
+stochastic-depth model) becomes a leaf at once, and the two traces are compared again.
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch.fx as fx
 from torch import nn
@@ -160,3 +164,25 @@ def branch_module(model: nn.Module, err: ModeBranch) -> tuple[str, nn.Module]:
         f"one graph that must follow pm.train() / pm.eval(), so it cannot hold both.  How to fix: move the "
         f"`if self.training` branch into a submodule (it is then run whole, as a leaf, in the current "
         f"mode), or express it with a value (e.g. p if self.training else 0.) instead of different ops.")
+
+
+def differing_modules(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> list[str]:
+    """Paths of the innermost modules whose sequence of ops (op kind and target, arguments aside) differs
+    between the two graphs: the modules a mode branch lies in, all found in one comparison (a model
+    with stochastic depth has one per block: one trace per branch would cost a trace per block).
+    Candidates only: ``mode_constants`` on the traces made with them as leaves is the check."""
+    def ops_under(gm: fx.GraphModule) -> dict[str, list]:
+        found: dict[str, list] = defaultdict(list)
+        for node in gm.graph.nodes:
+            for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+                if path:
+                    found[path].append((node.op, node.target))
+        return found
+    train, eval_ = ops_under(train_gm), ops_under(eval_gm)
+    differ = {p for p in train.keys() | eval_.keys() if not _same_ops(train.get(p, []), eval_.get(p, []))}
+    return sorted(p for p in differ if not any(q.startswith(p + ".") for q in differ))
+
+
+def _same_ops(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and (x[1] == y[1] if isinstance(x[1], str) else x[1] is y[1])
+                                    for x, y in zip(a, b))

@@ -2,7 +2,8 @@
 
 Terms: see autosplit/trace.py (leaf module, concrete args, train and eval mode).  The pass takes the
 ``nn.Module`` itself and returns the traced GraphModule (PassManager carries the new module on), with
-``node.meta["module_path"]`` on every node.
+``node.meta["module_path"]`` on every node, traced with the example inputs' shapes (shape guards where
+the model branches on one; ``node.meta["leaf"]`` on the modules kept whole, with why).
 """
 from __future__ import annotations
 
@@ -23,5 +24,7 @@ class TraceModel(MetaPass):
 
     def call(self, graph_module: nn.Module) -> PassResult:
         s = self.state
-        gm = trace(graph_module, len(s.inputs), leaf_modules=s.leaves, concrete_args=s.options.concrete_args)
+        # with the example's shapes: a branch on a shape is decided, and kept as a guard (trace_concrete.py)
+        gm = trace(graph_module, len(s.inputs), leaf_modules=s.leaves, concrete_args=s.options.concrete_args,
+                   example_inputs=s.inputs)
         return PassResult(gm, True)

@@ -13,6 +13,7 @@ from autosplit.passes.sharding.describe import block_lines
 from autosplit.schedule import SPLIT_BACKWARD
 from autosplit.stage_info import StageInfo
 from autosplit.tp.axes import batch_ways
+from autosplit.trace_notes import trace_notes
 
 # ``plan`` below: an autosplit Plan (autosplit/plan.py), read, never imported (the Plan imports this).
 
@@ -91,6 +92,7 @@ def summary_table(plan) -> str:
                         f"(plan.explain(node) shows one op's candidates); per block:")
             foot += [f"  {line}" for line in block_lines(tp.regions)]
         foot += [f"  note: {note}" for note in tp.notes]
+    foot += trace_notes(plan.graph)             # leaves kept whole and why; shape guards
     if plan.unknown_ops:
         foot.append(f"ops without a cost rule (counted as memory-bound): {', '.join(plan.unknown_ops)}")
     return "\n".join([head, *lines, *foot])
