@@ -129,11 +129,19 @@ def test_sampled_forms_plan_or_are_refused_by_name_and_one_per_rule_trains_equal
 
 
 @pytest.mark.slow
-def test_every_form_plans_or_is_refused_by_name_and_trains_equal(pool2):
+def test_every_form_plans_or_is_refused_by_name_and_one_per_op_trains_equal(pool2):
+    """Every form plans or is refused by a PlanError naming its node; the first planned, deterministic
+    form of every op trains equal to one device (training all ~1,000 forms takes an hour on 2 cores:
+    forms of one op share its rule and lowering, and differ in how the arguments are spelled, which
+    planning reads)."""
     forms, skipped = generate()
     print(f"\nspellings without a form: {len(skipped)}")
     for name, why in skipped:
         print(f"  {name}: {why}")
     outcomes = plan_all(forms)
-    trained = [f for f in forms if outcomes[f.ident] == "planned" and not draws(f)]
+    seen, trained = set(), []
+    for f in forms:
+        if f.op not in seen and outcomes[f.ident] == "planned" and not draws(f):
+            seen.add(f.op)
+            trained.append(f)
     print(f"trained equal to one device: {train_all(pool2, None, trained)}")

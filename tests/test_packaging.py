@@ -45,6 +45,7 @@ def _third_party_imports(*folders: str) -> set[str]:
     standard library and our own packages."""
     import ast
     ours = {"autosplit", "passes", "cost_model", "tests", "benchmarks", "examples"}
+    ours |= {p.stem for p in (ROOT / "benchmarks").glob("*.py")}     # a benchmark script imported as a sibling
     found = set()
     for folder in folders:
         for path in (ROOT / folder).rglob("*.py"):

@@ -99,13 +99,19 @@ def test_layers_that_differ_are_not_reduced():
     assert reduce(trace_model(model, (X,)), layer_paths(model)) is None
 
 
-def test_rewrite_that_treats_layers_differently_falls_back():
-    """cait's 1D rewrite splits its second block differently from its fifth: no copies, the whole graph."""
+def test_rewrite_that_treats_layers_differently_falls_back(monkeypatch):
+    """Where the rewrite treats identical layers differently (passes/repeats.py ``expand`` finds a copied
+    layer's placements differ from its source's and returns None), the layout is the whole graph's.
+    cait's 1D rewrite used to split its second block unlike its fifth; since the engine prices Partial
+    values whole it treats them alike, so the difference is made here by ``expand`` itself."""
+    import autosplit.strategy.layout as layout_module
     model = timm.create_model("cait_xxs24_224", pretrained=False, img_size=32, patch_size=4, embed_dim=32,
                               depth=6, num_heads=4, num_classes=10)
     traced, layers = trace_model(model, (X,)), layer_paths(model)
     repeats = reduce(traced, layers)
     assert repeats is not None
+    assert LayoutGraph(traced, (X,), 2, "1d", False, repeats=repeats).expanded       # alike: copied
+    monkeypatch.setattr(layout_module, "expand", lambda gm, repeats, earlier: None)
     copied = LayoutGraph(traced, (X,), 2, "1d", False, repeats=repeats)
     assert not copied.expanded
     _same(LayoutGraph(traced, (X,), 2, "1d", False), copied, layers)

@@ -47,7 +47,7 @@ def test_tp_across_nodes_is_priced_over_the_network_and_said(factory):
     assert b.tp_comm > 3 * a.tp_comm > 0
     assert b.compute == pytest.approx(a.compute)
     for p in (a, b):
-        assert p.total == pytest.approx(p.compute + p.tp_comm + p.pp_comm + p.dp_comm + p.bubble)
+        assert p.total == pytest.approx(p.compute + p.tp_comm + p.pp_comm + p.dp_comm + p.bubble + p.optimizer)
 
 
 def test_dp_and_pipeline_transfers_across_nodes_cost_more():

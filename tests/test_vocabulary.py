@@ -162,11 +162,13 @@ def test_cli_num_microbatches_and_its_old_flag(capsys):
     assert new.num_microbatches == old.num_microbatches == 6
 
 
-# ---- 6. --autocast: plan has it; search has none yet (another issue adds it) -------------------
+# ---- 6. --autocast: one spelling for plan and search -------------------------------------------
 
 def test_autocast_flag():
     assert _parser().parse_args(["plan", "m", "--autocast", "bf16"]).autocast == "bf16"
-    assert not hasattr(_parser().parse_args(["search", "m", "--world", "2", "--global-batch", "8"]), "autocast")
+    assert _parser().parse_args(["search", "m", "--world", "2", "--global-batch", "8", "--autocast", "bf16"]
+                                ).autocast == "bf16"
+    assert _parser().parse_args(["search", "m", "--world", "2", "--global-batch", "8"]).autocast is None
 
 
 # ---- 7. autosplit profile --ranks N (was python -m autosplit.profiling.measure_profile) ---------
