@@ -477,7 +477,7 @@ def train_forms(names, idents: list[str], steps: int = 2, lr: float = 0.1) -> di
     """Each form (by ``Form.ident``, of ``forms(names)``) at mesh (1, 2, 1) against one device:
     ``{ident: (loss diff, param diff)}``, or ``{ident: "PlanError: ..."}`` where planning refused it."""
     from autosplit.errors import PlanError
-    from tests.dist_checks import reference_training
+    from tests.dist_checks import reference_training, train_steps
     by_ident = {f.ident: f for f in forms(names)}
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(steps, B, N, C, generator=g), torch.randint(0, CLASSES, (steps, B), generator=g)
@@ -494,12 +494,7 @@ def train_forms(names, idents: list[str], steps: int = 2, lr: float = 0.1) -> di
             except PlanError as exc:
                 out[ident] = f"PlanError: {exc}"
                 continue
-            opt = torch.optim.SGD(pm.parameters(), lr=lr)
-            losses = []
-            for x, y in zip(xs, ys):
-                losses.append(pm.step(x, y))
-                opt.step()
-                opt.zero_grad()
+            losses = train_steps(pm, torch.optim.SGD(pm.parameters(), lr=lr), xs, ys, slice(None))
             state = pm.full_state_dict()
             pm.close()
         out[ident] = (max(abs(a - b) for a, b in zip(losses, ref_losses)),

@@ -24,7 +24,7 @@ from torch import nn
 import autosplit
 from autosplit.runtime.parallel import tp_collectives as T
 from autosplit.runtime.parallel import traceable_collectives as TC
-from tests.dist_checks import batches, reference_training
+from tests.dist_checks import batches, reference_training, train_steps
 
 AXIS = "sp_padding"          # an axis name no ParallelModule binds (the check binds and unbinds it)
 
@@ -98,12 +98,7 @@ def sp_training(norm: str, mesh, steps: int = 3, batch: int = 8, microbatches: i
                                num_microbatches=microbatches, example_input=xs[0, : batch // microbatches],
                                sequence_parallel=True,
                                compile_stages={"backend": backend} if backend is not None else False)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
-    losses = []
-    for x, y in zip(xs, ys):
-        losses.append(pm.step(x, y))
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm, torch.optim.SGD(pm.parameters(), lr=lr), xs, ys, slice(None))
     state = pm.full_state_dict()
     pm.close()
     if backend is not None:

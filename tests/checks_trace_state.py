@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import autosplit
-from tests.dist_checks import batches, reference_training
+from tests.dist_checks import batches, reference_training, train_steps
 
 
 class RelPosBias(nn.Module):
@@ -148,12 +148,7 @@ def trains_like_one_device(mesh, microbatches: int = 2, batch: int = 8, steps: i
                                example_input=xs[0, : batch // mesh[2] // microbatches])
     changed = same_state(before, module_state(model))
     metas = meta_attributes(pm.planner.raw_modules)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
-    losses = []
-    for x, y in zip(xs, ys):
-        losses.append(pm.step(x, y))
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm, torch.optim.SGD(pm.parameters(), lr=lr), xs, ys, slice(None))
     state = pm.full_state_dict()
     pm.close()
     return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
