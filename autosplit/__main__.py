@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Plan MODEL offline (built on the meta device) and print plan.summary().")
     plan.add_argument("model", help="timm model name (e.g. vit_base_patch16_224) or package.module:factory")
     plan.add_argument("--mesh", default="2,1,1", help="PP,TP,DP: pipeline stages, tensor-parallel ranks, "
-                                                       "data-parallel replicas (default %(default)s)")
+                                                       "data-parallel replicas (default %(default)s); or named "
+                                                       "sizes with a context-parallel axis: pp=1,cp=2,tp=2,dp=1")
     # --batch: the contract's spelling, kept without a warning; --microbatch names the idea as search's
     # --global-batch names its own (rows per microbatch here, samples per optimizer step there)
     plan.add_argument("--microbatch", "--batch", dest="microbatch", type=int, default=8,

@@ -72,14 +72,14 @@ def plan_passes(state: PlanState) -> list[MetaPass]:
     passes: list[MetaPass] = [TraceModel(state), ExampleShapeProp(state.inputs, model=state.model,
                                                                          concrete_args=opts.concrete_args),
                               CheckSingleOutput(), TensorParallel(state)]
-    if state.mesh.tp > 1:
+    if state.mesh.block > 1:
         passes.append(ExampleShapeProp(state.inputs))          # the local shapes of tp rank 0 (our graph)
     if opts.autocast is not None:
         passes.append(AutocastDtypeProp(state.inputs, opts.autocast, state.profile.device_type))
     passes += [SimulateSchedule(state), AnnotateCosts(state), FindCuts(state), CostSegments(state),
                ChooseStageBounds(state), AssignStages(state), SplitStages(state.n_stages, state),
                BuildStageInfos(state)]
-    if state.mesh.tp > 1 and opts.tp_overlap_chunks > 1:
+    if state.mesh.block > 1 and opts.tp_overlap_chunks > 1:
         passes.append(OverlapTensorParallel(state))
     return passes
 

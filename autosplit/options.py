@@ -170,6 +170,11 @@ class PlanOptions:
                 names = " and ".join(a for a, _ in axes)
                 raise AutosplitError(f"sequence_parallel=True applies to tp_mode='1d'; tp_mode={self.tp_mode!r} "
                                      f"already splits every activation over {names} (batch rows and channels)")
+        if getattr(mesh, "cp", 1) > 1 and (self.tp_mode != "1d" or self.sequence_parallel):
+            what = f"tp_mode={self.tp_mode!r}" if self.tp_mode != "1d" else "sequence_parallel=True"
+            raise AutosplitError(f"cp={mesh.cp} splits the tokens of every op over cp, beside 1D tensor parallelism "
+                                 f"(tp_mode='1d') only; {what} with a cp axis is not built: use tp_mode='1d' "
+                                 f"without sequence_parallel, or cp=1")
         if self.tp_mode == "auto" and self.sequence_parallel and mesh.tp > 1:
             raise AutosplitError("sequence_parallel=True applies to tp_mode='1d'; tp_mode='auto' already weighs "
                                  "splitting the tokens between blocks, by cost")

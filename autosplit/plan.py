@@ -73,7 +73,7 @@ class Plan:
 
     def stage_modules(self, pp_rank: int, tp_rank: int = 0) -> list[fx.GraphModule]:
         """The GraphModules pipeline rank ``pp_rank`` runs, one per chunk, in stage order."""
-        for name, rank, size in (("pp_rank", pp_rank, self.mesh.pp), ("tp_rank", tp_rank, self.mesh.tp)):
+        for name, rank, size in (("pp_rank", pp_rank, self.mesh.pp), ("tp_rank", tp_rank, self.mesh.block)):
             if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
                 axis = name.removesuffix("_rank")
                 raise RankError(f"stage_modules: {name}={rank!r} is outside 0..{size - 1} ({axis}={size})")

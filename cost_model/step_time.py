@@ -299,12 +299,12 @@ def plan_stage_times(plan, device=None, optimizer="adamw") -> list[StageTimes]:
     for n in plan.graph.graph.nodes:
         stage = n.meta.get("stage")
         if stage is not None:
-            f, b = collective_time(n, plan.mesh.tp, profile)
+            f, b = collective_time(n, plan.mesh.block, profile)
             tp[stage][0] += f
             tp[stage][1] += b
     split = plan_deferred_w_stages(plan, profile)
     sharding = getattr(plan, "dp_shard", None)
-    overlap = tp_overlaps(profile, plan.mesh.tp, sharding)
+    overlap = tp_overlaps(profile, plan.mesh.block, sharding)
     owned = plan.mesh.dp if sharding else 1          # FSDP: each rank steps its 1/dp shard
     out = []
     for k, (s, (f, b)) in enumerate(zip(plan.stages, tp)):
@@ -352,7 +352,7 @@ def plan_deferred_w_stages(plan, device=None) -> frozenset[int]:
     from autosplit.cost_model.profiles import get_profile
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
     return deferred_w_stages(plan.schedule, plan.mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                             plan.mesh.tp, profile.device_type)
+                             plan.mesh.block, profile.device_type)
 
 
 def predict_plan(plan, device=None, optimizer="adamw") -> StepPrediction:
@@ -362,9 +362,9 @@ def predict_plan(plan, device=None, optimizer="adamw") -> StepPrediction:
     profile = get_profile(device or getattr(plan, "profile", None) or plan.device)
     mesh = plan.mesh
     return predict_step(plan.schedule, mesh.pp, plan.num_microbatches, plan.chunks_per_rank,
-                        plan_stage_times(plan, profile, optimizer), sharing_of(profile, mesh.tp * mesh.dp),
+                        plan_stage_times(plan, profile, optimizer), sharing_of(profile, mesh.block * mesh.dp),
                         profile.p2p_post, profile.p2p_wake,
-                        step_collectives(profile, mesh.pp * mesh.tp * mesh.dp, (mesh.pp, mesh.tp, mesh.dp)),
+                        step_collectives(profile, mesh.size, (mesh.pp, mesh.block, mesh.dp)),
                         profile.resume, profile.pass_overhead)
 
 

@@ -37,7 +37,8 @@ DP_SHARD = {"off": False, "stage": "stage", "layer": "layer", "auto": True}
 # ---- flags ---------------------------------------------------------------------------------------------
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     """How the model is split and what one optimizer step takes."""
-    p.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (dp may be -1: what the world size leaves)")
+    p.add_argument("--mesh", default="2,1,1", help="PP,TP,DP (dp may be -1: what the world size leaves), or "
+                                                        "pp=..,cp=..,tp=..,dp=.. with a context-parallel axis")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     p.add_argument("--chunks-per-rank", type=int, default=1, help="model chunks per rank (interleaved, zb-v: 2)")
     p.add_argument("--tp-mode", default="1d", choices=TP_MODES, help="tensor-parallel layout (default 1d, Megatron)")
@@ -132,7 +133,7 @@ def parallelize(model: torch.nn.Module, args, run: Run, input_shape, **kwargs):
     example = torch.empty(run.replica_batch // args.num_microbatches, *input_shape)
     compile_stages = ({"mode": args.compile_mode} if args.compile_mode else True) if args.compile_stages else False
     return autosplit.parallelize(
-        model, mesh=(run.mesh.pp, run.mesh.tp, run.mesh.dp), loss_fn=torch.nn.CrossEntropyLoss(),
+        model, mesh=run.mesh, loss_fn=torch.nn.CrossEntropyLoss(),
         num_microbatches=args.num_microbatches, schedule=args.schedule, chunks_per_rank=args.chunks_per_rank,
         tp_mode=args.tp_mode, example_input=example, autocast=AUTOCAST.get(args.autocast),
         dp_shard=DP_SHARD[args.dp_shard], sequence_parallel=args.sequence_parallel, compile_stages=compile_stages,
@@ -144,7 +145,7 @@ def describe(pm, args, run: Run) -> None:
     """The world line, the plan's summary and, with --report, the plan on disk (rank 0 only)."""
     mesh = run.mesh
     run.log(f"world: {run.world_size} ranks, backend {pm.world.backend}, device {pm.world.device.type}; "
-            f"mesh pp={mesh.pp} tp={mesh.tp} dp={mesh.dp}; schedule {args.schedule}, tp mode {args.tp_mode}, "
+            f"mesh {mesh}; schedule {args.schedule}, tp mode {args.tp_mode}, "
             f"{args.num_microbatches} microbatches of {run.replica_batch // args.num_microbatches}")
     run.log(pm.plan.summary())
     if args.report and run.rank0:   # planning is pure: one rank writes it, no other rank waits

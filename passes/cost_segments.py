@@ -25,8 +25,8 @@ class CostSegments(MetaPass):
 
     def call(self, graph_module) -> PassResult:
         s = self.state
-        s.put(costs=SegmentCosts(s.segments, s.cuts, s.mesh.tp, s.profile, s.in_flight,
+        s.put(costs=SegmentCosts(s.segments, s.cuts, s.mesh.block, s.profile, s.in_flight,
                                  recompute=s.options.recompute, layers=s.layers,
                                  input_bytes=sum(tensor_bytes(x) for x in s.inputs),
-                                 cross_node=pipeline_crosses_nodes(s.profile, s.mesh.pp, s.mesh.tp * s.mesh.dp)))
+                                 cross_node=pipeline_crosses_nodes(s.profile, s.mesh.pp, s.mesh.block * s.mesh.dp)))
         return PassResult(graph_module, False)

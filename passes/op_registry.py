@@ -91,6 +91,8 @@ _declare("conv1d conv2d conv3d", kind="conv", shard="conv", weighted=True, fresh
 _declare("Conv1d Conv2d Conv3d", kind="conv", fresh_grad=True, rowwise=True, cost="conv")
 _declare("scaled_dot_product_attention", kind="attention", shard="sdpa", fresh_grad=True, random="dropout_p",
          cost="scaled_dot_product_attention")
+# attention's keys read whole by every query (autosplit/tp/ops.py whole_keys): an identity for the cost model
+_declare("whole_keys", kind="pointwise", shard="whole_keys", linear_in="first", cost="view")
 _declare("MultiheadAttention", kind="attention", fresh_grad=True, cost="multi_head_attention")
 _declare("layer_norm", kind="norm", shard="norm", fresh_grad=True, lower="stats", rowwise=True, cost="layer_norm")
 _declare("rms_norm", kind="norm", shard="norm", rowwise=True, cost="rms_norm")
@@ -205,7 +207,8 @@ def module_entry(module, torch_only: bool = False) -> Op:
     return OPAQUE
 
 
-_COMPUTING_TP_OPS = frozenset({"linear_2d", "layer_norm_2d"})      # autosplit/tp/ops.py's ops that compute
+# autosplit/tp/ops.py's ops that compute (or are priced as the identity they are: whole_keys)
+_COMPUTING_TP_OPS = frozenset({"linear_2d", "layer_norm_2d", "whole_keys"})
 
 
 def cost_entry(node: fx.Node, gm: fx.GraphModule | None = None) -> Op:

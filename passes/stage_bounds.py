@@ -39,7 +39,7 @@ class ChooseStageBounds(MetaPass):
         options = candidates(opts.dp_shard, s.mesh.dp) if s.mesh.dp > 1 else [None]
         for sharding in options:        # in order of preference: the first whose cut fits the budget
             dpc = StageDataParallel(s.segments, seg.params, s.layers, s.mesh.dp, s.num_microbatches, sharding,
-                                    s.profile, 0.5 if opts.autocast is not None else 1.0, tp=s.mesh.tp)
+                                    s.profile, 0.5 if opts.autocast is not None else 1.0, tp=s.mesh.block)
 
             def memory(st, a, b, dpc=dpc):     # the dp state as sharded, instead of 4 x parameter bytes
                 return seg.memory(st, a, b) - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes

@@ -83,7 +83,7 @@ class BuildStageInfos(MetaPass):
                 nodes=[n.name for n in nodes], params=list(params),
                 n_params=sum(p.numel() for p in params.values()),
                 param_bytes=param_bytes, fwd_time=fwd, bwd_time=bwd + seg.recompute_time(nodes),
-                comm_time=seg.boundary_time(bounds[st]) + comm_time(nodes, s.mesh.tp, seg.profile) +
+                comm_time=seg.boundary_time(bounds[st]) + comm_time(nodes, s.mesh.block, seg.profile) +
                 seg.recompute_comm(nodes), recompute_comm=seg.recompute_comm(nodes),
                 activation_bytes=kept, in_flight=seg.in_flight[st],
                 memory_bytes=int(dp.memory_bytes) + seg.in_flight[st] * kept + recompute,

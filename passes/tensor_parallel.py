@@ -22,6 +22,7 @@ from autosplit.cost_model.comm import linear_2d_time
 from autosplit.passes.decompose_attention import decompose_attention
 from autosplit.passes.infra import MetaPass, PlanState
 from autosplit.passes.shape_prop import tensor_bytes
+from autosplit.passes.sharding.context import shard_context
 from autosplit.passes.sharding.grid import shard_grid
 from autosplit.passes.tp_auto import choose, label
 from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
@@ -67,14 +68,17 @@ class TensorParallel(MetaPass):
 
     def call(self, graph_module: fx.GraphModule) -> PassResult:
         s, opts, tp = self.state, self.state.options, self.state.mesh.tp
-        if tp == 1:
+        if s.mesh.block == 1:
             for n in graph_module.graph.nodes:
                 n.meta["spec"] = {"tp": Replicate()}
             s.put(tp_plan=None)
             return PassResult(graph_module, False)
         # nn.MultiheadAttention as the ops it computes, so it is split by heads like any attention block
         kept = decompose_attention(graph_module)
-        if opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
+        if s.mesh.cp > 1:            # tokens over cp, 1D's layouts over tp inside it
+            tp_plan = shard_context(graph_module, s.mesh.cp, tp, s.profile, price_vals=layout_vals(graph_module, s.inputs, 1),
+                                    microbatches=s.num_microbatches)
+        elif opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
             budget = (s.budget if s.budget is not None else s.profile.memory_bytes) * s.mesh.pp
             tp_plan, graph_module, mode, depth, line = choose(graph_module, s.inputs, tp, s.profile, budget,
                                                               lambda gm, m, d: self.rewrite(gm, m, d, budget))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autosplit
+from autosplit.mesh import MeshShape
 from tests.models import VARIANTS
 
 
@@ -73,7 +74,7 @@ def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, mic
     model = VARIANTS[name]()
     xs, ys = batches(steps, batch)
     ref_losses, ref_state = reference_training(model, xs, ys, lr)
-    dp = mesh[2] if mesh[2] > 0 else dist.get_world_size() // (mesh[0] * mesh[1])
+    dp = MeshShape.parse(mesh, world_size=dist.get_world_size()).dp      # a tuple, or a mapping with cp
     example = None if lazy else xs[0, : batch // dp // microbatches]
     pm = autosplit.parallelize(model, mesh=mesh, loss_fn=torch.nn.CrossEntropyLoss(),
                                num_microbatches=microbatches, schedule=schedule, chunks_per_rank=chunks,
@@ -92,7 +93,8 @@ def train_matches_single_device(name: str, mesh, schedule: str, chunks: int, mic
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     tp = pm.plan.tp_plan
     return {"loss_diff": loss_diff, "param_diff": param_diff, "losses": losses,
-            "tp_axes": [a for a, _ in tp.axes] if tp is not None else []}
+            "tp_axes": [a for a, _ in tp.axes] if tp is not None else [],
+            "cp": (pm.cp_rank, pm.cp_size), "tp": (pm.tp_rank, pm.tp_size)}
 
 
 def error_of(fn, *args):

@@ -68,7 +68,8 @@ def add_check_parser(sub) -> None:
     g = p.add_argument_group("prediction")
     g.add_argument("--model", default=None, help="timm model name or package.module:factory (default: the "
                                                  "check's tiny ViT)")
-    g.add_argument("--mesh", default="1,1,-1", help="PP,TP,DP; dp may be -1 (default %(default)s)")
+    g.add_argument("--mesh", default="1,1,-1", help="PP,TP,DP or pp=..,cp=..,tp=..,dp=..; dp may be -1 "
+                                                         "(default %(default)s)")
     g.add_argument("--batch", "--global-batch", dest="batch", type=_ints, default=None,
                    help="global batch rows per step (all replicas), or several comma-separated: one case each "
                         "(default 8 rows a microbatch)")

@@ -107,7 +107,7 @@ def run_case(cw, spec: str, mesh, batch: int | None, options, image_size: int | 
         memory = PeakMemory(cw.device)
         memory.start()
         action = "parallelize"
-        pm = autosplit.parallelize(model, mesh=(mesh.pp, mesh.tp, mesh.dp), options=options,
+        pm = autosplit.parallelize(model, mesh=mesh, options=options,
                                    example_input=torch.randn(rows // m, *shape), init_fn=fill)
         # every rank of a replica (its pp and tp ranks) feeds the same batch: seeded by the dp coordinate
         g = torch.Generator(device=cw.device).manual_seed(mesh.coord_of(cw.rank).dp + 1)

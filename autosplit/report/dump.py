@@ -68,7 +68,7 @@ def rank_codes(plan) -> dict[tuple[int, int, int], str]:
     """(pp rank, tp rank, stage) -> the annotated code that rank runs for that stage, with a header line."""
     codes = {}
     for r in range(plan.mesh.pp):
-        for t in range(plan.mesh.tp):
+        for t in range(plan.mesh.block):
             stages = [plan.stages[s] for s in plan.placement.stages(r)]
             for module, stage in zip(plan.stage_modules(r, t), stages):
                 header = f"# stage {stage.index} (pp rank {r}, chunk {stage.chunk}, tp rank {t}): {stage.layers}\n"

@@ -81,7 +81,10 @@ def summary_table(plan) -> str:
         foot.append(_dp_note(plan))
     if plan.tp_plan is not None:
         tp = plan.tp_plan
-        if tp.axes:
+        if plan.mesh.cp > 1:
+            foot += _cp_note(plan)
+            foot += [f"  {line}" for line in block_lines(tp.regions)]
+        elif tp.axes:
             foot += _grid_note(plan)
             foot += [f"  {line}" for line in block_lines(tp.regions)]
         else:
@@ -105,6 +108,24 @@ def _step_line(plan) -> str:
         return predict_plan(plan).line()
     except AutosplitError as exc:
         return f"predicted step: n/a ({exc.args[0].split(';')[0]}; use predict_plan(plan, device=profile))"
+
+
+def _cp_note(plan) -> list[str]:
+    """Context parallelism: the block's axes, what each rank holds, and how each attention gets its keys."""
+    tp = plan.tp_plan
+    params = sum(s.param_bytes for s in plan.stages)
+    acts = sum(s.activation_bytes for s in plan.stages)
+    inner = f", 1D tensor parallelism over tp_1d ({plan.mesh.tp})" if plan.mesh.tp > 1 else ""
+    lines = [f"context parallel (cp={plan.mesh.cp}{inner}): the query tokens of every op split over cp, padded "
+             f"where cp does not divide them; per rank: params {_bytes(params)}, saved activations {_bytes(acts)} "
+             f"per microbatch"]
+    keys = [n for n in plan.graph.graph.nodes if n.meta.get("key_copy_of")]
+    for n in keys:
+        reader = next(iter(n.users), None)
+        lines.append(f"  {n.meta.get('module_path') or n.name}: {n.meta['key_copy_of']} read whole by "
+                     f"'{reader.name if reader is not None else '?'}': all-gathered over cp (its gradient "
+                     f"reduce-scattered); any mask, bias or rotary table applies to this rank's queries")
+    return lines
 
 
 def _grid_note(plan) -> list[str]:
@@ -156,7 +177,7 @@ def stage_info_dict(stage: StageInfo) -> dict:
 def plan_dict(plan) -> dict:
     ours, equal = plan.balance()
     return {
-        "mesh": {"pp": plan.mesh.pp, "tp": plan.mesh.tp, "dp": plan.mesh.dp},
+        "mesh": {"pp": plan.mesh.pp, "cp": plan.mesh.cp, "tp": plan.mesh.tp, "dp": plan.mesh.dp},
         "tp_mode": plan.tp_mode, "schedule": plan.schedule, "chunks_per_rank": plan.chunks_per_rank,
         "num_microbatches": plan.num_microbatches, "device": plan.device,
         "example_shapes": [list(s) for s in plan.example_shapes],

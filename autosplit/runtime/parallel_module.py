@@ -148,7 +148,14 @@ class ParallelModule:
 
     # ---- coordinates and the plan --------------------------------------------------------------
     pp_rank = property(lambda self: self.world.coord.pp, doc="this rank's pipeline coordinate")
-    tp_rank = property(lambda self: self.world.coord.tp, doc="this rank's tensor-parallel coordinate")
+    tp_rank = property(lambda self: self.world.mesh.tp_of(self.world.coord.tp),
+                       doc="this rank's tensor-parallel coordinate")
+    tp_size = property(lambda self: self.world.mesh.tp, doc="the number of tensor-parallel ranks")
+    cp_rank = property(lambda self: self.world.mesh.cp_of(self.world.coord.tp),
+                       doc="this rank's context-parallel coordinate (its share of the tokens)")
+    cp_size = property(lambda self: self.world.mesh.cp, doc="the number of context-parallel ranks")
+    block_rank = property(lambda self: self.world.coord.tp,
+                          doc="this rank's position in its cp x tp block (autosplit/mesh.py): the plan's tp rank")
     dp_rank = property(lambda self: self.world.coord.dp, doc="this rank's data-parallel replica")
     dp_size = property(lambda self: self.world.mesh.dp, doc="the number of data-parallel replicas")
     num_microbatches = property(lambda self: self.options.num_microbatches)

@@ -178,7 +178,7 @@ class RankPlanner:
             changes["device"] = with_node_size(self.profile, world)
         elif world.device.type == "cuda":       # the user's profile, with the job's node size
             changes["device"] = with_node_size(opts.device, world)
-        mesh = (world.mesh.pp, world.mesh.tp, world.mesh.dp)
+        mesh = world.mesh
         self.plan = compile_with(self.model, mesh, example, PlanOptions.from_kwargs("parallelize", changes, opts),
                                  warn=False)          # the BatchNorm warning: _warn_batch_norm
         if self.plan.tp_plan is not None:       # tp_mode="auto" learns its grid's axes here (world.py)
@@ -212,7 +212,7 @@ class RankPlanner:
         if values is not None and not plan.dp_shard:
             materialize_local(modules, values, world.device)
         modules = [to_device(m, world.device) for m in modules]
-        modules = [fork_sharded_random(m) for m in modules] if world.mesh.tp > 1 else modules
+        modules = [fork_sharded_random(m) for m in modules] if world.mesh.block > 1 else modules
         # I / W schedules defer weight gradients to W, on the stages the cost model prices a W apart for
         # (deferred_w_stages: where some W does not directly follow its I, and on a GPU also where the
         # split only hands the input gradient on earlier; elsewhere it only costs).  Under tp, B
@@ -222,7 +222,7 @@ class RankPlanner:
         # Compiled stages defer W where the schedule needs it (autosplit/weight_grad_ops.py); the backward
         # overlap under tp is left to the compiled graph (its collectives are opaque ops, run in order).
         compiled = self.compile_settings is not None
-        overlap = world.mesh.tp > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard and not compiled
+        overlap = world.mesh.block > 1 and tp_collectives.OVERLAP_BACKWARD and not plan.dp_shard and not compiled
         stages = plan.placement.stages(coord.pp)
         deferring = plan_deferred_w_stages(plan)
         modules = [split_weight_gemms(m)[0] if overlap or s in deferring else m for s, m in zip(stages, modules)]

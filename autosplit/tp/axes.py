@@ -9,6 +9,8 @@ Terms:
              tp rank t is read in mixed radix over them (2D: row = t // q, col = t % q), so the ranks of
              the innermost axis are consecutive (they share a node first).
   grid mode -- a tp_mode over several axes ("2d", "2.5d", "3d").
+  block axes -- with a cp axis (autosplit/mesh.py *block*), ("cp", cp) outermost, then the tp axes
+             (1D's named "tp_1d" there): ``block_axes``.
 
 Pure data: no process group.  The runtime builds one DeviceMesh (pp, dp, *sizes) with these names;
 the passes lower each axis's placements to collectives over the axis's name.
@@ -58,6 +60,18 @@ def tp_axes(tp_mode: str, tp: int, depth: int | None = None) -> tuple[tuple[str,
         raise AutosplitError(f"tp_mode='2.5d' with tp_depth={depth}: tp={tp} must be q * q * {depth} with q >= 2 "
                              f"({quotient}, not a square of q >= 2); tp={tp} allows {_depth_list(tp, valid)}")
     return (("tp_dep", depth), ("tp_row", q), ("tp_col", q))
+
+
+def block_axes(tp_mode: str, mesh, depth: int | None = None) -> tuple[tuple[str, int], ...]:
+    """The axes of ``mesh``'s block (autosplit/mesh.py *block*: cp x tp ranks): ("cp", cp) outermost where
+    cp > 1 (passes/sharding/context.py), then ``tp_axes``' (left out where tp = 1 beside cp).  Beside cp,
+    1D's axis is named "tp_1d": "tp" names the whole block's group (the runtime sums over it)."""
+    inner = tp_axes(tp_mode, mesh.tp, depth)
+    if mesh.cp == 1:
+        return inner
+    if mesh.tp == 1:
+        return (("cp", mesh.cp),)
+    return (("cp", mesh.cp),) + tuple(("tp_1d" if a == "tp" else a, n) for a, n in inner)
 
 
 def grid_layouts(tp: int) -> list[tuple[str, int | None]]:

@@ -24,6 +24,9 @@ Terms:
              runtime and no process group.  While torch.compile traces a stage, the ops go to a second
              backend (runtime/parallel/traceable_collectives.py: custom ops dynamo records without a graph break).
   comm_kind -- on each op, (forward, backward) collective kinds, read by the cost model.
+  whole_keys -- identity on values; a marker for the sharding engine (passes/sharding/context.py): the
+             operand whose tokens every query row reads (attention's keys and values) gets a class of
+             its own at ``dim``, so the queries may stay split over cp while the keys arrive whole.
 
 2D (SUMMA / Optimus) vocabulary, over the axes ``tp_row`` and ``tp_col`` of a q x q grid:
   linear_2d -- ``x @ w.T`` where x is sharded on its last dim over ``col_axis`` and w is this rank's
@@ -179,10 +182,21 @@ def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     return _backend().local_slice(x, dim, axis)
 
 
+def whole_keys(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` itself: attention's keys (or values) read whole along ``dim`` by every query row (see
+    *whole_keys*); the collective that makes them whole is inserted before it by the lowering."""
+    return x
+
+
 def global_size(local: int, full: int) -> int:
     """A size read off a dim split with padding (sequence parallelism's 17 tokens on 2 ranks): the
     unsplit size the model's code was written for, fixed at planning (the shard's is ceil(full / n))."""
     return full
+
+
+def local_size(full: int, n: int) -> int:
+    """The rows a rank holds of a dim of ``full`` split n ways with padding: ceil(full / n)."""
+    return -(-full // n)
 
 
 def linear_2d(x: torch.Tensor, w: torch.Tensor, row_axis: str, col_axis: str, q: int,

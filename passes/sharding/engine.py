@@ -293,6 +293,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
     (solve.py *shared*): q, k and v projections of one input share its copy."""
     ns, edges = sh.nodes[v], []
     writes = inplace_base(v, sh.gm) is not None
+    keys = op(v, sh.gm).shard == "whole_keys"
     for k, (p, lay) in enumerate(ns.rule.operands):
         if p not in index:
             continue
@@ -309,7 +310,9 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
                 if writes and k == 0 and alias and (sa.out != sb.ins[0] or (sa.out == R and sb.sharded)):
                     continue                # the write must reach p's other readers: no redistributed copy
                 # (with no other reader, the lowering makes the op out of place on the redistributed copy)
-                t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded)
+                # a key copy runs whole but passes its readers' parts of the gradient on (context.py):
+                # the gather before it reduce-scatters them, as before a split consumer
+                t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded or keys)
                 if t is not None:
                     pairs[(a, b)] = t
                     keys[(a, b)] = (sb.ins[k], sb.sharded if sb.ins[k] == R else None, nbytes)

@@ -122,6 +122,15 @@ class Lowering:
         inner = self.axes[self.axes.index(axis) + 1:]
         return {"axis_size": self.n(axis), "axis_stride": math.prod(self.n(b) for b in inner)}
 
+    def keys_partial(self, axis, node) -> bool:
+        """Is ``node`` a key copy (passes/sharding/context.py) whose readers all run split on ``axis``?  Its
+        value is whole but its gradient a part (each rank's queries' share of dK), so the copy passes the
+        part on unsummed, and the gather before it is ``all_gather``, whose backward reduce-scatters the
+        parts: one reduce-scatter of dK, not an all-reduce after it and a slice (torchtitan's lowering)."""
+        sh = self.sh[axis]
+        return node.op == "call_function" and node.target is C.whole_keys and bool(node.users) and \
+            all(u in sh.chosen and sh.chosen[u].sharded for u in node.users)
+
     def layout(self, axis, node):
         return self.sh[axis].nodes[node].rule.out if node in self.sh[axis].nodes else None
 
@@ -199,8 +208,8 @@ class Lowering:
                 self.pending[node] = self.chain(p, {a: c.ins[k] for a, c in chosen.items()},
                                                 {a: c.sharded and a not in held for a, c in chosen.items()})
                 continue
-            src = self.chain(p, {a: c.ins[k] for a, c in chosen.items()}, {a: c.sharded for a, c in chosen.items()},
-                             skip=skip)
+            src = self.chain(p, {a: c.ins[k] for a, c in chosen.items()},
+                             {a: c.sharded or self.keys_partial(a, node) for a, c in chosen.items()}, skip=skip)
             if src is not p:
                 node.replace_input_with(p, src)
         for axis, s in chosen.items():
@@ -214,7 +223,16 @@ class Lowering:
         if any(c.pending_bias for c in chosen.values()) and entry.weighted:
             node.args = node.args[:2] + (None,) + node.args[3:]       # F.linear(x, w, b): b after the sum
         if inplace_base(node, self.gm) is not None and node.args and node.args[0] is not rule.operands[0][0]:
-            out_of_place(node)   # its operand was redistributed: the write would land on a copy no one reads
+            if rule.kind == "opaque":
+                # no rule: its out-of-place name may be no op (x.zero_(), x.fill_(v), x.uniform_()) or
+                # another one (x.bernoulli_(p) overwrites x, gradient zero; x.bernoulli(p) has no
+                # gradient): it keeps its own op and writes a copy of its redistributed operand
+                with self.graph.inserting_before(node):
+                    copy = self.graph.call_function(torch.clone, (node.args[0],))
+                copy.meta.update(module_path=node.meta.get("module_path", ""), val=node.args[0].meta.get("val"))
+                node.args = (copy, *node.args[1:])
+            else:
+                out_of_place(node)   # its operand was redistributed: the write would land on a copy no one reads
         if entry.lower == "sizes":
             self.spell_sizes(node)
         for axis, c in chosen.items():
@@ -306,7 +324,7 @@ class Lowering:
         sh = self.sh[axis]
         have = sh.place(p)
         grads = p.op != "placeholder" and (p.op != "get_attr" or self.param_copies or p in self.mixed)
-        if have == need and not (need == R and consumer_sharded and grads):
+        if have == need and not (need == R and consumer_sharded and grads and not self.keys_partial(axis, p)):
             return src
         key = (axis, src, have, need, consumer_sharded if need == R else None)
         if key in self.made:
@@ -552,12 +570,15 @@ class Lowering:
     def local_view(self, axis, node: fx.Node, d: int) -> None:
         packed = len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
         sizes = list(node.args[1] if packed else node.args[1:])
-        s = sizes[d]
+        s, n = sizes[d], self.n(axis)
+        # a padded split (the engine passes one through a view only as a dim of its own) holds
+        # ceil(full / n) rows on every rank, the last one's padding included
+        padded = node.meta["val"].shape[d] % n != 0
         if isinstance(s, int) and s != -1:
-            sizes[d] = s // self.n(axis)
+            sizes[d] = -(-s // n) if padded else s // n
         elif isinstance(s, fx.Node):
             with self.graph.inserting_before(node):
-                sizes[d] = self.graph.call_function(operator.floordiv, (s, self.n(axis)))
+                sizes[d] = self.graph.call_function(C.local_size if padded else operator.floordiv, (s, n))
             sizes[d].meta.update(module_path=node.meta.get("module_path", ""))
         node.args = (node.args[0], tuple(sizes)) if packed else (node.args[0], *sizes)
 
@@ -567,7 +588,8 @@ class Lowering:
         at = D.dim(node, 1, "dim", ndim)
         sizes = list(D.arg(node, 2, "sizes"))
         if at <= d < at + len(sizes) and isinstance(sizes[d - at], int) and sizes[d - at] != -1:
-            sizes[d - at] //= self.n(axis)
+            n = self.n(axis)
+            sizes[d - at] = -(-sizes[d - at] // n) if sizes[d - at] % n else sizes[d - at] // n
             node.args = (node.args[0], D.arg(node, 1, "dim"), tuple(sizes))
             node.kwargs = {}
 

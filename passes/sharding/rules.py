@@ -108,7 +108,10 @@ class Rules:
         if base is not None and (not r.operands or r.operands[0][0] is not D.nth(n, 0)):
             return self.opaque(n, f"in-place '{name}' without its written tensor first")
         entry = module_entry(module) if module is not None else op(n, self.gm)
-        r.rowwise = entry.rowwise and r.kind != "opaque"
+        # a rule may know more than the registry: matmul, softmax and attention are row-wise in every dim
+        # they neither sum over nor need whole (the registry's flag also means "in dim 0", which
+        # passes/tp_overlap.py chunks, and a 2-D matmul's dim 0 of its second operand is summed over)
+        r.rowwise = (entry.rowwise or r.rowwise) and r.kind != "opaque"
         return r
 
     # -- the table: the registry names each op's method (passes/op_registry.py, ``shard``) ---------------
@@ -187,7 +190,14 @@ class Rules:
         return OpRule(x, [(D.nth(n, 0), x)], forbid=self._leaves([x[D.dim(n, 1, "dim", nd)]]), linear=entry.linear_in)
 
     def _softmax(self, n, x, nd, entry, module) -> OpRule:
-        return OpRule(x, [(D.nth(n, 0), x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]))
+        return OpRule(x, [(D.nth(n, 0), x)], forbid=self._leaves([x[D.softmax_dim(n, nd, module)]]), rowwise=True)
+
+    def _whole_keys(self, n, x, nd, entry, module) -> OpRule:
+        # the marked dim gets a class of its own, needed whole here: passes/sharding/context.py
+        d = D.dim(n, 1, "dim", nd)
+        out = list(x)
+        out[d] = [self.f.new(n.meta["val"].shape[d])]
+        return OpRule(out, [(D.nth(n, 0), x)], forbid=self._leaves([x[d]]), linear="first")
 
     def _reduce(self, n, x, nd, entry, module) -> OpRule:
         dims = D.reduced_dims(n, nd)
@@ -406,7 +416,8 @@ class Rules:
             if self.f.flat(da) and self.f.flat(db):
                 self._align(da, db)
         batch = la[:-2] if len(la) >= len(lb) else lb[:-2]
-        return OpRule(batch + [la[-2], lb[-1]], [(a, la), (b, lb)], contract=self._leaves([la[-1]]), linear="one")
+        return OpRule(batch + [la[-2], lb[-1]], [(a, la), (b, lb)], contract=self._leaves([la[-1]]), linear="one",
+                      rowwise=True)
 
     def _sdpa(self, n, x, nd, entry, module) -> OpRule:
         q, k, v = D.nth(n, 0), D.nth(n, 1), D.nth(n, 2)
@@ -424,7 +435,7 @@ class Rules:
             scores = lq[:-1] + [lk[-2]]
             self._align_trailing(self.lay(mask), scores)
             ops.append((mask, self.lay(mask)))
-        return OpRule(lq[:-1] + [lv[-1]], ops, forbid=self._leaves([lq[-1], lk[-2]]))
+        return OpRule(lq[:-1] + [lv[-1]], ops, forbid=self._leaves([lq[-1], lk[-2]]), rowwise=True)
 
 
 _SIZE_KEYWORDS = {"size", "shape", "sizes", "split_size", "split_size_or_sections"}

@@ -148,7 +148,7 @@ class Enumerator:
                 out = P
             else:
                 continue
-            if self.uneven(c) and (out == P or not r.rowwise):
+            if self.uneven(c) and (out == P or not (r.rowwise or self._moves_whole(n, r, c))):
                 continue                       # padding rows must never be summed nor reshaped in
             if not self.partial_linears and out == P and weighted:
                 continue
@@ -179,6 +179,20 @@ class Enumerator:
         if len(ns.options) == 1:
             ns.why_whole = self._why_whole(r, forbid)
         return self._priced(ns)
+
+    def _moves_whole(self, n: fx.Node, r, c: int) -> bool:
+        """Does view ``n`` carry class ``c`` as a dim of its own, in every tensor it reads and writes?
+        Then a padded split of c passes through it as rows move (a permute, a reshape that keeps the
+        tokens' dim and regroups only the others): no padding row is merged into another dim."""
+        if op(n, self.gm).kind != "view":
+            return False
+        lays = [x for _, x in r.operands] + (list(r.out) if isinstance(r.out, tuple) else [r.out])
+        for lay in lays:
+            for dim in lay or []:
+                flat = self.f.flat(dim)
+                if any(self.f.find(leaf) == c for leaf in flat) and len(flat) != 1:
+                    return False
+        return True
 
     def uneven(self, c: int) -> bool:
         """Is class ``c`` split with padding (n does not divide it)?"""
@@ -255,6 +269,8 @@ class Enumerator:
         """Seconds (forward + backward) to turn ``have`` into ``need`` for one consumer; None if impossible."""
         n, prof = self.n, self.profile
         if have == need:
+            if need == R and consumer_sharded and op(producer, self.gm).shard == "whole_keys":
+                return 0.0                  # a key copy's gradient parts are summed by the gather before it
             if need == R and consumer_sharded and producer.op == "get_attr":
                 if not _is_parameter(self.gm, producer):
                     return 0.0                                  # a buffer: no gradient

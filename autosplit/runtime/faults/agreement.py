@@ -47,7 +47,7 @@ def _tensors(infos) -> str:
 def plan_fields(plan) -> dict[str, str]:
     """What ``plan`` decided, field by field, as readable text (pure; the same on every rank)."""
     tp = plan.tp_plan
-    tp_text = f"{plan.tp_mode}, tp={plan.mesh.tp}"
+    tp_text = f"{plan.tp_mode}, tp={plan.mesh.tp}" + (f", cp={plan.mesh.cp}" if plan.mesh.cp > 1 else "")
     if tp is not None:
         sharded = ", ".join(f"{n}/dims{s.dims}" for n, s in sorted(tp.sharded.items()))
         tp_text += f"; sharded {sharded}; partial grads {sorted(tp.partial_grads)}"

@@ -62,7 +62,8 @@ def global_mean(loss_sum: torch.Tensor, overflow: torch.Tensor | None, num_micro
     # tp, then dp, then pp is the sum over the world, each on a group this module owns, in the same
     # order on every rank (NCCL's rule).  Why not one more group spanning the world: on NCCL that
     # is one more communicator (its buffers on every GPU) for two numbers a step.
-    axes = [axis for axis in ("tp", "dp", "pp") if getattr(world.mesh, axis) > 1]
+    sizes = {"tp": world.mesh.block, "dp": world.mesh.dp, "pp": world.mesh.pp}    # "tp": the cp x tp block
+    axes = [axis for axis in ("tp", "dp", "pp") if sizes[axis] > 1]
     with record_function("autosplit::loss all_reduce"):          # pm.trace_step's communication lane
         for k, axis in enumerate(axes):
             work = dist.all_reduce(total, group=world.group(axis), async_op=True)
@@ -71,7 +72,7 @@ def global_mean(loss_sum: torch.Tensor, overflow: torch.Tensor | None, num_micro
     if not axes:            # one rank: still check every deferred NCCL work before the host read
         watchdog.settle()
     loss, overflowed = total.tolist()
-    return loss / (world.mesh.tp * world.mesh.dp), overflowed > 0
+    return loss / (world.mesh.block * world.mesh.dp), overflowed > 0
 
 
 def clip_grad_norm(named_params: list, sharded: dict, max_norm: float, world, watchdog, *,

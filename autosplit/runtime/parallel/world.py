@@ -38,7 +38,7 @@ from autosplit.mesh import LAYOUT_ORDER, Coord, MeshShape
 from autosplit.runtime.faults.arguments import agree_on_arguments
 from autosplit.runtime.faults.heartbeat import watch_s
 from autosplit.runtime.faults.job_store import join_job
-from autosplit.tp.axes import tp_axes
+from autosplit.tp.axes import block_axes
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("AUTOSPLIT_TIMEOUT", "120"))
 # Beyond our deadline and the diagnosis: the store round trips that publish the failure, the polling
@@ -98,7 +98,7 @@ class World:
         builds the same groups in the same order, as DeviceMesh requires; tp rank = mixed radix over the
         axes (outermost first), inside the consecutive tp ranks."""
         axes = tuple(axes)
-        if len(axes) < 2 or all(a in self.axis_groups and dist.get_world_size(self.axis_groups[a]) == n
+        if all(a in self.axis_groups and dist.get_world_size(self.axis_groups[a]) == n
                                 for a, n in axes):
             return
         names, sizes = zip(*axes)
@@ -226,7 +226,7 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
         # the store, bounded by timeout_s, and raises the same error on every rank (faults/arguments.py).
         agree_on_arguments(dist.distributed_c10d._get_default_store(), dist.get_rank(), size,
                            _layout_arguments(shape, tp_mode, tp_depth), timeout_s)
-    dims = tuple(getattr(shape, axis) for axis in LAYOUT_ORDER)
+    dims = (shape.pp, shape.dp, shape.block)        # LAYOUT_ORDER; "tp" is the cp x tp block (mesh.py)
     # Every axis on a group of its own (the default group's backend named for each): DeviceMesh would
     # run an axis spanning the whole world on the default group, which is the user's, which we
     # neither abort nor time as ours.
@@ -251,5 +251,5 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
                   coord=shape.coord_of(rank), device_mesh=device_mesh, timeout_s=timeout_s,
                   control_group=control, created=created, axis_groups=axis_groups)
     if tp_mode != "auto":             # "auto" knows its layout once planned (ParallelModule adds it then)
-        world.add_tp_axes(tp_axes(tp_mode, shape.tp, tp_depth))
+        world.add_tp_axes(block_axes(tp_mode, shape, tp_depth))
     return world

@@ -62,7 +62,7 @@ def model_entries(pm) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in local_tensors(pm.raw_modules).items():
         if name in keys:
-            e = entry(t, info.get(name), pm.tp_rank)
+            e = entry(t, info.get(name), pm.block_rank)
             if e is not None:
                 out[name] = e
     return out

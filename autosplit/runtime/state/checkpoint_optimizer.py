@@ -54,7 +54,7 @@ def state_entries(pm, optimizer, names: dict[int, str]) -> tuple[dict, str | Non
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     values[key] = value                      # replicated: a scalar or a Python value
                 elif value.shape == p.shape:
-                    e = entry(value, info.get(name), pm.tp_rank)
+                    e = entry(value, info.get(name), pm.block_rank)
                     if e is not None:
                         values[key] = e
                 else:
@@ -120,7 +120,7 @@ def load_targets(pm, optimizer, names: dict[int, str], metadata, root: dict) -> 
             else:                       # like the parameter: a DTensor for an FSDP-sharded one
                 target = torch.empty_like(mine[path[2]], dtype=md.properties.dtype)
                 targets[path[2], path[3]] = target
-                e = entry(target, info.get(path[2]), pm.tp_rank)
+                e = entry(target, info.get(path[2]), pm.block_rank)
                 if e is not None:
                     set_element(root, path, e)
     return targets

@@ -27,7 +27,7 @@ def load_full_state_dict(pm, state_dict: dict[str, torch.Tensor]) -> None:
     problem = state_dict_problem(state_dict, pm.model.state_dict())
     if problem:                          # unreachable after the gate; kept for direct callers
         raise AutosplitError(problem)
-    load_into(pm.model, state_dict, pm.plan, pm.raw_modules, pm.tp_rank)
+    load_into(pm.model, state_dict, pm.plan, pm.raw_modules, pm.block_rank)
     # the whole model was just replaced: compare it again (a meta model is not whole on any rank)
     pm._params_agreed = pm.initializer is not None
     pm._agree()

@@ -43,7 +43,7 @@ def _owners(plan) -> dict[str, int]:
 
 
 def _gather_shards(world, watchdog, info, name: str, tensor: torch.Tensor, full_shape) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(world.mesh.tp)]
+    parts = [torch.empty_like(tensor) for _ in range(world.mesh.block)]
     work = dist.all_gather(parts, tensor.detach().contiguous(), group=world.group("tp"), async_op=True)
     watchdog.wait(work, f"full_state_dict gather of {name}", host=True)
     full = torch.empty(full_shape, dtype=tensor.dtype, device=tensor.device)

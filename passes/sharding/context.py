@@ -1,0 +1,171 @@
+"""Context parallelism as the sharding engine over the ``cp`` axis: the tokens of every op split over
+cp ranks, attention included (the seed's sequence parallelism, Li et al. 2021; "context parallelism"
+in torch and torchtitan), optionally beside 1D tensor parallelism on the ``tp`` axis.
+
+Terms (factors, classes: factors.py; strategies, transitions: strategies.py; the lowering: lower.py):
+  key copy   -- ``whole_keys(k, dim)`` (autosplit/tp/ops.py): identity on values, whose rule gives ``dim``
+                a class of its own and needs it whole.  Inserted where an op pairs the tokens of one
+                operand with the tokens of another: ``q @ k^T`` (k's tokens), ``attn @ v`` (v's), SDPA's
+                keys and values.  Without it both token dims are one class, the scores hold it twice,
+                and the engine can split no query (strategies.py ``_twice``).  With it the queries stay
+                split, and k reaches the copy whole: all-gathered over cp forward, its gradient
+                reduce-scattered backward (the lowering's ``keys_partial``): torchtitan's K/V all-gather.
+                Any additive bias, mask, rotary table or window arithmetic then runs on this rank's
+                query rows against every key, as on one device.
+  conflict   -- found from the graph alone, in graph order: a ``matmul``-rule op whose first operand's
+                rows are the class of the second operand's columns (q @ k^T), or whose contracted dim of
+                the second operand is a class the first already holds in another dim (attn @ v; the
+                contraction would merge them); every ``sdpa``-rule op's keys and values (attention reads
+                every key for each query, whatever classes its operands carry).  Each conflict gets one
+                key copy of that operand's dim.
+  tokens     -- the classes the key copies detach from (the query tokens), and the dims a Linear maps
+                one by one other than the batch (megatron.py ``token_classes``: an attention over
+                channels, xcit's, sums over the tokens instead and needs no copy).  The cp axis may split
+                only these, must split them wherever an op can, and pads them where cp does not divide
+                them (a class token: 197 tokens on 2 ranks); gathers drop the padding, so no padding row
+                is ever a key.
+
+Requires meta['val'] (global shapes).  Nothing is decided from names: only from the ops the registry
+declares (``shard``) and the classes of their operands.
+"""
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from autosplit.errors import PlanError
+from autosplit.passes import op_dims as D
+from autosplit.passes.op_names import keeps_effect
+from autosplit.passes.op_registry import op
+from autosplit.passes.sharding.describe import layer_lines, opaque_notes
+from autosplit.passes.sharding.engine import Sharding, analyse
+from autosplit.passes.sharding.factors import Factors
+from autosplit.passes.sharding.functional import functionalize
+from autosplit.passes.sharding.lower import Lowering
+from autosplit.passes.sharding.megatron import feature_classes, token_classes
+from autosplit.passes.sharding.rules import Rules
+from autosplit.passes.sharding.tp_plan import TensorParallelPlan
+from autosplit.tp import ops as C
+from autosplit.tp.axes import coords
+
+AXIS = "cp"
+TP_AXIS = "tp_1d"        # 1D beside cp ("tp" names the whole block: autosplit/tp/axes.py block_axes)
+
+
+def insert_key_copies(gm: fx.GraphModule) -> list[fx.Node]:
+    """Insert a key copy at every *conflict* of ``gm`` (requires meta['val']); the copies, in graph order."""
+    f = Factors()
+    rules = Rules(gm, f)
+    made = []
+    for node in list(gm.graph.nodes):
+        shard = op(node, gm).shard if node.op in ("call_function", "call_method") else ""
+        if shard in ("matmul", "sdpa"):
+            for operand, dim in _conflicts(rules, node, shard):
+                made.append(_copy(gm, rules, node, operand, dim))
+        r = rules.rule(node)
+        if r.out is not None:
+            rules.layouts[node] = r.out
+    return made
+
+
+def _classes(f: Factors, dims) -> set[int]:
+    return {f.find(leaf) for d in dims for leaf in f.flat(d)}
+
+
+def _conflicts(rules: Rules, node: fx.Node, shard: str) -> list[tuple[fx.Node, int]]:
+    """(operand, dim) pairs that need a key copy before ``node`` runs its rule (see *conflict*)."""
+    f = rules.f
+    if shard == "matmul":
+        a, b = D.nth(node, 0), D.nth(node, 1)
+        la, lb = rules.lay(a), rules.lay(b)
+        if la is None or lb is None or len(la) < 2 or len(lb) < 2 or a is b:
+            return []
+        if _classes(f, [la[-2]]) & _classes(f, [lb[-1]]):
+            return [(b, len(lb) - 1)]                     # q @ k^T: k's tokens
+        if _classes(f, [lb[-2]]) & _classes(f, la[:-1]):
+            return [(b, len(lb) - 2)]                              # attn @ v: v's tokens
+        return []
+    # attention reads every key for each query, whatever classes its operands' tokens have (a rotary
+    # table applied to the tokens after the prefix and concatenated back gives q and k classes of
+    # their own: eva02): its keys and values are always copied
+    out = []
+    for x in (D.nth(node, 1), D.nth(node, 2)):
+        lx = rules.lay(x)
+        if lx is not None and len(lx) >= 2 and not _is_copy(x):
+            out.append((x, len(lx) - 2))
+    return out
+
+
+def _is_copy(x) -> bool:
+    return isinstance(x, fx.Node) and x.op == "call_function" and x.target is C.whole_keys
+
+
+def _copy(gm: fx.GraphModule, rules: Rules, node: fx.Node, operand: fx.Node, dim: int) -> fx.Node:
+    """``whole_keys(operand, dim)`` before ``node``, read by ``node`` alone; its rule applied."""
+    with gm.graph.inserting_before(node):
+        copy = gm.graph.call_function(C.whole_keys, (operand, dim))
+    copy.meta.update({k: v for k, v in operand.meta.items() if k in ("val", "module_path", "stack_trace")})
+    copy.meta["key_copy_of"] = operand.name
+    node.replace_input_with(operand, copy)
+    r = rules.rule(copy)
+    rules.layouts[copy] = r.out
+    return copy
+
+
+def cp_tokens(sh: Sharding, table: dict) -> set[int]:
+    """See *tokens*."""
+    return query_tokens(sh, table) | token_classes(sh, table)
+
+
+def query_tokens(sh: Sharding, table: dict) -> set[int]:
+    """The classes the key copies detach from."""
+    f, out = sh.factors, set()
+    for node, rule in table.items():
+        if node.op == "call_function" and node.target is C.whole_keys:
+            out |= {f.find(leaf) for leaf in rule.forbid}
+    return out
+
+
+def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dict | None = None,
+                  microbatches: int = 1) -> TensorParallelPlan:
+    """Rewrite ``gm`` (requires meta['val'], global shapes) for the cp x tp block of ranks.
+
+    Args:
+        gm: the traced graph, shape-propagated; rewritten in place.
+        cp: ranks on the ``cp`` axis (tokens split); >= 2.
+        tp: ranks on the ``tp`` axis inside it (1D tensor parallelism, Megatron's layouts); 1 for none.
+        profile: the DeviceProfile that prices the candidates.
+        price_vals: the values to price candidates with (engine.py ``priced_at``); default gm's own.
+        microbatches: per step (prices the once-a-step sums of partial gradients).
+    """
+    copies = insert_key_copies(gm)
+    axes = ((AXIS, cp),) + (((TP_AXIS, tp),) if tp > 1 else ())      # autosplit/tp/axes.py block_axes
+    size = dict(axes)
+    if tp > 1:
+        functionalize(gm)        # every weight a graph value: its own place on each axis
+        if price_vals:
+            price_vals = {**price_vals, **{v.name: price_vals[v.meta["functional_of"]] for v in gm.graph.nodes
+                                           if v.meta.get("functional_of") in price_vals}}
+    shardings: dict[str, Sharding] = {}
+    shardings[AXIS] = first = analyse(gm, cp, profile, allowed_fn=cp_tokens, must_split_fn=cp_tokens,
+                                      padded_fn=cp_tokens, price_vals=price_vals, microbatches=microbatches,
+                                      grid=tp > 1, stride=tp)
+    if not cp_tokens(first, first.table):
+        raise PlanError(f"cp={cp}: the graph has no token dim (no attention pairing the tokens of two operands, "
+                        f"no linear over a (B, N, C) activation), so nothing can be split over cp; use dp or tp")
+    if tp > 1:
+        shardings[TP_AXIS] = analyse(gm, tp, profile, allowed_fn=feature_classes, must_split_fn=feature_classes,
+                                  must_split_weights=True, price_vals=price_vals, microbatches=microbatches,
+                                  base=first, partial_linears=True)
+    main = shardings.get(TP_AXIS, first)
+    plan = TensorParallelPlan(tp=math.prod(size.values()), root=gm, sharding=main)
+    plan.axes = axes
+    plan.regions = layer_lines(main) if tp > 1 else []
+    plan.notes = [*first.notes, *opaque_notes(shardings)]
+    plan.notes.insert(0, f"cp={cp}: {len(copies)} key copies ({', '.join(sorted({c.meta['key_copy_of'] for c in copies})[:6])}"
+                         f"{', ...' if len(copies) > 6 else ''}) all-gathered over cp; the query tokens split")
+    Lowering(shardings, plan, coords=lambda t: coords(axes, t)).run()
+    gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)   # fx calls x.add_(y) pure
+    gm.graph.lint()
+    return plan

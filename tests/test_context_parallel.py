@@ -1,0 +1,80 @@
+"""Context parallelism: tokens split over the cp axis for every op, attention included, trained equal to
+one device (issue 52).
+
+Models: "tp_hand" (tests/models.py: ``q @ k^T`` and ``attn @ v`` written out, 16 tokens), "tp_timm" (SDPA
+and a class token: 17 tokens, padded on every cp), and the zoo's families (tests/models_zoo.py) with their
+own attention arithmetic.
+"""
+import math
+
+import pytest
+
+from tests.dist_checks import train_matches_single_device
+from tests.checks_zoo import train_zoo
+from tests.models_zoo import ZOO
+
+TOL = 1e-5
+
+
+TRAIN = train_matches_single_device      # (name, mesh, schedule, chunks per rank, ...) on every rank
+
+
+def _assert_equal(results, axes):
+    for r in results:
+        assert all(math.isfinite(v) for v in r["losses"]) and r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+        assert r["tp_axes"] == axes, r
+    assert all(r["losses"] == results[0]["losses"] for r in results), "ranks disagree on the loss"
+
+
+@pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
+def test_cp2_trains_like_one_device(pool2, name):
+    results = pool2.run(TRAIN, name, {"cp": 2}, "1f1b", 1)
+    _assert_equal(results, ["cp"])
+    assert sorted(r["cp"] for r in results) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
+def test_cp4_trains_like_one_device(pool4, name):
+    """17 tokens on 4 ranks: the last rank holds 2 real rows and 3 padding rows."""
+    _assert_equal(pool4.run(TRAIN, name, {"cp": 4}, "1f1b", 1), ["cp"])
+
+
+@pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
+def test_cp2_tp2_trains_like_one_device(pool4, name):
+    """cp outermost, 1D tensor parallelism inside it: heads over tp_1d, the query tokens over cp."""
+    results = pool4.run(TRAIN, name, {"cp": 2, "tp": 2}, "1f1b", 1)
+    _assert_equal(results, ["cp", "tp_1d"])
+    assert sorted((r["cp"], r["tp"]) for r in results) == [((c, 2), (t, 2)) for c in range(2) for t in range(2)]
+
+
+def test_cp2_with_a_1f1b_pipeline(pool4):
+    _assert_equal(pool4.run(TRAIN, "tp_timm", {"pp": 2, "cp": 2}, "1f1b", 1, microbatches=4), ["cp"])
+
+
+def test_cp2_with_data_parallelism_and_fsdp(pool4):
+    _assert_equal(pool4.run(TRAIN, "tp_hand", {"cp": 2, "dp": 2}, "1f1b", 1), ["cp"])
+    _assert_equal(pool4.run(TRAIN, "tp_timm", {"cp": 2, "dp": 2}, "1f1b", 1, dp_shard="stage"), ["cp"])
+
+
+OWN_ATTENTION = ["vit", "beit", "eva02", "samvit"]   # class token; relative-position bias; rotary; windows
+
+
+def _zoo_equal(results, names):
+    for rank, per_model in enumerate(results):
+        for name in names:
+            r = per_model[name]
+            assert "error" not in r and "refused" not in r, (rank, name, r)
+            assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, (rank, name, r)
+
+
+def test_families_with_their_own_attention_arithmetic_train_like_one_device(pool2):
+    """timm's ViT (class token: 17 tokens padded on 2 ranks), beit (a relative-position bias table added
+    to the logits), eva02 (rotary embedding on the tokens after the prefix), samvit (windowed blocks
+    padded to the window, a global block with decomposed relative position): cp=2, 3 SGD steps."""
+    _zoo_equal(pool2.run(train_zoo, OWN_ATTENTION, {"cp": 2}, timeout=400), OWN_ATTENTION)
+
+
+@pytest.mark.slow
+def test_every_zoo_family_trains_like_one_device_cp2(pool2):
+    names = sorted(set(ZOO) - set(OWN_ATTENTION))
+    _zoo_equal(pool2.run(train_zoo, names, {"cp": 2}, timeout=600), names)
