@@ -36,7 +36,7 @@ class ChooseStageBounds(MetaPass):
 
     def call(self, graph_module) -> PassResult:
         s, opts, seg = self.state, self.state.options, self.state.costs
-        options = candidates(opts.dp_shard, s.mesh.dp) if s.mesh.dp > 1 else [None]
+        options = candidates(opts.dp_shard, s.mesh.dp, s.mesh.cp) if s.mesh.dp > 1 else [None]
         for sharding in options:        # in order of preference: the first whose cut fits the budget
             dpc = StageDataParallel(s.segments, seg.params, s.layers, s.mesh.dp, s.num_microbatches, sharding,
                                     s.profile, 0.5 if opts.autocast is not None else 1.0, tp=s.mesh.block)

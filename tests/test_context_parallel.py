@@ -51,9 +51,14 @@ def test_cp2_with_a_1f1b_pipeline(pool4):
     _assert_equal(pool4.run(TRAIN, "tp_timm", {"pp": 2, "cp": 2}, "1f1b", 1, microbatches=4), ["cp"])
 
 
-def test_cp2_with_data_parallelism_and_fsdp(pool4):
+def test_cp2_with_data_parallelism(pool4):
+    """The gradient buckets span dp x cp: each cp rank's part summed, averaged over dp."""
     _assert_equal(pool4.run(TRAIN, "tp_hand", {"cp": 2, "dp": 2}, "1f1b", 1), ["cp"])
-    _assert_equal(pool4.run(TRAIN, "tp_timm", {"cp": 2, "dp": 2}, "1f1b", 1, dp_shard="stage"), ["cp"])
+
+
+def test_cp2_with_fsdp(pool4):
+    """FSDP2 shards over dp x cp."""
+    _assert_equal(pool4.run(TRAIN, "tp_timm", {"cp": 2, "dp": 2}, "1f1b", 1, dp_shard="layer"), ["cp"])
 
 
 OWN_ATTENTION = ["vit", "beit", "eva02", "samvit"]   # class token; relative-position bias; rotary; windows
@@ -78,3 +83,13 @@ def test_families_with_their_own_attention_arithmetic_train_like_one_device(pool
 def test_every_zoo_family_trains_like_one_device_cp2(pool2):
     names = sorted(set(ZOO) - set(OWN_ATTENTION))
     _zoo_equal(pool2.run(train_zoo, names, {"cp": 2}, timeout=600), names)
+
+
+def test_fsdp_of_whole_stages_with_cp_is_refused_by_name():
+    from autosplit.errors import AutosplitError
+    from tests.models import VARIANTS
+    import autosplit
+    import torch
+    with pytest.raises(AutosplitError, match=r"dp_shard='stage' with cp=2 is not supported: use dp_shard='layer'"):
+        autosplit.compile(VARIANTS["tp_hand"](), mesh={"cp": 2, "dp": 2}, example_input=torch.randn(2, 3, 32, 32),
+                          dp_shard="stage")

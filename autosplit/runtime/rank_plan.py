@@ -230,7 +230,8 @@ class RankPlanner:
         if plan.dp_shard:          # FSDP2 units over dp (runtime/parallel/fsdp.py); its grads replace the buckets
             self.sharding = self.sharding or StageSharding(world, self.model, plan.dp_shard, opts.recompute,
                                                            opts.autocast)
-            self.raw_modules, self.modules = self.sharding.stages(modules, stages, partial, values)
+            self.raw_modules, self.modules = self.sharding.stages(
+                modules, stages, partial, values, plan.tp_plan.whole_grads if plan.tp_plan is not None else set())
             self.buckets = self.sharding.grads
             # the shards are this rank's values now: the plan's copies of whole stages go (fsdp.py)
             del modules
@@ -244,12 +245,16 @@ class RankPlanner:
         self.bind()
         # in graph order: every rank of a group flattens the same parameters in the same order
         self.partial_params = [p for m in self.raw_modules for n, p in graph_order_params(m) if n in partial]
-        if self.buckets is None and world.mesh.dp > 1:   # parameters never change owner, so build once
-            # partial-grad params are reduced over dp by gradients.reduce_partial_grads, after their tp sum
+        if self.buckets is None and (world.mesh.dp > 1 or world.mesh.cp > 1):   # parameters never change owner
+            # partial-grad params are reduced over dp by gradients.reduce_partial_grads, after their tp sum;
+            # with cp the buckets span dp x cp and sum every cp rank's part (data_parallel.py, *cp*)
             partial_ids = {id(p) for p in self.partial_params}
+            whole = plan.tp_plan.whole_grads if plan.tp_plan is not None else set()
             self.buckets = GradBuckets({s: [p for _, p in graph_order_params(m) if id(p) not in partial_ids]
                                         for s, m in zip(stages, self.raw_modules)},
-                                       world.group("dp"), world.mesh.dp, self.watchdog, self.bucket_bytes)
+                                       world.group(world.grad_axis), world.mesh.dp, self.watchdog, self.bucket_bytes,
+                                       cp=world.mesh.cp, whole={id(p) for m in self.raw_modules
+                                                                for n, p in graph_order_params(m) if n in whole})
         if self.executor is not None:     # a re-plan: the old executor's transport thread goes
             self.executor.close()
         self.executor = PipelineExecutor(world, plan, self.modules, checked_loss(self.loss_fn), self.watchdog,

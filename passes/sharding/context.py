@@ -142,15 +142,16 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
     copies = insert_key_copies(gm)
     axes = ((AXIS, cp),) + (((TP_AXIS, tp),) if tp > 1 else ())      # autosplit/tp/axes.py block_axes
     size = dict(axes)
-    if tp > 1:
-        functionalize(gm)        # every weight a graph value: its own place on each axis
-        if price_vals:
-            price_vals = {**price_vals, **{v.name: price_vals[v.meta["functional_of"]] for v in gm.graph.nodes
-                                           if v.meta.get("functional_of") in price_vals}}
+    # every weight a graph value: its own place on each axis, and on cp a gradient the lowering can tell
+    # whole or a part (lower.py *replicated axis*); a module still holding parameters runs whole
+    functionalize(gm)
+    if price_vals:
+        price_vals = {**price_vals, **{v.name: price_vals[v.meta["functional_of"]] for v in gm.graph.nodes
+                                       if v.meta.get("functional_of") in price_vals}}
     shardings: dict[str, Sharding] = {}
     shardings[AXIS] = first = analyse(gm, cp, profile, allowed_fn=cp_tokens, must_split_fn=cp_tokens,
                                       padded_fn=cp_tokens, price_vals=price_vals, microbatches=microbatches,
-                                      grid=tp > 1, stride=tp)
+                                      grid=True, partial_linears=True, stride=tp, split_params=False)
     if not cp_tokens(first, first.table):
         raise PlanError(f"cp={cp}: the graph has no token dim (no attention pairing the tokens of two operands, "
                         f"no linear over a (B, N, C) activation), so nothing can be split over cp; use dp or tp")
@@ -165,7 +166,7 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
     plan.notes = [*first.notes, *opaque_notes(shardings)]
     plan.notes.insert(0, f"cp={cp}: {len(copies)} key copies ({', '.join(sorted({c.meta['key_copy_of'] for c in copies})[:6])}"
                          f"{', ...' if len(copies) > 6 else ''}) all-gathered over cp; the query tokens split")
-    Lowering(shardings, plan, coords=lambda t: coords(axes, t)).run()
+    Lowering(shardings, plan, coords=lambda t: coords(axes, t), replicated=(AXIS,)).run()
     gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)   # fx calls x.add_(y) pure
     gm.graph.lint()
     return plan

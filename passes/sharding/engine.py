@@ -121,7 +121,7 @@ def priced(gm: fx.GraphModule, vals: dict | None):
 def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_weights: bool = False,
             padded_fn=None, must_split_fn=None, price_vals: dict | None = None, grid: bool = False,
             memory_budget: float | None = None, microbatches: int = 1, base: Sharding | None = None,
-            partial_linears: bool | None = None, defer: bool = False, stride: int = 1):
+            partial_linears: bool | None = None, defer: bool = False, stride: int = 1, split_params: bool = True):
     """Plan the split of every node of ``gm`` (requires meta['val']) over one axis of ``n`` ranks.
 
     Args:
@@ -143,6 +143,8 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
             several axes at once (joint.py).
         stride: the axis's ranks sit this far apart in the tp group (a grid's outer axis): its
             collectives are priced over the nodes they span.
+        split_params: may a parameter be stored split over the axis (False: cp, whose parameters are
+            replicated and their gradients summed with the dp buckets).
         microbatches: per step (a whole weight's partial gradient is summed once per step).
         memory_budget: bytes one rank may keep (parameters with their gradients and Adam moments,
             saved activations); None: no limit.  A budget no plan meets is noted and dropped.
@@ -164,7 +166,7 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
     allowed = allowed_fn(sh, table) if allowed_fn is not None else None
     padded = padded_fn(sh, table) if padded_fn is not None else ()
     sh.enum = enum = Enumerator(gm, f, table, n, profile, allowed, padded, grid, microbatches, partial_linears,
-                                stride)
+                                stride, split_params)
     order = [v for v in gm.graph.nodes if table[v].out is not None]
     with priced(gm, price_vals):
         problem = _problem(sh, enum, table, order, must_split_weights, must_split_fn, memory_budget)

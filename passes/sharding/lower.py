@@ -21,6 +21,12 @@ Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorPa
                 over tp by the runtime once per step.  Several axes (``param_copies``): the runtime's
                 sum runs over the whole tp group, which is wrong for a parameter split on one axis and
                 whole on another, so the graph reduces instead: ``copy_to_axis`` on the parameter.
+  replicated axis -- an axis (cp) whose parameters are never split and whose gradients the runtime sums
+                over the axis together with dp (its buckets span dp x cp; runtime/parallel/data_parallel.py):
+                a parameter read only by ops split on it, as it is, has a part of its gradient on each
+                rank (summed there); one read whole, or sliced, or by split and whole ops alike (copied
+                for the split reads), has it whole on each rank: ``plan.whole_grads``, which the buckets
+                divide by the axis size too.  No copy in the graph, no once-a-step partial sum.
   stored split -- with several axes, a parameter whose every reader runs split over a ``store`` axis
                 is kept split over that axis too and all-gathered at its use (backward: the
                 reduce-scatter that sums its gradient over the axis): 2D's q*q-way parameter split.
@@ -80,9 +86,11 @@ class Lowering:
         store: an axis to store whole parameters split over (2D: "tp_row"), or None.
         grid: (row axis, col axis, form chooser) for 2D's ``linear_2d``, or None.
         stats: the axes whose feature splits a layer norm handles by partial statistics (grid modes).
+        replicated: the *replicated axes* (cp).
     """
 
-    def __init__(self, shardings: dict, plan, coords=None, store: str | None = None, grid=None, stats=()):
+    def __init__(self, shardings: dict, plan, coords=None, store: str | None = None, grid=None, stats=(),
+                 replicated=()):
         self.sh = shardings
         self.axes = list(shardings)
         first = shardings[self.axes[0]]
@@ -92,14 +100,17 @@ class Lowering:
         self.store, self.grid, self.stats = store, grid, tuple(stats)
         self.pending: dict = {}           # weighted node -> its bias, placed on the axes with no pending sum
         self.rows: dict = {}              # axis -> the classes of the model inputs' rows (``grid_rows``)
+        self.replicated = tuple(replicated)
         self.param_copies = len(self.axes) > 1
         self.made: dict = {}              # (axis, source, have, need, kind) -> transition node
         self.spec: dict = {}              # node -> {axis: torch placement}
         self.stored: dict = {}            # param node -> (dim, gather node or None)
         # whole parameters read by split and by whole ops alike: the runtime's once-a-step sum of a
         # partial gradient would count the whole ops' part n times, so their split reads get copies
-        self.mixed = {v for v in self.graph.nodes if v.op == "get_attr" and any(
-            len({self.sh[a].chosen[u].sharded for u in v.users if u in self.sh[a].chosen}) > 1 for a in self.axes)}
+        self.mixed = {a: {v for v in self.graph.nodes if v.op == "get_attr" and
+                          len({self.sh[a].chosen[u].sharded for u in v.users if u in self.sh[a].chosen}) > 1}
+                      for a in self.axes}
+        self.whole_grads()
 
     # -- helpers --------------------------------------------------------------------------------
     def n(self, axis) -> int:
@@ -121,6 +132,30 @@ class Lowering:
         tp rank is mixed radix over the axes, the first outermost)."""
         inner = self.axes[self.axes.index(axis) + 1:]
         return {"axis_size": self.n(axis), "axis_stride": math.prod(self.n(b) for b in inner)}
+
+    def whole_grads(self) -> None:
+        """``plan.whole_grads``: the parameters whose gradient is whole on every rank of a replicated axis
+        (see *replicated axis*), from the engine's choice before anything is lowered."""
+        for axis in self.replicated:
+            sh = self.sh[axis]
+            for v in self.graph.nodes:
+                if v.op == "call_module":
+                    s = sh.chosen.get(v)
+                    if s is None or not s.sharded:           # a module holding parameters, run whole
+                        self.plan.whole_grads.update(f"{v.target}.{k}" for k, _ in
+                                                     self.gm.get_submodule(v.target).named_parameters())
+                if v.op != "get_attr" or not isinstance(fetch(self.gm, v.target), nn.Parameter):
+                    continue
+                parts = True
+                for u in v.users:
+                    s = sh.chosen.get(u)
+                    ops = sh.nodes[u].rule.operands if u in sh.nodes else []
+                    reads = [k for k, (a, _) in enumerate(ops) if a is v]
+                    after = s is not None and s.pending_bias and op(u, self.gm).weighted   # bias after a sum
+                    if s is None or not s.sharded or any(s.ins[k] != R or (after and k == 2) for k in reads):
+                        parts = False
+                if not parts or v in self.mixed[axis]:
+                    self.plan.whole_grads.add(v.target)
 
     def keys_partial(self, axis, node) -> bool:
         """Is ``node`` a key copy (passes/sharding/context.py) whose readers all run split on ``axis``?  Its
@@ -213,7 +248,7 @@ class Lowering:
             if src is not p:
                 node.replace_input_with(p, src)
         for axis, s in chosen.items():
-            if s.sharded and not self.param_copies:
+            if s.sharded and not self.param_copies and axis not in self.replicated:
                 self.plan.partial_grads.update(self._whole_params(axis, node, s))
         s = chosen[self.axes[0]]
         if rule.kind == "linear" and s.params:
@@ -258,7 +293,7 @@ class Lowering:
         names = [a.target for k, (a, _) in enumerate(ops)
                  if a.op == "get_attr" and s.ins[k] == R and a in sh.chosen and sh.chosen[a].out == R
                  and isinstance(fetch(self.gm, a.target), nn.Parameter) and not (after and k == 2)
-                 and a not in self.mixed]
+                 and a not in self.mixed[axis]]
         if node.op == "call_module":
             split = {k for k, d in s.params if d is not None}
             module = self.gm.get_submodule(node.target)
@@ -323,7 +358,8 @@ class Lowering:
             return self._stored_gather(p, src)
         sh = self.sh[axis]
         have = sh.place(p)
-        grads = p.op != "placeholder" and (p.op != "get_attr" or self.param_copies or p in self.mixed)
+        grads = p.op != "placeholder" and (p.op != "get_attr" or p in self.mixed[axis] or
+                                           (self.param_copies and axis not in self.replicated))
         if have == need and not (need == R and consumer_sharded and grads and not self.keys_partial(axis, p)):
             return src
         key = (axis, src, have, need, consumer_sharded if need == R else None)
@@ -388,10 +424,10 @@ class Lowering:
             # gradient is a part: summed by the runtime once a step (one axis, a parameter), or by a
             # copy in the graph (several axes; or a bias computed in the graph, as beit's
             # cat(q_bias, k_bias, v_bias), whose gradient flows on to the parameters it is made of)
-            if self.param_copies or raw.op != "get_attr":     # after the sum (``at``): the add follows it
+            if raw.op != "get_attr" or (self.param_copies and axis not in self.replicated):
                 bias = self._new(at, C.copy_to_axis, (bias, axis), bias, axis, Replicate())
-                at = bias
-            else:
+                at = bias      # after the sum (``at``): the add follows it
+            elif axis not in self.replicated:          # (on a replicated axis the buckets sum the part)
                 self.plan.partial_grads.add(raw.target)
         return self._new(at, operator.add, (reduced, bias), p, axis, place)
 

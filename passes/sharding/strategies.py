@@ -64,7 +64,8 @@ class Enumerator:
     """Strategies and transition costs over one axis of ``n`` ranks."""
 
     def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=(),
-                 grid: bool = False, microbatches: int = 1, partial_linears: bool | None = None, stride: int = 1):
+                 grid: bool = False, microbatches: int = 1, partial_linears: bool | None = None, stride: int = 1,
+                 split_params: bool = True):
         self.gm, self.f, self.rules, self.n, self.profile = gm, f, rules, n, profile
         self.microbatches = microbatches       # partial gradients are summed once per step: priced / m
         self.allowed = allowed                 # class roots that may be split (None: any)
@@ -78,6 +79,7 @@ class Enumerator:
         # the nodes the axis's group spans: its ranks sit ``stride`` apart (an outer axis of a grid mode's
         # sub-mesh: autosplit/tp/axes.py), None: consecutive
         self.nodes = group_nodes(profile, n, stride) if stride > 1 else None
+        self.split_params = split_params       # may a parameter be stored split over the axis
 
     # -- classes and leaves ---------------------------------------------------------------------
     def classes(self, layout) -> dict[int, tuple[int, int]]:
@@ -119,8 +121,9 @@ class Enumerator:
             ns.why_whole = r.why or "a model input"
             return self._priced(ns)
         if r.kind == "param":
+            keep_whole = not self.split_params and _is_parameter(self.gm, n)   # replicated over the axis
             for c, (d, leaf) in self.classes(r.out).items():
-                if self._ok(c) and not self.uneven(c):
+                if self._ok(c) and not self.uneven(c) and not keep_whole:
                     ns.options.append(Strategy(c, ("S", c), ()))
             return self._priced(ns)
         if self.grid and n.op == "call_module" and any(True for _ in self.gm.get_submodule(n.target).parameters()):

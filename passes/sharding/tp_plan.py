@@ -27,6 +27,9 @@ class TensorParallelPlan:
     notes: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)
     partial_grads: set[str] = field(default_factory=set)
+    # a replicated axis's (cp's) parameters whose gradient is whole on each of its ranks (lower.py
+    # *replicated axis*); every other parameter's is a part there, summed with the dp buckets
+    whole_grads: set[str] = field(default_factory=set)
     forms: list = field(default_factory=list)             # 2D: (layer, "allgather" | "summa") per linear
     axes: tuple = ()                                      # grid modes: ((axis, size), ...) (autosplit/tp/axes.py)
     mode: str = ""                                        # tp_mode="auto": the layout it chose (passes/tp_auto.py)

@@ -9,6 +9,10 @@ Terms:
             and a bucket whose gradients are all final is all-reduced at once, asynchronously, while
             the rest of the backward runs.  Buckets with unused parameters are launched at ``finish``.
   no_sync -- gradient accumulation across several steps can skip the reduction until the last one.
+  cp      -- with a context-parallel axis the group spans dp x cp ranks: each cp rank holds a part of
+            most gradients (its tokens' share), whose sum over the group, divided by dp, is the average
+            over dp; a parameter whose gradient is whole on every cp rank (``whole``: passes/sharding/
+            lower.py *replicated axis*) is divided by cp too.
   views   -- as DDP's ``gradient_as_bucket_view``: each bucket owns one flat buffer for the whole run,
             and each parameter's ``.grad`` becomes a view of its slot, so the all-reduce and the
             average happen in place.  A gradient autograd created anew (the first backward after
@@ -37,12 +41,15 @@ class _Bucket:
         self.ready: set[int] = set()
         self.had_grad: list[bool] = []
         self.work = None
+        self.whole: list[torch.Tensor] = []      # slots divided by the cp size too (module docstring, cp)
 
 
 class GradBuckets:
     def __init__(self, params_by_stage: dict[int, list[torch.nn.Parameter]], group, dp: int, watchdog,
-                 bucket_bytes: int = 25 * 2**20):
-        self.group, self.dp, self.watchdog = group, dp, watchdog
+                 bucket_bytes: int = 25 * 2**20, cp: int = 1, whole: set[int] = frozenset()):
+        """``group``: the dp group (dp x cp with a cp axis); ``whole``: ids of the parameters divided by
+        ``cp`` too (module docstring, *cp*)."""
+        self.group, self.dp, self.watchdog, self.cp = group, dp, watchdog, cp
         self.enabled = True
         self.launched_early = 0
         self.armed: set[int] = set()
@@ -52,6 +59,7 @@ class GradBuckets:
         for stage, params in params_by_stage.items():
             for bucket in self._split([p for p in reversed(params) if p.requires_grad], bucket_bytes):
                 self.buckets.append(bucket)
+                bucket.whole = [s for p, s in zip(bucket.params, bucket.slots) if id(p) in whole] if cp > 1 else []
                 for p in bucket.params:
                     self.where[id(p)] = (stage, bucket)
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
@@ -117,6 +125,8 @@ class GradBuckets:
             with record_function("autosplit::dp all_reduce"):     # pm.trace_step's communication lane
                 self.watchdog.wait(bucket.work, "data-parallel gradient all-reduce")
             bucket.flat.div_(self.dp)                   # the .grad views see the average
+            for slot in bucket.whole:
+                slot.div_(self.cp)
             bucket.work = None
             bucket.ready.clear()
         self.armed.clear()

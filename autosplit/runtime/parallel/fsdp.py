@@ -15,6 +15,12 @@ Terms:
   step sync   -- gradients accumulate unsharded over a step's microbatches; the reduce-scatter runs in
                  the stage's last backward of the step only (``set_requires_gradient_sync``, as
                  torch.distributed.pipelining does for FSDP stages), and not at all under ``no_sync``.
+  cp          -- with a context-parallel axis the units shard over dp x cp (``World.grad_mesh``) and FSDP
+                 averages over dp * cp ranks.  Each cp rank's gradient of most parameters is a part (its
+                 tokens' share), whose sum over cp is wanted: those are multiplied by cp afterwards
+                 (``ShardedGrads.finish``).  A parameter whose gradient is whole on every cp rank
+                 (``tp_plan.whole_grads``) is right as averaged.  Why not FSDP2's divide factor: it
+                 reduces with PREMUL_SUM, which gloo lacks, and one path must serve both backends.
   replicated  -- parameters whose gradient is a tensor-parallel partial sum (``tp_plan.partial_grads``:
                  norms under sequence parallelism, qk-norms) stay out of FSDP (``ignored_params``); the
                  ParallelModule sums them over tp and averages them over dp as without sharding.
@@ -164,9 +170,10 @@ class StageSharding:
         self.raw: list[fx.GraphModule] = []
         self.called: list[torch.nn.Module] = []
         self.grads: ShardedGrads | None = None
+        self.parts: list[torch.nn.Parameter] = []      # cp: multiplied by cp after the reduce-scatter (*cp*)
 
     def stages(self, modules: list[fx.GraphModule], stages: list[int], ignored_names: set[str],
-               values: Callable | None = None):
+               values: Callable | None = None, whole_names: set[str] = frozenset()):
         """(raw, called) modules for this rank's stages.  A re-plan (same cut, new microbatch shape)
         keeps the sharded modules, whose parameters the optimizer holds, and takes the new graphs.
 
@@ -176,6 +183,7 @@ class StageSharding:
             ignored_names: parameters FSDP leaves out (see *replicated*).
             values: a meta model's ``local_values`` (runtime/stage/params.py): its tensors are sharded on the
                 meta device, then only this rank's shards are allocated and set (*meta* above).
+            whole_names: with a cp axis, the parameters whose gradient is whole on each cp rank (*cp*).
         """
         if self.raw:
             for old, new in zip(self.raw, modules):
@@ -189,11 +197,11 @@ class StageSharding:
             ignored = {p for n, p in raw.named_parameters() if n in ignored_names}
             # "layer": the layer units reshard after forward (ZeRO-3); the stage root and "stage" units
             # keep their parameters through the step (see "kept").  Inner units first, as FSDP requires.
+            mesh = self.world.grad_mesh if self.world.mesh.cp > 1 else self.world.device_mesh["dp"]
             for unit in units:
-                fully_shard(unit if len(unit) > 1 else unit[0], mesh=self.world.device_mesh["dp"],
+                fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh,
                             reshard_after_forward=True, mp_policy=self.mp, ignored_params=ignored)
-            fully_shard(root, mesh=self.world.device_mesh["dp"], reshard_after_forward=False, mp_policy=self.mp,
-                        ignored_params=ignored)
+            fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=self.mp, ignored_params=ignored)
             if meta:                  # after sharding: only this rank's chunks are ever allocated
                 _allocate(root, self.world.device)
             _repoint(raw, root, before)
@@ -201,7 +209,9 @@ class StageSharding:
                 _initialize(raw, meta, values)
             self.raw.append(raw)
             self.called.append(root)
-        self.grads = ShardedGrads(dict(zip(stages, self.called)), keep=self.granularity == "stage")
+            self.parts += [p for n, p in raw.named_parameters() if n not in whole_names and n not in ignored_names]
+        self.grads = ShardedGrads(dict(zip(stages, self.called)), keep=self.granularity == "stage",
+                                  parts=self.parts, cp=self.world.mesh.cp)
         return self.raw, self.called
 
     def _transplant(self, old: fx.GraphModule, new: fx.GraphModule) -> None:
@@ -272,8 +282,9 @@ class ShardedGrads:
     ``arm(stage)`` before a stage's last backward of the step, ``finish()`` after the schedule,
     ``enabled`` False under ``no_sync``."""
 
-    def __init__(self, roots: dict[int, torch.nn.Module], keep: bool):
+    def __init__(self, roots: dict[int, torch.nn.Module], keep: bool, parts=(), cp: int = 1):
         self.roots, self.keep = roots, keep
+        self.parts, self.cp = list(parts), cp
         self.enabled = True
         self.launched_early = 0
         self._begin()
@@ -296,6 +307,11 @@ class ShardedGrads:
 
     def finish(self) -> None:
         """FSDP waited for its reduce-scatters in the last backward's callback; reset for the next step."""
+        if self.enabled and self.cp > 1:      # averaged over dp * cp: the cp parts' sum wanted (*cp*)
+            with torch.no_grad():
+                for p in self.parts:
+                    if p.grad is not None:
+                        local_part(p.grad).mul_(self.cp)
         self.launched_early = 0
         self._begin()
 

@@ -79,15 +79,26 @@ def clip_grad_norm(named_params: list, sharded: dict, max_norm: float, world, wa
                    dp_sharded: bool) -> float:
     """Scale every gradient by max_norm / norm when the global norm exceeds max_norm; returns the norm."""
     tp_rank, dp_rank = world.coord.tp, world.coord.dp
+    # with cp under dp_shard, FSDP shards over dp x cp: every cp rank holds its own shard, so each counts
+    # as the block position of its tp coordinate at cp 0 does, and the sums run over dp x cp, then the
+    # tp axis alone (the block's cp ranks hold the same sum by then)
+    cp_shards = dp_sharded and world.mesh.cp > 1
+    first_dp = dp_rank == 0 and (not cp_shards or world.mesh.cp_of(tp_rank) == 0)
+    if cp_shards:
+        tp_rank = world.mesh.tp_of(tp_rank)
     grads, local = [], torch.zeros(1, dtype=torch.float64, device=world.device)
     for name, p in named_params:
         if p.grad is None:
             continue
         grads.append(p.grad)
         if sharded[name].first_copy(tp_rank) if name in sharded else tp_rank == 0:
-            local += grad_square(p.grad, count_replicated=not dp_sharded or dp_rank == 0)
+            local += grad_square(p.grad, count_replicated=not dp_sharded or first_dp)
     # dp first when sharded (each rank holds a shard of most gradients); every rank runs these in this order
-    for axis in ("dp", "pp", "tp") if dp_sharded else ("pp", "tp"):
+    if cp_shards:
+        axes = ("dp_cp", "pp", *(("tp_1d",) if world.mesh.tp > 1 else ()))
+    else:
+        axes = ("dp", "pp", "tp") if dp_sharded else ("pp", "tp")
+    for axis in axes:
         work = dist.all_reduce(local, group=world.group(axis), async_op=True)
         watchdog.wait(work, f"gradient-norm all-reduce over {axis}", host=True)
     norm = math.sqrt(local.item())

@@ -80,6 +80,7 @@ class World:
     timeout_s: float = DEFAULT_TIMEOUT_S
     control_group: object = field(default=None, repr=False)   # gloo over WORLD when the backend is NCCL
     grid_mesh: DeviceMesh | None = field(default=None, repr=False)   # grid modes: (pp, dp, *tp axes)
+    grad_mesh: DeviceMesh | None = field(default=None, repr=False)   # cp: the dp x cp mesh (add_grad_group)
     created: list = field(default_factory=list, repr=False)          # own groups, in creation order
     axis_groups: dict = field(default_factory=dict, repr=False)      # axis -> its group, as built
 
@@ -113,6 +114,30 @@ class World:
         self.axis_groups.update({axis: grid.get_group(axis) for axis in names})
         self.grid_mesh = grid
 
+    def add_grad_group(self) -> None:
+        """With a cp axis, the group the gradients are summed over: the ranks of one pp and tp coordinate,
+        every dp replica and cp rank (passes/sharding/lower.py *replicated axis*), as the 1-D mesh
+        ``grad_mesh`` FSDP2 shards over.  The dims (pp, dp, cp, tp) of the layout, dp and cp merged:
+        consecutive in it, so the merge is a reshape.  Every rank builds every group, in the same order.
+        Why groups of our own and not a DeviceMesh of the layout: where dp x cp is the whole world,
+        DeviceMesh would run it on the default group, which the job's other threads also use (see
+        ``init_world``); one gloo group used by two threads at once mixes their messages."""
+        m = self.mesh
+        layout = torch.arange(self.size).reshape(m.pp, m.dp * m.cp, m.tp)
+        blocks = [layout[a, :, t].tolist() for a in range(m.pp) for t in range(m.tp)]
+        group, _ = dist.new_subgroups_by_enumeration(blocks, backend=dist.get_backend())
+        mine = next(ranks for ranks in blocks if self.rank in ranks)
+        self.created.append(group)
+        if self.backend == "nccl":
+            set_nccl_timeout(group, self.timeout_s, self.size)
+        self.axis_groups["dp_cp"] = group
+        self.grad_mesh = DeviceMesh.from_group(group, self.device.type, mesh=mine, mesh_dim_names=("dp_cp",))
+
+    @property
+    def grad_axis(self) -> str:
+        """The axis gradients are averaged over: "dp", or "dp_cp" with a cp axis (``add_grad_group``)."""
+        return "dp_cp" if self.mesh.cp > 1 else "dp"
+
     def rank_at(self, *, pp: int | None = None, tp: int | None = None, dp: int | None = None) -> int:
         """The global rank that differs from this one only on the named axes."""
         c = self.coord
@@ -141,7 +166,7 @@ class World:
         for group in self.own_groups():
             dist.destroy_process_group(group)
         # A gloo group's connections and threads end when its last reference goes, not at destroy
-        self.device_mesh = self.grid_mesh = self.control_group = None
+        self.device_mesh = self.grid_mesh = self.grad_mesh = self.control_group = None
         self.created, self.axis_groups = [], {}
         forget_meshes()
 
@@ -252,4 +277,6 @@ def init_world(mesh, timeout_s: float = DEFAULT_TIMEOUT_S, tp_mode: str = "1d", 
                   control_group=control, created=created, axis_groups=axis_groups)
     if tp_mode != "auto":             # "auto" knows its layout once planned (ParallelModule adds it then)
         world.add_tp_axes(block_axes(tp_mode, shape, tp_depth))
+    if shape.cp > 1:
+        world.add_grad_group()
     return world
