@@ -18,6 +18,8 @@
 #               (autosplit check --parts prediction --device h100)                  -> steps/<model>-<dtype>/
 #   summary     every PASS / FAIL line, and each step's exit status and seconds     -> summary.txt, steps.tsv
 # --dry-run prints each step (its limit and command) and runs nothing; it needs no GPU.
+# Run it in the repository root after `pip install -e .` (PYTHON names the interpreter, default python): there
+# a non-editable install is shadowed by autosplit/, which lacks passes/ and cost_model/ (setup.py renames them).
 set -u
 
 DRY=0
@@ -98,7 +100,7 @@ bench_gpu._one_rank_world()
 print("\n".join(bench_gpu.correctness()))'
 
 # model, batch sizes (rows of the one microbatch), limit per dtype
-for spec in "vit_base_patch16_224 32,64,128 30" "vit_large_patch16_224 16,32,64 35" "vit_huge_patch14_224 8,16 45"; do
+for spec in "vit_base_patch16_224 32,64,128 40" "vit_large_patch16_224 16,32,64 50" "vit_huge_patch14_224 8,16 55"; do
     set -- $spec
     for dtype in fp32 bf16; do
         cast=""

@@ -17,10 +17,15 @@ and a ShardedTensor needs non-overlapping shards over one process group (dp repl
 and is deprecated.  The protocol takes several boxes of one local tensor as they are, and DCP's own
 resharding (``create_read_items_for_chunk_list``) then reads, on any mesh, only the byte ranges of the
 saved chunks that overlap each box this rank holds (each such chunk is read whole, then narrowed).
+A DCP without the protocol (torch 2.11) would save the bare local tensor as if it were the whole one; there
+``_older_dcp`` gives the entry the same four fields through the hooks that DCP asks DTensor for.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -49,7 +54,37 @@ def entry(t: torch.Tensor, info: ShardedParam | None, tp_rank: int) -> torch.Ten
     view.global_offsets = tuple(b[0] for b in boxes)
     view.local_sizes = tuple(b[1] for b in boxes)
     view.local_offsets = tuple(b[2] for b in boxes)
+    if not hasattr(dcp, "CheckpointableTensor"):
+        _older_dcp(view)
     return view
+
+
+def _older_dcp(view: torch.Tensor) -> None:
+    """The protocol's four fields for a DCP that does not read them (torch 2.11), through the hooks it asks
+    DTensor for: the write items and chunk list of the boxes, a box's view by its global offsets, and
+    ``size()`` the global shape (its load plan compares ``size()`` with the saved shape, global for a
+    DTensor).  Only DCP sees the entry: autosplit reads the tensors, not the entries, by shape."""
+    full = torch.Size(view.global_shape)
+    chunks = [ChunkStorageMetadata(offsets=torch.Size(g), sizes=torch.Size(s))
+              for g, s in zip(view.global_offsets, view.local_sizes)]
+
+    def write_items(fqn: str, _entry) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(view)
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets, i), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=properties, size=full))
+                for i, c in enumerate(chunks)]
+
+    def shard(index: MetadataIndex) -> torch.Tensor:
+        found = [i for i, c in enumerate(chunks) if index.offset is None or c.offsets == index.offset]
+        if len(found) != 1:
+            raise ValueError(f"no single chunk of '{index.fqn}' at offsets {index.offset}")
+        box = zip(view.local_offsets[found[0]], view.local_sizes[found[0]])
+        return view[tuple(slice(offset, offset + size) for offset, size in box)]
+
+    view.__create_write_items__ = write_items
+    view.__create_chunk_list__ = lambda: list(chunks)
+    view.__get_tensor_shard__ = shard
+    view.size = lambda dim=None: full if dim is None else full[dim]
 
 
 def sharded(pm) -> dict:
