@@ -154,7 +154,7 @@ def _setup(mesh=(2, 1, 2), microbatches=2, batch=8, seed=0, **kw):
     torch.manual_seed(seed)
     model = VARIANTS["timm_cls"]()
     ref = copy.deepcopy(model)
-    dp = mesh[2]
+    dp = MeshShape.parse(mesh, world_size=dist.get_world_size()).dp
     pm = autosplit.parallelize(model, mesh=mesh, num_microbatches=microbatches,
                                example_input=torch.randn(batch // dp // microbatches, 3, 32, 32), **kw)
     xs, ys = batches(3, batch)
@@ -167,11 +167,11 @@ def _state_diff(pm, ref) -> float:
     return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
 
 
-def features():
+def features(mesh=(2, 1, 2), **kw):
     """predict, clip_grad_norm_, no_sync accumulation, checkpointing, load_full_state_dict."""
     out = {}
     # predict: the replica's logits on every rank of the replica
-    pm, ref, xs, ys, rows = _setup()
+    pm, ref, xs, ys, rows = _setup(mesh, **kw)
     out["predict"] = (pm.predict(xs[0][rows]) - ref(xs[0][rows])).abs().max().item()
     out["modes"] = [all(not m.training for m in pm.eval().raw_modules), all(m.training for m in pm.train().raw_modules)]
     # clip_grad_norm_ over the global gradient (pp and dp), then SGD
@@ -202,13 +202,13 @@ def features():
     out["load"] = max((pm.full_state_dict()[k] - other[k]).abs().max().item() for k in other)
     out["load_error"] = error_of(pm.load_full_state_dict, {"nope": torch.zeros(1)})
     # activation checkpointing of stages gives the same training
-    out["checkpoint"] = train_with(recompute="stage")
-    out["checkpoint_blocks"] = train_with(recompute="block")
+    out["checkpoint"] = train_with(mesh, recompute="stage", **kw)
+    out["checkpoint_blocks"] = train_with(mesh, recompute="block", **kw)
     return out
 
 
-def train_with(**kw) -> float:
-    pm, ref, xs, ys, rows = _setup(**kw)
+def train_with(mesh=(2, 1, 2), **kw) -> float:
+    pm, ref, xs, ys, rows = _setup(mesh, **kw)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for x, y in zip(xs, ys):
         pm.step(x[rows], y[rows])

@@ -8,9 +8,14 @@ own attention arithmetic.
 import math
 
 import pytest
+import torch
 
-from tests.dist_checks import train_matches_single_device
+import autosplit
+from autosplit.errors import AutosplitError
+
+from tests.dist_checks import features, train_matches_single_device
 from tests.checks_zoo import train_zoo
+from tests.models import VARIANTS
 from tests.models_zoo import ZOO
 
 TOL = 1e-5
@@ -86,10 +91,17 @@ def test_every_zoo_family_trains_like_one_device_cp2(pool2):
 
 
 def test_fsdp_of_whole_stages_with_cp_is_refused_by_name():
-    from autosplit.errors import AutosplitError
-    from tests.models import VARIANTS
-    import autosplit
-    import torch
     with pytest.raises(AutosplitError, match=r"dp_shard='stage' with cp=2 is not supported: use dp_shard='layer'"):
         autosplit.compile(VARIANTS["tp_hand"](), mesh={"cp": 2, "dp": 2}, example_input=torch.randn(2, 3, 32, 32),
                           dp_shard="stage")
+
+
+@pytest.mark.parametrize("kw", [{}, {"dp_shard": "layer"}], ids=["buckets", "fsdp"])
+@pytest.mark.default_cases("fsdp")
+def test_predict_clip_accumulate_load_with_cp(pool4, kw):
+    """cp=2, dp=2: predict, the global gradient norm (over dp x cp under FSDP), no_sync accumulation
+    (the parts summed once, at the synchronising step), load_full_state_dict, recomputation."""
+    for r in pool4.run(features, {"cp": 2, "dp": 2}, **kw):
+        assert r["predict"] <= TOL and r["clip_norm"] <= 1e-6 and r["clip_params"] <= TOL, r
+        assert r["accumulate"] <= TOL and r["load"] == 0.0, r
+        assert r["checkpoint"] <= TOL and r["checkpoint_blocks"] <= TOL, r
