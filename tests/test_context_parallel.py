@@ -105,3 +105,29 @@ def test_predict_clip_accumulate_load_with_cp(pool4, kw):
         assert r["predict"] <= TOL and r["clip_norm"] <= 1e-6 and r["clip_params"] <= TOL, r
         assert r["accumulate"] <= TOL and r["load"] == 0.0, r
         assert r["checkpoint"] <= TOL and r["checkpoint_blocks"] <= TOL, r
+
+
+def test_mesh_with_a_cp_axis_parses_and_lays_out_the_block_innermost():
+    from autosplit.mesh import MeshShape, node_layout_note
+    m = MeshShape.parse({"pp": 2, "cp": 2, "tp": 2, "dp": -1}, world_size=16)
+    assert (m.pp, m.cp, m.tp, m.dp, m.block, m.size) == (2, 2, 2, 2, 4, 16)
+    assert MeshShape.parse("pp=2,cp=2,tp=2,dp=2") == m == MeshShape(pp=2, tp=2, dp=2, cp=2)
+    assert MeshShape.parse((2, 2, 1)) == MeshShape(2, 2, 1) and MeshShape.parse((2, 2, 1)).cp == 1
+    # rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank: tp innermost, then cp
+    c = m.coord_of(m.rank_of(pp=1, tp=3, dp=1))
+    assert (c.pp, c.dp, m.cp_of(c.tp), m.tp_of(c.tp)) == (1, 1, 1, 1) and m.rank_of(1, 3, 1) == 15
+    assert str(m) == "(pp=2, cp=2, tp=2, dp=2)"
+    with pytest.raises(AutosplitError, match=r"pp\(2\) \* cp\(2\) \* tp\(2\) \* dp\(1\) != WORLD_SIZE\(16\)"):
+        MeshShape.parse({"pp": 2, "cp": 2, "tp": 2}, world_size=16)
+    with pytest.raises(AutosplitError, match="unknown axis 'sp'"):
+        MeshShape.parse({"sp": 2})
+    with pytest.raises(AutosplitError, match="'axis=size' pairs"):
+        MeshShape.parse("pp=1,cp")
+    assert "cp*tp=2*4=8 > 4 GPUs per node" in node_layout_note(MeshShape(cp=2, tp=4), 4)
+
+
+def test_cp_beside_grid_modes_or_sequence_parallelism_is_refused_by_name():
+    for kw, what in (({"tp_mode": "2d"}, "tp_mode='2d'"), ({"sequence_parallel": True}, "sequence_parallel=True")):
+        with pytest.raises(AutosplitError, match=f"cp=2 splits the tokens of every op.*{what}"):
+            autosplit.compile(VARIANTS["tp_hand"](), mesh={"cp": 2, "tp": 4}, example_input=torch.randn(2, 3, 32, 32),
+                              **kw)
