@@ -1,6 +1,6 @@
 """Context parallelism as the sharding engine over the ``cp`` axis: the tokens of every op split over
 cp ranks, attention included (the seed's sequence parallelism, Li et al. 2021; "context parallelism"
-in torch and torchtitan), optionally beside 1D tensor parallelism on the ``tp`` axis.
+in torch and torchtitan), optionally beside 1D tensor parallelism on an inner axis ``tp_1d``.
 
 Terms (factors, classes: factors.py; strategies, transitions: strategies.py; the lowering: lower.py):
   key copy   -- ``whole_keys(k, dim)`` (autosplit/tp/ops.py): identity on values, whose rule gives ``dim``
@@ -24,6 +24,8 @@ Terms (factors, classes: factors.py; strategies, transitions: strategies.py; the
                 only these, must split them wherever an op can, and pads them where cp does not divide
                 them (a class token: 197 tokens on 2 ranks); gathers drop the padding, so no padding row
                 is ever a key.
+  parameters -- whole on every cp rank (the engine never stores one split over cp), their gradients
+                summed over cp by the runtime's dp x cp buckets (lower.py *replicated axis*).
 
 Requires meta['val'] (global shapes).  Nothing is decided from names: only from the ops the registry
 declares (``shard``) and the classes of their operands.
@@ -34,7 +36,7 @@ import math
 
 import torch.fx as fx
 
-from autosplit.errors import PlanError
+from autosplit.errors import PlanError, rule_failure
 from autosplit.passes import op_dims as D
 from autosplit.passes.op_names import keeps_effect
 from autosplit.passes.op_registry import op
@@ -63,7 +65,10 @@ def insert_key_copies(gm: fx.GraphModule) -> list[fx.Node]:
         if shard in ("matmul", "sdpa"):
             for operand, dim in _conflicts(rules, node, shard):
                 made.append(_copy(gm, rules, node, operand, dim))
-        r = rules.rule(node)
+        try:
+            r = rules.rule(node)
+        except Exception as exc:        # noqa: BLE001  (a rule of ours failed: name the op it was reading)
+            raise rule_failure("the context-parallel key copies", node, exc) from exc
         if r.out is not None:
             rules.layouts[node] = r.out
     return made
