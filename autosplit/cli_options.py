@@ -22,7 +22,7 @@ import torch
 from autosplit.cost_model.profile_file import is_path
 from autosplit.cost_model.profiles import NAMES
 from autosplit.deprecated import DeprecatedFlag
-from autosplit.options import TP_2D_FORMS, TP_MODES, PlanOptions
+from autosplit.options import CP_ATTENTION, TP_2D_FORMS, TP_MODES, PlanOptions
 from autosplit.schedule import SCHEDULES
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -109,6 +109,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-overlap-chunks", dest="tp_overlap_chunks", type=int, default=d.tp_overlap_chunks,
                    help="with tp > 1: row chunks per run of row-wise ops around a forward all-reduce, so that "
                         "one chunk's all-reduce overlaps another's compute (default %(default)s: off)")
+    g.add_argument("--cp-attention", dest="cp_attention", default=d.cp_attention, choices=CP_ATTENTION,
+                   help="with a cp mesh axis: how attention gets the tokens it needs (keys and values all-gathered, "
+                        "or an all-to-all to heads: Ulysses; default: the cost model's choice per attention)")
     g.add_argument("--dp-shard", dest="dp_shard", choices=sorted(DP_SHARD), default="off",
                    help="shard parameters, gradients and optimizer state over dp with FSDP2: per stage, per "
                         "layer, or auto (stage where it fits --memory-budget, else layer; default off)")

@@ -90,7 +90,8 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, *old_positiona
             concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
             sequence_parallel: bool = False, autocast: torch.dtype | None = None, recompute: str | None = None,
             tp_2d_form: str = "auto", tp_depth: int | None = None, dp_shard: bool | str = False,
-            tp_overlap_chunks: int = 1, options: PlanOptions | None = None, **renamed) -> Plan:
+            tp_overlap_chunks: int = 1, cp_attention: str = "auto", options: PlanOptions | None = None,
+            **renamed) -> Plan:
     """Plan ``model`` for ``mesh=(pp, tp, dp)``; see the README and the API contract.
 
     Args:
@@ -103,7 +104,7 @@ def compile(model: nn.Module, mesh=(1, 1, 1), example_input=None, *old_positiona
             in its order (``parallelize`` takes the same ones in the same order): tp_mode, schedule,
             chunks_per_rank, num_microbatches (None: 2 * pp), device, memory_budget, leaf_modules,
             concrete_args, stage_bounds, sequence_parallel, autocast, recompute, tp_2d_form, tp_depth,
-            dp_shard, tp_overlap_chunks.
+            dp_shard, tp_overlap_chunks, cp_attention.
         old_positional, renamed: deprecated for one release (autosplit/deprecated.py): tp_mode, schedule,
             chunks_per_rank and num_microbatches passed positionally after example_input, and
             ``checkpoint=`` (now ``recompute=``); each warns with a DeprecationWarning.

@@ -30,6 +30,7 @@ from autosplit.segment_costs import RECOMPUTE
 
 TP_MODES = ("1d", "2d", "2.5d", "3d", "auto")
 TP_2D_FORMS = ("auto",) + LINEAR_2D_FORMS
+CP_ATTENTION = ("auto", "gather", "all_to_all")      # passes/sharding/context.py *attention lowering*
 AUTOCAST = (None, torch.bfloat16, torch.float16)
 DP_SHARD = (False, None, True, "stage", "layer", "auto")     # None: as False; True: as "auto"
 _UNSET = type("Unset", (), {"__repr__": lambda self: "<not given>"})()
@@ -85,6 +86,9 @@ class PlanOptions:
             forward all-reduce into this many chunks, so that one chunk's all-reduce runs while
             another chunk computes (passes/tp_overlap.py); 1: off.  Where the graph has no forward
             all-reduce (sequence parallelism reduce-scatters; 2D) nothing changes.
+        cp_attention: with a cp axis, how each attention gets the tokens it needs: "gather" (its keys and
+            values all-gathered over cp), "all_to_all" (DeepSpeed-Ulysses: tokens split -> heads split and
+            back, where cp divides the heads) or "auto" (the cost model's choice, per attention).
     """
 
     tp_mode: str = "1d"
@@ -103,6 +107,7 @@ class PlanOptions:
     tp_depth: int | None = None
     dp_shard: bool | str = False
     tp_overlap_chunks: int = 1
+    cp_attention: str = "auto"
     # the deprecated spelling of ``recompute`` (autosplit/deprecated.py): an init-only argument, not a field
     checkpoint: dataclasses.InitVar[str | None] = _UNSET
 
@@ -192,6 +197,7 @@ class PlanOptions:
         validate.one_of("tp_2d_form", self.tp_2d_form, TP_2D_FORMS)
         check_dp_shard(self.dp_shard)
         validate.positive_int("tp_overlap_chunks", self.tp_overlap_chunks)
+        validate.one_of("cp_attention", self.cp_attention, CP_ATTENTION)
         if getattr(mesh, "cp", 1) > 1 and self.dp_shard == "stage":
             # Not built: every unit of dp_shard="layer" gathers right over dp x cp, but the one unit of a
             # whole stage came back with wrong values on gloo at cp=2, dp=2 (tests/test_context_parallel.py

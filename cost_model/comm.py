@@ -117,6 +117,12 @@ def reduce_scatter_time(nbytes: float, n: int, profile, nodes: int | None = None
     return _collective("reduce_scatter", nbytes, n, profile, nodes)
 
 
+def all_to_all_time(nbytes: float, n: int, profile, nodes: int | None = None) -> float:
+    """All-to-all of a tensor of ``nbytes`` whole (each of ``n`` ranks holds nbytes / n and sends all but
+    1/n of it, a piece to each peer): the bytes of a reduce-scatter of nbytes / n, in n - 1 messages."""
+    return _collective("all_gather", nbytes / n, n, profile, nodes)
+
+
 def broadcast_time(nbytes: float, n: int, profile) -> float:
     """Binomial-tree broadcast (or reduce) of ``nbytes`` over ``n`` consecutive ranks, pipelined:
     latency per level, the bytes once (over the network when the group spans nodes)."""
@@ -181,4 +187,4 @@ def collective_time(node, n: int, profile) -> tuple[float, float]:
 
 
 _COLLECTIVE_TIME = {"all_reduce": all_reduce_time, "all_gather": all_gather_time,
-                    "reduce_scatter": reduce_scatter_time}
+                    "reduce_scatter": reduce_scatter_time, "all_to_all": all_to_all_time}

@@ -131,3 +131,27 @@ def test_cp_beside_grid_modes_or_sequence_parallelism_is_refused_by_name():
         with pytest.raises(AutosplitError, match=f"cp=2 splits the tokens of every op.*{what}"):
             autosplit.compile(VARIANTS["tp_hand"](), mesh={"cp": 2, "tp": 4}, example_input=torch.randn(2, 3, 32, 32),
                               **kw)
+
+
+@pytest.mark.parametrize("name,mesh", [("tp_timm", {"cp": 2}), ("tp_hand", {"cp": 4})], ids=["timm-cp2", "hand-cp4"])
+@pytest.mark.default_cases("timm-cp2")
+def test_ulysses_all_to_all_trains_like_one_device(request, name, mesh):
+    """cp_attention="all_to_all": q, k, v moved from tokens split to heads split by all-to-alls, attention
+    on whole sequences, the output moved back (17 tokens padded on every cp)."""
+    pool = request.getfixturevalue(f"pool{mesh.get('cp', 1) * mesh.get('tp', 1)}")
+    results = pool.run(TRAIN, name, mesh, "1f1b", 1, microbatches=2, cp_attention="all_to_all")
+    _assert_equal(results, ["cp"])
+
+
+def test_the_cost_model_chooses_each_attentions_lowering():
+    """"auto" prices both lowerings per attention; "gather" and "all_to_all" force one, and the per-rank
+    program shows it (all_gather of the keys, or all_to_all of q, k, v)."""
+    x = torch.randn(4, 3, 32, 32)
+    code = {mode: str(autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x, cp_attention=mode)
+                      .stage_modules(0, 1)[0].code) for mode in ("gather", "all_to_all")}
+    assert "all_to_all(" not in code["gather"] and code["gather"].count("all_gather(") == 4    # k and v, 2 blocks
+    assert "all_gather(" not in code["all_to_all"] and code["all_to_all"].count("all_to_all(") == 4
+    with pytest.raises(AutosplitError, match="cp_attention"):
+        autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x, cp_attention="ring")
+    with pytest.raises(AutosplitError, match="cp_attention='all_to_all' with cp=2 beside tp=2 is not built"):
+        autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2, "tp": 2}, example_input=x, cp_attention="all_to_all")

@@ -26,7 +26,7 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
                 concrete_args: dict | None = None, stage_bounds: Sequence[int] | None = None,
                 sequence_parallel: bool = False, autocast: torch.dtype | None = None, recompute: str | None = None,
                 tp_2d_form: str = "auto", tp_depth: int | None = None, dp_shard: bool | str = False,
-                tp_overlap_chunks: int = 1, options: PlanOptions | None = None,
+                tp_overlap_chunks: int = 1, cp_attention: str = "auto", options: PlanOptions | None = None,
                 example_input=None, global_batch: int | None = None, seed: int = 0, init_fn: Callable | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S, bucket_mb: float = 25, compile_stages: bool | dict = False,
                 **unknown) -> ParallelModule:
@@ -58,7 +58,8 @@ def parallelize(model: torch.nn.Module, mesh=(1, 1, -1), loss_fn: Callable | Non
         offline, defaults to "h100"), memory_budget, leaf_modules, concrete_args, stage_bounds,
         sequence_parallel, autocast (torch.bfloat16, or torch.float16 with a loss scaler), recompute
         ("stage" / "block"), tp_2d_form, tp_depth ("2.5d": d in tp = q * q * d), dp_shard (FSDP2 over dp:
-        "stage", "layer" or "auto"; True means "auto"), tp_overlap_chunks.
+        "stage", "layer" or "auto"; True means "auto"), tp_overlap_chunks, cp_attention (with a cp axis:
+        "gather", "all_to_all" or "auto").
         old_positional: deprecated for one release (autosplit/deprecated.py): schedule, chunks_per_rank,
             tp_mode and example_input passed positionally after num_microbatches (a DeprecationWarning);
             so is ``checkpoint=`` (now ``recompute=``).

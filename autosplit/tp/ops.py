@@ -8,6 +8,8 @@ Terms:
   all_reduce_start / wait -- the same all-reduce in two nodes: launched, and waited where its result
              is first read, so that compute placed between them overlaps it (passes/tp_overlap.py).
              ``wait`` takes the very tensor ``all_reduce_start`` returned.
+  all_to_all -- one tensor dim split -> another split (tokens -> heads before attention, heads -> tokens
+             after it: DeepSpeed-Ulysses), ``full`` as for all_gather; its backward is the reverse one.
   all_gather / reduce_scatter / local_slice -- along a tensor dim (the token dim in sequence
              parallelism, a grid's batch rows); each one's backward is another of them.  ``all_gather`` feeds
              column-parallel layers, whose input gradients are partial sums (so its backward
@@ -174,6 +176,17 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor
     return _backend().reduce_scatter(x, dim, axis)
 
 
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: str, n: int, full: int | None) -> torch.Tensor:
+    """Shard(cat_dim) -> Shard(split_dim) over n ranks (Ulysses: tokens split -> heads split, and back):
+    this rank's part of ``cat_dim`` whole, ``full`` long (its padding dropped), ``split_dim`` split n ways
+    (padded where n does not divide it); the reverse exchange backward."""
+    split_dim, cat_dim = _dim(x, split_dim), _dim(x, cat_dim)
+    if _planning(x):
+        whole = torch.cat([x] * n, dim=cat_dim).narrow(cat_dim, 0, full or n * x.shape[cat_dim])
+        return shard(whole, split_dim, n, 0, "copy").clone()
+    return _backend().all_to_all(x, split_dim, cat_dim, axis, full)
+
+
 def local_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
     """Replicated -> Shard(dim) over n ranks: this rank's slice forward, all-gather backward."""
     dim = _dim(x, dim)
@@ -229,7 +242,7 @@ for _fn, _kind in ((copy_to_axis, (None, "all_reduce")), (all_reduce, ("all_redu
                    (all_reduce_start, ("all_reduce", None)), (wait, (None, None)),
                    (all_gather, ("all_gather", "reduce_scatter")), (reduce_scatter, ("reduce_scatter", "all_gather")),
                    (local_slice, (None, "all_gather")), (gather, ("all_gather", None)),
-                   (sum_stats, ("all_reduce", "all_reduce"))):
+                   (sum_stats, ("all_reduce", "all_reduce")), (all_to_all, ("all_to_all", "all_to_all"))):
     _fn.comm_kind = _kind
 linear_2d.comm_kind = ("linear_2d", "linear_2d")       # priced by cost_model/comm.py's linear_2d_time
 # layer_norm_2d's own collectives: two sum_stats of one value per row (mean, then variance), each

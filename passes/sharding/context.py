@@ -24,6 +24,14 @@ Terms (factors, classes: factors.py; strategies, transitions: strategies.py; the
                 only these, must split them wherever an op can, and pads them where cp does not divide
                 them (a class token: 197 tokens on 2 ranks); gathers drop the padding, so no padding row
                 is ever a key.
+  attention lowering -- per attention op (a key copy's reader), chosen by cost unless ``cp_attention``
+                fixes it: "gather" (the queries split, the keys and values gathered: any mask, bias or
+                window works) or "all_to_all" (DeepSpeed-Ulysses: q, k, v moved from tokens split to
+                heads split by one all-to-all each, attention on whole sequences of cp-th of the heads,
+                its output moved back; where cp divides the heads).  The engine may move any tensor of
+                the cp axis from one split dim to another (strategies.py *transition*); the heads are
+                the classes of the attention's first operand's dim -3 (B, H, N, d).  Beside tp only
+                "gather" is built (the heads are tp's already; ``shard_context`` says why).
   parameters -- whole on every cp rank (the engine never stores one split over cp), their gradients
                 summed over cp by the runtime's dp x cp buckets (lower.py *replicated axis*).
 
@@ -123,6 +131,25 @@ def cp_tokens(sh: Sharding, table: dict) -> set[int]:
     return query_tokens(sh, table) | token_classes(sh, table)
 
 
+def readers(table: dict) -> list[fx.Node]:
+    """The attention ops: every reader of a key copy, in graph order."""
+    out = []
+    for node in table:
+        if node.op == "call_function" and node.target is C.whole_keys:
+            out += [u for u in node.users if u not in out]
+    return out
+
+
+def heads(sh: Sharding, table: dict) -> set[int]:
+    """The classes of dim -3 of each attention's first operand (B, H, N, d): see *attention lowering*."""
+    f, out = sh.factors, set()
+    for u in readers(table):
+        q = table[u].operands[0][1] if u in table and table[u].operands else None
+        if q is not None and len(q) >= 3:
+            out |= {f.find(leaf) for leaf in f.flat(q[-3])}
+    return out
+
+
 def query_tokens(sh: Sharding, table: dict) -> set[int]:
     """The classes the key copies detach from."""
     f, out = sh.factors, set()
@@ -133,7 +160,7 @@ def query_tokens(sh: Sharding, table: dict) -> set[int]:
 
 
 def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dict | None = None,
-                  microbatches: int = 1) -> TensorParallelPlan:
+                  microbatches: int = 1, attention: str = "auto") -> TensorParallelPlan:
     """Rewrite ``gm`` (requires meta['val'], global shapes) for the cp x tp block of ranks.
 
     Args:
@@ -143,7 +170,15 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
         profile: the DeviceProfile that prices the candidates.
         price_vals: the values to price candidates with (engine.py ``priced_at``); default gm's own.
         microbatches: per step (prices the once-a-step sums of partial gradients).
+        attention: "auto", "gather" or "all_to_all" (see *attention lowering*).
     """
+    if tp > 1 and attention == "all_to_all":
+        raise PlanError(f"cp_attention='all_to_all' with cp={cp} beside tp={tp} is not built: the heads would be split "
+                        f"over tp_1d (outer, with the weights) and then over cp inside each tp rank's heads, but a "
+                        f"dim split over two axes must hold the outer axis's (cp's) parts outermost; use "
+                        f"cp_attention='gather' (or 'auto', which gathers beside tp)")
+    if tp > 1:
+        attention = "gather"               # "auto" beside tp: the gather alone (see the error above)
     copies = insert_key_copies(gm)
     axes = ((AXIS, cp),) + (((TP_AXIS, tp),) if tp > 1 else ())      # autosplit/tp/axes.py block_axes
     size = dict(axes)
@@ -154,9 +189,14 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
         price_vals = {**price_vals, **{v.name: price_vals[v.meta["functional_of"]] for v in gm.graph.nodes
                                        if v.meta.get("functional_of") in price_vals}}
     shardings: dict[str, Sharding] = {}
-    shardings[AXIS] = first = analyse(gm, cp, profile, allowed_fn=cp_tokens, must_split_fn=cp_tokens,
+    allowed = cp_tokens if attention == "gather" else lambda sh, table: cp_tokens(sh, table) | heads(sh, table)
+    forced = None
+    if attention == "all_to_all":          # each attention runs on heads where any option splits them
+        forced = lambda sh, table: {u: (lambda s, h=heads(sh, table): s.cls in h) for u in readers(table)}  # noqa: E731
+    shardings[AXIS] = first = analyse(gm, cp, profile, allowed_fn=allowed, must_split_fn=cp_tokens,
                                       padded_fn=cp_tokens, price_vals=price_vals, microbatches=microbatches,
-                                      grid=True, partial_linears=True, stride=tp, split_params=False)
+                                      grid=True, partial_linears=True, stride=tp, split_params=False,
+                                      all_to_all=attention != "gather", must_options_fn=forced)
     if not cp_tokens(first, first.table):
         raise PlanError(f"cp={cp}: the graph has no token dim (no attention pairing the tokens of two operands, "
                         f"no linear over a (B, N, C) activation), so nothing can be split over cp; use dp or tp")

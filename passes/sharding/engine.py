@@ -121,7 +121,8 @@ def priced(gm: fx.GraphModule, vals: dict | None):
 def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_weights: bool = False,
             padded_fn=None, must_split_fn=None, price_vals: dict | None = None, grid: bool = False,
             memory_budget: float | None = None, microbatches: int = 1, base: Sharding | None = None,
-            partial_linears: bool | None = None, defer: bool = False, stride: int = 1, split_params: bool = True):
+            partial_linears: bool | None = None, defer: bool = False, stride: int = 1, split_params: bool = True,
+            all_to_all: bool = False, must_options_fn=None):
     """Plan the split of every node of ``gm`` (requires meta['val']) over one axis of ``n`` ranks.
 
     Args:
@@ -145,6 +146,9 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
             collectives are priced over the nodes they span.
         split_params: may a parameter be stored split over the axis (False: cp, whose parameters are
             replicated and their gradients summed with the dp buckets).
+        all_to_all: may a tensor move from one split dim to another (strategies.py *transition*).
+        must_options_fn: fn(Sharding, rules) -> {node: predicate(Strategy) -> bool}: each node runs one
+            of the options its predicate accepts, where any does (context.py's forced attention lowering).
         microbatches: per step (a whole weight's partial gradient is summed once per step).
         memory_budget: bytes one rank may keep (parameters with their gradients and Adam moments,
             saved activations); None: no limit.  A budget no plan meets is noted and dropped.
@@ -166,10 +170,15 @@ def analyse(gm: fx.GraphModule, n: int, profile, allowed_fn=None, must_split_wei
     allowed = allowed_fn(sh, table) if allowed_fn is not None else None
     padded = padded_fn(sh, table) if padded_fn is not None else ()
     sh.enum = enum = Enumerator(gm, f, table, n, profile, allowed, padded, grid, microbatches, partial_linears,
-                                stride, split_params)
+                                stride, split_params, all_to_all)
     order = [v for v in gm.graph.nodes if table[v].out is not None]
     with priced(gm, price_vals):
         problem = _problem(sh, enum, table, order, must_split_weights, must_split_fn, memory_budget)
+    if must_options_fn is not None:
+        for v, accept in must_options_fn(sh, table).items():
+            opts = [i for i, s in enumerate(sh.nodes[v].options) if accept(s)] if v in sh.nodes else []
+            if opts:
+                problem.must.append([(problem.index[v], i) for i in opts])
     if defer:
         return sh, problem
     return _choose(sh, problem, memory_budget)

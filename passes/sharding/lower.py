@@ -11,7 +11,9 @@ Terms (place, strategy, transition: strategies.py; Sharding: engine.py; TensorPa
                 all-reduce of the gradient backward), ``all_reduce`` (P -> R), ``reduce_scatter``
                 (P -> S), ``all_gather`` (S -> R for a split consumer: its backward reduce-scatters the
                 partial gradients), ``gather`` (S -> R for a whole consumer: backward only slices),
-                ``local_slice`` (R -> S: backward all-gathers).  One per (axis, producer, kind).
+                ``local_slice`` (R -> S: backward all-gathers), ``all_to_all`` (S of one dim -> S of
+                another: cp's tokens -> heads, Ulysses; backward the reverse).  One per (axis, producer,
+                kind).
   pending bias -- a Linear split by input features gives a Partial sum; its bias is added once, after
                 the reduction (Megatron's row-parallel linear).
   local sizes -- the graph keeps the model's global arithmetic: a size read off a split dim
@@ -375,6 +377,11 @@ class Lowering:
         elif have == R:
             d = sh.enum.where(self.layout(axis, p), need[1])[0]
             node = self._new(src, C.local_slice, (src, d, axis, n), p, axis, Shard(d))
+        elif isinstance(need, tuple):                             # another split dim: one all-to-all
+            d, at = self.split_dim(axis, p), sh.enum.where(self.layout(axis, p), need[1])[0]
+            full = p.meta["val"].shape[d] // outer
+            full = None if full % n == 0 else full
+            node = self._new(src, C.all_to_all, (src, at, d, axis, n, full), p, axis, Shard(at))
         else:
             d = self.split_dim(axis, p)
             fn = C.all_gather if consumer_sharded else C.gather

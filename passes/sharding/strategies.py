@@ -11,9 +11,10 @@ Terms (factors, classes, layouts: factors.py; OpRule: rules.py):
                sum without its bias: the bias is added once, after the reduction).
   transition -- a producer's place -> the place its consumer needs: the collective inserted there
                (P -> R all-reduce, P -> S reduce-scatter, S -> R all-gather, R -> S this rank's
-               slice; a Replicate operand of a node that runs split gets its gradient all-reduced
+               slice, S of one class -> S of another an all-to-all where the axis allows it (cp:
+               tokens -> heads, Ulysses); a Replicate operand of a node that runs split gets its gradient all-reduced
                backward: Megatron's copy), priced forward plus backward.  Impossible transitions
-               (S of one class to S of another, anything to P) are None.
+               (S of one class to S of another off such an axis, anything to P) are None.
   sharded   -- a strategy whose output is split or partial: its ranks compute different values.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
+from autosplit.cost_model.comm import all_gather_time, all_reduce_time, all_to_all_time, group_nodes, \
+    reduce_scatter_time
 from autosplit.cost_model.flops import node_cost
 from autosplit.cost_model.profiles import get_profile
 from autosplit.cost_model.roofline import op_time, output_dtype
@@ -65,7 +67,7 @@ class Enumerator:
 
     def __init__(self, gm: fx.GraphModule, f: Factors, rules: dict, n: int, profile, allowed=None, padded=(),
                  grid: bool = False, microbatches: int = 1, partial_linears: bool | None = None, stride: int = 1,
-                 split_params: bool = True):
+                 split_params: bool = True, all_to_all: bool = False):
         self.gm, self.f, self.rules, self.n, self.profile = gm, f, rules, n, profile
         self.microbatches = microbatches       # partial gradients are summed once per step: priced / m
         self.allowed = allowed                 # class roots that may be split (None: any)
@@ -80,6 +82,7 @@ class Enumerator:
         # sub-mesh: autosplit/tp/axes.py), None: consecutive
         self.nodes = group_nodes(profile, n, stride) if stride > 1 else None
         self.split_params = split_params       # may a parameter be stored split over the axis
+        self.all_to_all = all_to_all           # may a tensor move from one split dim to another (Ulysses)
 
     # -- classes and leaves ---------------------------------------------------------------------
     def classes(self, layout) -> dict[int, tuple[int, int]]:
@@ -295,6 +298,9 @@ class Enumerator:
         if need == R and self._leads(layout, have[1]):         # gather; backward slices or reduce-scatters
             return all_gather_time(nbytes, n, prof, self.nodes) + \
                 (reduce_scatter_time(nbytes, n, prof, self.nodes) if consumer_sharded else 0.0)
+        if isinstance(need, tuple) and self.all_to_all and self._leads(layout, have[1]) and \
+                self._leads(layout, need[1]) and self.where(layout, have[1])[0] != self.where(layout, need[1])[0]:
+            return 2 * all_to_all_time(nbytes, n, prof, self.nodes)     # one exchange each way
         return None
 
     def _leads(self, layout, cls) -> bool:

@@ -114,6 +114,20 @@ def _all_gather(x: torch.Tensor, dim: int, axis: str, full: int) -> torch.Tensor
     return out if full is None or out.shape[dim] == full else out.narrow(dim, 0, full).clone()
 
 
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: str, full: int | None,
+                backward: bool = False) -> torch.Tensor:
+    """``x``'s ``split_dim`` cut in n (padded first where n does not divide it: an activation with copies of
+    its last row, a gradient with zeros, as ``ops.pad``), piece j to rank j; the pieces received joined
+    along ``cat_dim`` (``full`` long: the sender's padding dropped)."""
+    group = _group(axis)
+    n = dist.get_world_size(group)
+    parts = [c.contiguous() for c in pad(x, split_dim, n, "zero" if backward else "copy").chunk(n, dim=split_dim)]
+    received = [torch.empty_like(parts[0]) for _ in range(n)]
+    _wait(dist.all_to_all(received, parts, group=group, async_op=True), f"all_to_all over {axis}")
+    out = torch.cat(received, dim=cat_dim)
+    return out if full is None or out.shape[cat_dim] == full else out.narrow(cat_dim, 0, full).clone()
+
+
 def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, backward: bool = False) -> torch.Tensor:
     """``backward``: an entry's input gradient; the queued weight-gradient GEMMs overlap it, and a padded
     split pads it with zeros (an activation with copies of its last row: ``ops.pad``)."""
@@ -166,6 +180,12 @@ class Eager:
     def reduce_scatter(x: torch.Tensor, dim: int, axis: str, key: str, backward: bool) -> torch.Tensor:
         Eager.note(key)
         return _reduce_scatter(x, dim, axis, backward=backward)
+
+    @staticmethod
+    def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: str, full: int | None, key: str,
+                   backward: bool) -> torch.Tensor:
+        Eager.note(key)
+        return _all_to_all(x, split_dim, cat_dim, axis, full, backward)
 
     # linear_2d / linear_2d_backward: tp2d_collectives.py adds them (it builds on the helpers above)
 
@@ -224,6 +244,7 @@ class _Backend:
     gather = staticmethod(FUNCTIONS.Gather.apply)
     reduce_scatter = staticmethod(FUNCTIONS.ReduceScatter.apply)
     local_slice = staticmethod(FUNCTIONS.Slice.apply)
+    all_to_all = staticmethod(FUNCTIONS.AllToAll.apply)
 
     @staticmethod
     def linear_2d(x, w, row: str, col: str, q: int, form: str):

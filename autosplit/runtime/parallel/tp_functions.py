@@ -1,7 +1,7 @@
 """The tensor-parallel collectives' autograd, written once for the eager and the traceable backend.
 
 Terms: see autosplit/tp/ops.py (the graph vocabulary: copy, all_reduce, all_gather, gather,
-reduce_scatter, local_slice, linear_2d, sum_stats).
+reduce_scatter, local_slice, all_to_all, linear_2d, sum_stats).
   transport  -- what moves the bytes, one per backend:
                 eager (runtime/parallel/tp_collectives.py ``Eager``): process groups called directly,
                   every wait through the Watchdog; a sum runs *in place* where the caller owns the
@@ -116,6 +116,21 @@ def functions(tr) -> SimpleNamespace:
         def backward(ctx, grad):
             return tr.all_gather(grad, ctx.dim, ctx.axis, ctx.full, "local_slice/bwd"), None, None
 
+    class AllToAll(torch.autograd.Function):
+        """Shard(cat_dim) -> Shard(split_dim) forward (cat_dim whole, ``full`` long); the reverse exchange
+        of the gradient backward (its ``cat_dim`` split again, padded with zeros)."""
+
+        @staticmethod
+        def forward(ctx, x, split_dim, cat_dim, axis, full):
+            ctx.dims, ctx.axis, ctx.split_full = (split_dim, cat_dim), axis, x.shape[split_dim]
+            return tr.all_to_all(x, split_dim, cat_dim, axis, full, "all_to_all/fwd", backward=False)
+
+        @staticmethod
+        def backward(ctx, grad):
+            split_dim, cat_dim = ctx.dims
+            return tr.all_to_all(grad, cat_dim, split_dim, ctx.axis, ctx.split_full, "all_to_all/bwd",
+                                 backward=True), None, None, None, None
+
     class Linear2D(torch.autograd.Function):
         """2D's ``x @ w.T`` on blocks (tp2d_collectives.py); both forms save only the local blocks."""
 
@@ -145,4 +160,5 @@ def functions(tr) -> SimpleNamespace:
             return tr.all_reduce(grad, ctx.axis, "sum_stats/bwd", overlap=False, owned=False), None
 
     return SimpleNamespace(Copy=Copy, AllReduce=AllReduce, AllGather=AllGather, Gather=Gather,
-                           ReduceScatter=ReduceScatter, Slice=Slice, Linear2D=Linear2D, SumStats=SumStats)
+                           ReduceScatter=ReduceScatter, Slice=Slice, Linear2D=Linear2D, SumStats=SumStats,
+                           AllToAll=AllToAll)

@@ -95,6 +95,21 @@ def _(x, dim, axis, n, count, overlap):
     return x.new_empty(shape)
 
 
+@torch.library.custom_op("autosplit::all_to_all", mutates_args=())
+def all_to_all(x: Tensor, split_dim: int, cat_dim: int, axis: str, n: int, full: int | None, count: str,
+               backward: bool) -> Tensor:
+    T.COUNTS[tuple(count.split("/"))] += 1
+    return T._all_to_all(_dense(x), split_dim, cat_dim, axis, full, backward)
+
+
+@all_to_all.register_fake
+def _(x, split_dim, cat_dim, axis, n, full, count, backward):
+    shape = list(x.shape)
+    shape[cat_dim] = full if full is not None else shape[cat_dim] * n
+    shape[split_dim] = -(-shape[split_dim] // n)
+    return x.new_empty(shape)
+
+
 @torch.library.custom_op("autosplit::all_reduce_start", mutates_args=())
 def all_reduce_start(x: Tensor, axis: str) -> Tensor:
     """Launch the sum of a copy of ``x``; returns its ticket."""
@@ -172,6 +187,11 @@ class Traced:
         return reduce_scatter(x, dim, axis, _size(axis), key, backward)
 
     @staticmethod
+    def all_to_all(x: Tensor, split_dim: int, cat_dim: int, axis: str, full: int | None, key: str,
+                   backward: bool) -> Tensor:
+        return all_to_all(x, split_dim, cat_dim, axis, _size(axis), full, key, backward)
+
+    @staticmethod
     def linear_2d(x: Tensor, w: Tensor, row: str, col: str, form: str) -> Tensor:
         return linear_2d(x, w, row, col, form)
 
@@ -204,6 +224,7 @@ class TraceableBackend:
     gather = staticmethod(FUNCTIONS.Gather.apply)
     reduce_scatter = staticmethod(FUNCTIONS.ReduceScatter.apply)
     local_slice = staticmethod(FUNCTIONS.Slice.apply)
+    all_to_all = staticmethod(FUNCTIONS.AllToAll.apply)
 
     @staticmethod
     def linear_2d(x, w, row, col, q, form):
