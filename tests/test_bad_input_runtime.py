@@ -81,6 +81,11 @@ def _check(name, kind, ranks, words, ok_after, results):
 
 
 @pytest.mark.parametrize("name,kind,ranks,words,ok_after", CASES, ids=[c[0] for c in CASES])
+# one mistake of each kind: an argument, the model's output, a step's input on one rank, a communicating
+# call on some ranks, different jobs, different models, a load, a plan (and test_runtime's bad inputs)
+@pytest.mark.default_cases("mesh_product", "tuple_output", "labels_rows_one_rank", "predict_while_step",
+                           "microbatches_differ", "seeds_differ_pp", "load_missing_keys_one_rank",
+                           "plan_fails_on_one_rank")
 def test_bad_input_is_one_clear_error(pool2, name, kind, ranks, words, ok_after):
     _check(name, kind, ranks, words, ok_after, pool2.run(run_case, name, timeout=90))
 
@@ -97,6 +102,7 @@ FRESH = [
 ]
 
 
+@pytest.mark.slow       # a fresh pool; a rank's own error reaching the other: test_runtime's failure test
 def test_bad_input_found_while_running_stops_every_rank():
     pool = Pool(2)
     try:

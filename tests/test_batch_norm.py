@@ -29,6 +29,7 @@ LOSS_TOL = 1e-6     # the step's loss comes back as a float32-accurate mean
                                      ((2, 1, 1), {"recompute": "stage"}), ((1, 2, 1), {"recompute": "block"}),
                                      ((1, 1, 2), {"recompute": "block", "dp_shard": "layer"})],
                          ids=["pp", "tp", "dp", "pp-ckpt-stage", "tp-ckpt-block", "dp-fsdp-ckpt-block"])
+@pytest.mark.default_cases("tp-xcit", "dp-xcit", "pp-ckpt-stage-levit")     # each axis, recomputation, each model
 def test_equals_gradient_accumulation(pool2, name, mesh, kw):
     """Losses, parameters and running statistics after 3 AdamW steps, then an eval-mode predict, equal
     single-device gradient accumulation over the same microbatches."""
@@ -118,6 +119,7 @@ def test_functional_and_leaf_batch_norm_found_from_the_graph():
 
 
 @pytest.mark.parametrize("name,provisional", [("levit", 2), ("xcit", 1)])
+@pytest.mark.default_cases("levit-2")
 def test_parallelize_warns_once(pool2, name, provisional):
     """parallelize warns once (on rank 0: one warning per job, not per rank), also when it plans twice
     (a provisional plan, then the first step's), with the step's microbatch size, not the provisional

@@ -98,6 +98,7 @@ def test_resume_on_another_mesh(request, saved, uninterrupted, mesh, kw):
     assert _max_diff(results[0]["state"], ref_state) <= TOL
 
 
+@pytest.mark.slow       # a further save and resume: from FSDP shards, into 2D
 def test_save_sharded_over_dp_resume_in_2d(pool4, uninterrupted, tmp_path):
     """Saved from FSDP2-sharded (dp_shard) tp shards on (1, 2, 2), resumed under 2D tensor parallelism
     on (1, 4, 1): the same as 4 uninterrupted single-device steps."""

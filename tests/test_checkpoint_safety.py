@@ -163,6 +163,7 @@ def test_tampered_metadata_is_refused(pool2, saved, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key", ["optimizer.param_groups.0.lr", "mine.rank_0.rank"])
+@pytest.mark.default_cases('optimizer.param_groups.0.lr')
 def test_tampered_byte_entry_is_refused(pool2, saved, tmp_path, capsys, key):
     """A byte entry that calls os.system: load_checkpoint refuses it on every rank (also on rank 1 for the
     entry only rank 0 reads), naming the data file, the entry and the global; nothing ran.  Export reads

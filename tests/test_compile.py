@@ -26,6 +26,8 @@ def run_chain(plan, x):
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("pp,chunks", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2)])
+@pytest.mark.default_cases('2-1-hand', '3-1-tp_torchvision', '4-1-tp_timm', '2-2-timm_cls', '3-2-tp_swiglu',
+                           '4-2-timm_reg_qknorm_ls', '4-2-torchvision')     # each stage count and chunking once
 def test_chained_stages_equal_model(name, pp, chunks):
     torch.manual_seed(0)
     model = VARIANTS[name]()
@@ -73,6 +75,7 @@ def _vit_b(name="vit_base_patch16_224"):
     ("vit_base_patch16_224", 8, True),
     ("vit_base_patch32_224", 4, True),    # divides, but the patch embedding is a third of a block
 ])
+@pytest.mark.default_cases('vit_base_patch16_224-5-True')
 def test_balance_never_worse_than_equal_layers(name, pp, strictly):
     plan = autosplit.compile(_vit_b(name), mesh=(pp, 1, 1), example_input=torch.empty(8, 3, 224, 224, device="meta"))
     ours, equal = plan.balance()
@@ -113,6 +116,7 @@ def test_summary_and_dump(tmp_path):
       "recompute": "block", "dp_shard": True, "memory_budget": "1GiB", "leaf_modules": ["Attention"],
       "stage_bounds": [20, 51, 75, 101]}),
 ])
+@pytest.mark.default_cases('flags3-options3')       # the most options at once
 def test_cli_plan_prints_the_plans_summary(tmp_path, capsys, flags, options):
     """The CLI's table is plan.summary() of the same compile: every option reaches the compiler."""
     from autosplit.__main__ import build_model, main

@@ -39,12 +39,14 @@ def test_cp2_trains_like_one_device(pool2, name):
 
 
 @pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
+@pytest.mark.default_cases("tp_timm")
 def test_cp4_trains_like_one_device(pool4, name):
     """17 tokens on 4 ranks: the last rank holds 2 real rows and 3 padding rows."""
     _assert_equal(pool4.run(TRAIN, name, {"cp": 4}, "1f1b", 1), ["cp"])
 
 
 @pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
+@pytest.mark.default_cases("tp_hand")
 def test_cp2_tp2_trains_like_one_device(pool4, name):
     """cp outermost, 1D tensor parallelism inside it: heads over tp_1d, the query tokens over cp."""
     results = pool4.run(TRAIN, name, {"cp": 2, "tp": 2}, "1f1b", 1)
@@ -96,8 +98,8 @@ def test_fsdp_of_whole_stages_with_cp_is_refused_by_name():
                           dp_shard="stage")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"dp_shard": "layer"}], ids=["buckets", "fsdp"])
-@pytest.mark.default_cases("fsdp")
 def test_predict_clip_accumulate_load_with_cp(pool4, kw):
     """cp=2, dp=2: predict, the global gradient norm (over dp x cp under FSDP), no_sync accumulation
     (the parts summed once, at the synchronising step), load_full_state_dict, recomputation."""

@@ -111,6 +111,7 @@ def test_implicit_softmax_dim_is_torchs():
 @pytest.mark.parametrize("mesh,kw", [((1, 2, 1), {}), ((1, 2, 1), {"sequence_parallel": True}),
                                      ((1, 4, 1), {"tp_mode": "2d"})], ids=["1d", "1d-sp", "2d"])
 @pytest.mark.filterwarnings("ignore:Implicit dimension choice")
+@pytest.mark.default_cases('1d')
 def test_edge_models_plan_under_every_tp_mode(mesh, kw):
     """Keyword, negative and implicit dims, shape reads and in-place ops: each model plans, with both
     Megatron regions of every block split."""
@@ -169,6 +170,7 @@ def test_inplace_write_is_never_made_on_a_copy_of_its_target():
 
 @pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1)])
 @pytest.mark.parametrize("factory", [tiny_pit, tiny_samvit], ids=["pit", "samvit"])
+@pytest.mark.default_cases('pit-mesh0', 'samvit-mesh1')
 def test_timm_pit_and_samvit_plan(factory, mesh):
     torch.manual_seed(0)
     autosplit.compile(factory(), mesh=mesh, example_input=X, device="cpu")

@@ -128,11 +128,13 @@ def test_1d_splits_the_attention_of_real_models(name):
 
 
 @pytest.mark.parametrize("name", REAL)
+@pytest.mark.default_cases('beit')
 def test_2d_plans_real_models(name):
     plan = _plan(name, mesh=(1, 4, 1), tp_mode="2d", num_microbatches=1)
     assert plan.tp_plan.forms and all(form == "allgather" for _, form in plan.tp_plan.forms)
 
 
+@pytest.mark.slow       # pp x tp training: test_tensor_parallel's; these models: the zoo's (beit by default)
 def test_real_models_train_like_one_device_with_pipeline_and_tp(pool4):
     """(2, 2, 1): pipeline stages of tensor-parallel blocks, 3 SGD steps against one device."""
     results = pool4.run(C.train_zoo, REAL, (2, 2, 1), "1d", timeout=400)
@@ -180,6 +182,7 @@ def test_auto_fits_the_memory_budget():
 
 
 @pytest.mark.parametrize("name", ["tp_timm", "tp_torchvision", "tp_hand"])
+@pytest.mark.default_cases('tp_torchvision')
 def test_auto_trains_like_one_device(pool2, name):
     """tp_mode="auto": whatever the engine picks (layers whole, split by tokens or by features), 3 steps
     equal single-device training."""

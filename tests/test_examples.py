@@ -56,6 +56,7 @@ def test_train_cifar10_hybrid_four_ranks_loss_falls(tmp_path):
     assert state["head.weight"].shape == (10, 32) and state["blocks.0.attn.qkv.weight"].shape == (96, 32)
 
 
+@pytest.mark.e2e         # a subprocess; the default tier's is test_checkpoint's export
 def test_plan_vit_dump(tmp_path):
     out = tmp_path / "plan"
     stdout, log = _run([sys.executable, str(EXAMPLES / "plan_vit.py"), "vit_tiny_patch16_224", "--mesh", "2,1,1",

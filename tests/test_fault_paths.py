@@ -53,6 +53,7 @@ def test_a_rank_that_never_calls_parallelize_is_named():
     assert timeout_s <= r0["seconds"] < timeout_s + MARGIN_S, r0
 
 
+@pytest.mark.slow       # a fresh pool; an error on one rank reaching every rank: test_runtime's failure test
 def test_an_error_in_the_loss_all_reduce_reaches_every_rank():
     timeout_s = 20.0
     r0, r1 = _values(_on_fresh_pool(checks.loss_all_reduce_raises, timeout_s))
@@ -63,6 +64,7 @@ def test_an_error_in_the_loss_all_reduce_reaches_every_rank():
         assert r["seconds"] < MARGIN_S, r          # at once: not after rank 0's deadline
 
 
+@pytest.mark.slow       # a fresh pool; an error on one rank reaching every rank: test_runtime's failure test
 def test_a_stage_output_of_the_wrong_shape_is_not_sent():
     """Rank 0 raises its own AutosplitError (its type kept); rank 1 learns it, naming rank 0 and 0F0."""
     timeout_s = 20.0
@@ -115,6 +117,7 @@ def test_a_blocking_call_runs_under_the_deadline_as_busy():
         heartbeat._BEATS.pop(id(store)).stop()
 
 
+@pytest.mark.slow       # a fresh pool; a deadline that ends every rank: test_an_abandoned_parallelize's
 def test_a_stuck_checksum_ends_every_rank():
     """The parameter checksums before the first step block the host on a GPU; a rank stuck there must stop
     at its deadline and its peer name it, with the action (it blocked for good, its peer blamed no one)."""

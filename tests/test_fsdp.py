@@ -21,6 +21,7 @@ def _check(results, sharded_somewhere=True):
         assert all(r["sharded"] > 0 for r in results), "dp_shard left a rank without sharded parameters"
 
 
+@pytest.mark.slow       # sharded training is also checked by test_rebuilt_on_the_same_mesh_after_close
 def test_dp4_and_pipeline_dp2(pool4):
     """(1,1,4) per stage, (2,1,2) per layer with clip_grad_norm_, (2,1,2) interleaved with the cost
     model's choice, (1,2,2) with sequence parallelism (norms stay replicated, the rest sharded)."""

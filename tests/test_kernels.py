@@ -79,6 +79,7 @@ def test_kernel_parts_compute_memory_and_launches():
     ("rtx3090", "vit_base_patch16_224", 192, True, 490.391),
     ("rtx4090", "vit_base_patch16_224", 1024, False, 342.132),
     ("rtx4090", "vit_small_patch16_224", 1024, False, 124.63)])
+@pytest.mark.default_cases('rtx4090-vit_small_patch16_224-1024-False-124.63')
 def test_builtin_profiles_predict_published_timm_rows(device, model, batch, train, published_ms):
     timm = pytest.importorskip("timm")
     timm.layers.set_fused_attn(not train)        # the PyTorch 1.12 row ran timm's unfused attention

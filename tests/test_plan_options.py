@@ -42,6 +42,7 @@ def _real_autocast_dtypes(model, plan, x, dtype):
 
 @pytest.mark.parametrize("name", ["timm_cls", "timm_reg_qknorm_ls", "hand", "torchvision"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.default_cases('dtype0-torchvision', 'dtype1-hand')
 def test_boundary_dtypes_are_what_cpu_autocast_produces(name, dtype):
     torch.manual_seed(0)
     model = VARIANTS[name]()
@@ -81,6 +82,7 @@ def test_cuda_and_cpu_autocast_lists_differ_for_layer_norm_of_a_half_input():
 # ---- checkpoint ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("granularity", ["stage", "block"])
+@pytest.mark.default_cases('block')
 def test_checkpoint_lowers_predicted_activation_memory(granularity):
     free = autosplit.compile(_vit_b(), mesh=(4, 1, 1), example_input=META_B)
     ckpt = autosplit.compile(_vit_b(), mesh=(4, 1, 1), example_input=META_B, recompute=granularity,

@@ -29,12 +29,14 @@ def test_provisional_rows_with_batch_statistics(tp_mode, tp, rows):
     assert provisional_rows(model, (8,), PlanOptions(tp_mode=tp_mode), tp) == rows
 
 
+@pytest.mark.slow       # the rows: the tests above; 2D training: test_tp2d
 def test_2d_without_example_input_trains_like_one_device(pool4):
     for r in pool4.run(grid_without_example, (1, 4, 1), "2d"):
         assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
         assert r["tp_axes"] == ["tp_row", "tp_col"], r
 
 
+@pytest.mark.slow       # a further case of the provisional 2D plan above
 def test_2d_wrong_microbatch_still_refused(pool4):
     for r in pool4.run(grid_wrong_rows, (1, 4, 1), "2d"):
         assert r["provisional"] == [(2, 3, 32, 32)], r

@@ -70,7 +70,7 @@ def _same(whole: LayoutGraph, copied: LayoutGraph, layers) -> None:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.default_cases('hand', 'torchvision')
+@pytest.mark.default_cases('torchvision')
 def test_copied_layers_equal_the_whole_rewrite(family):
     model = FAMILIES[family]()
     traced, layers = trace_model(model, (X,)), layer_paths(model)

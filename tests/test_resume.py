@@ -134,6 +134,7 @@ def _same(a: dict, b: dict, keys=("scale", "clean", "lr", "loader", "step")) -> 
 
 @pytest.mark.parametrize("mesh,per_replica", [((1, 2, 1), False), ((2, 1, 1), False), ((1, 1, 2), True)],
                          ids=["tp", "pp", "dp"])
+@pytest.mark.default_cases('dp')
 def test_resume_on_the_same_mesh_is_bit_exact(pool2, tmp_path, mesh, per_replica):
     """Every loss after the resume equals the uninterrupted run's bit for bit: dropout masks (the default
     stream and the tp forks), loss scale and growth counter (the same steps skipped), AdamW state, the

@@ -38,7 +38,7 @@ def _exact_idle(result):
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
-@pytest.mark.default_cases('gpipe', '1f1b')
+@pytest.mark.default_cases('1f1b')
 def test_sweep_finishes_with_ideal_bubble(name):
     checked = 0
     for case_name, pp, m, v in _cases():

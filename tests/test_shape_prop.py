@@ -31,6 +31,8 @@ def _both(gm: fx.GraphModule, x: torch.Tensor) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("name", sorted(models.VARIANTS))
+# every edge model (each an op form) and three model shapes; the other shapes are slow
+@pytest.mark.default_cases(*(n for n in models.VARIANTS if n.startswith("edge_")), "hand", "timm_cls", "torchvision")
 def test_memo_equals_full_propagation(name):
     gm = trace(models.VARIANTS[name]())
     full, memo = _both(gm, torch.empty(3, 3, 32, 32, device="meta"))
@@ -39,6 +41,7 @@ def test_memo_equals_full_propagation(name):
 
 @pytest.mark.parametrize("factory", [models.tp_timm, models.tp_torchvision, models.tp_hand, models.tp_swiglu])
 @pytest.mark.parametrize("layout", ["1d", "1d-sp", "2d"])
+@pytest.mark.default_cases('1d-tp_timm', '1d-sp-tp_torchvision', '2d-tp_hand')
 def test_memo_equals_full_propagation_after_tp_rewrites(factory, layout):
     x = torch.empty(4, 3, 32, 32, device="meta")
     gm = trace(factory())

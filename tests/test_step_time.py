@@ -123,6 +123,7 @@ def test_wrong_stage_count_is_refused():
 
 @pytest.mark.parametrize("kw", [dict(mesh=(2, 2, 2)), dict(mesh=(2, 1, 1), schedule="zb-v", chunks_per_rank=2),
                                 dict(mesh=(2, 1, 2), recompute="block", dp_shard="stage")])
+@pytest.mark.default_cases('kw1')
 def test_plan_prediction_is_the_summary_line(kw):
     plan = autosplit.compile(tp_timm(), example_input=torch.randn(4, 3, 32, 32), **kw)
     stages = plan_stage_times(plan)

@@ -17,7 +17,7 @@ def _assert_equal(results):
 
 @pytest.mark.parametrize("sp", SP)
 @pytest.mark.parametrize("name", MODELS + ["tp_swiglu"])
-@pytest.mark.default_cases('tp_timm-False', 'tp_hand-True', 'tp_swiglu-False')
+@pytest.mark.default_cases('tp_hand-True')
 def test_tp2(pool2, name, sp):
     _assert_equal(pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, sequence_parallel=sp))
 
@@ -25,7 +25,7 @@ def test_tp2(pool2, name, sp):
 @pytest.mark.parametrize("sp", SP)
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("mesh", [(1, 4, 1), (2, 2, 1)])
-@pytest.mark.default_cases('mesh0-tp_timm-True', 'mesh1-tp_torchvision-False')
+@pytest.mark.default_cases('mesh1-tp_torchvision-False')
 def test_tp_four_ranks(pool4, name, mesh, sp):
     _assert_equal(pool4.run(train_matches_single_device, name, mesh, "1f1b", 1, sequence_parallel=sp))
 
@@ -37,6 +37,7 @@ def test_tp_pp_dp_eight_ranks(pool8, name, sp):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.default_cases('tp_hand')
 def test_megatron_minimum_communication(pool2, name):
     """Per block 2 all-reduces forward (after attention and MLP) and 2 backward (gradients of their
     inputs); the classifier head is column-parallel: one copy before it and one gather after it per
@@ -50,6 +51,7 @@ def test_megatron_minimum_communication(pool2, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.default_cases('tp_hand')
 def test_sequence_parallel_communication(pool2, name):
     """2 all-gathers + 2 reduce-scatters per block each way; before the first block the tokens are
     sliced (the activation, and a position embedding added there), after the last they are gathered

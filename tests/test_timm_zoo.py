@@ -21,7 +21,10 @@ from tests.models_zoo import IMAGE, ZOO, build
 
 TOL = 1e-5
 NAMES = list(ZOO)
-_TRAINED: dict = {}       # (mesh, tp_mode) -> per-rank results of C.train_zoo: one pool task per mesh
+# The default tier's part of the zoo (the heavy tier runs all sixteen): the plainest, a bias made by cat
+# with a relative position bias (beit), BatchNorm and attention over channels (xcit).
+DEFAULT_ZOO = ("vit", "beit", "xcit")
+_TRAINED: dict = {}       # (mesh, tp_mode, names) -> per-rank results of C.train_zoo: one pool task each
 
 
 def _compile(name: str, mesh, tp_mode: str):
@@ -33,6 +36,7 @@ def _compile(name: str, mesh, tp_mode: str):
 
 @pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1)])
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.default_cases(*(f"{name}-{mesh}" for name in DEFAULT_ZOO for mesh in ("mesh0", "mesh1")))
 def test_plans_1d(name, mesh):
     """Every model plans under a pipeline of 2 and 1D tensor parallelism of 2, and the ranks' modules
     hold every parameter of the model (pp: each in one stage; tp: a shard or a copy on each rank)."""
@@ -46,6 +50,7 @@ def test_plans_1d(name, mesh):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.default_cases(*DEFAULT_ZOO)
 def test_2d_plans_or_refuses_naming_node_and_module(name):
     """tp_mode="2d" at (1,4,1): a plan whose ranks hold every parameter, or a PlanError (not another
     kind of error) that names the node it cannot split and a module of the model it sits in."""
@@ -73,7 +78,7 @@ def _trained(request, mesh, tp_mode, names=tuple(NAMES), **kw):
     """Every model of ``names`` trained on ``mesh`` in one pool task, run by the first test that asks; a
     failure of the task itself is kept too, so that the other models' tests fail at once instead of
     running it again (after a timeout, on a pool that was killed)."""
-    key = (mesh, tp_mode)
+    key = (mesh, tp_mode, tuple(names))
     if key not in _TRAINED:
         pool = request.getfixturevalue(f"pool{mesh[0] * mesh[1] * mesh[2]}")
         try:
@@ -94,10 +99,12 @@ def _check(results, name):
 
 @pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1)])
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.default_cases(*(f"{name}-mesh1" for name in NAMES))   # tp=2; pp=2 is slow
+@pytest.mark.default_cases(*(f"{name}-mesh1" for name in DEFAULT_ZOO))   # tp=2; pp=2 and the rest are slow
 def test_trains_like_one_device(request, name, mesh):
-    """3 SGD steps, 2 microbatches of 4 rows: losses and state dict equal to the reference."""
-    _check(_trained(request, mesh, "1d"), name)
+    """3 SGD steps, 2 microbatches of 4 rows: losses and state dict equal to the reference.  The default
+    tier's cases train only DEFAULT_ZOO (one task), the slow ones all sixteen (one task per mesh)."""
+    names = NAMES if request.node.get_closest_marker("slow") else DEFAULT_ZOO
+    _check(_trained(request, mesh, "1d", names), name)
 
 
 @pytest.mark.parametrize("name", NAMES)

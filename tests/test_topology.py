@@ -36,6 +36,7 @@ def test_the_layout_note_names_groups_that_leave_a_node():
 
 
 @pytest.mark.parametrize("factory", [tp_timm, tp_torchvision])
+@pytest.mark.default_cases('tp_timm')
 def test_tp_across_nodes_is_priced_over_the_network_and_said(factory):
     model = factory()
     with warnings.catch_warnings():

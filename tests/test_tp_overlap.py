@@ -28,6 +28,7 @@ def _plan(model, chunks, mesh=(1, 2, 1), rows=4, **kw):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.default_cases('tp_torchvision')
 def test_every_block_all_reduce_is_started_and_waited_per_chunk(name):
     """Each forward all-reduce of a block becomes one start and one wait per chunk, and some chunk's
     wait comes after another chunk's compute (what it overlaps); the stage's interface is unchanged."""
@@ -129,7 +130,7 @@ def _assert_equal(results):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.default_cases('tp_timm', 'tp_swiglu')
+@pytest.mark.default_cases('tp_timm')
 def test_tp2_overlapped_equals_single_device(pool2, name):
     _assert_equal(pool2.run(train_matches_single_device, name, (1, 2, 1), "1f1b", 1, microbatches=2,
                             tp_overlap_chunks=2))

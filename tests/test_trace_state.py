@@ -67,6 +67,7 @@ def test_trace_modes_do_not_see_each_others_state():
 
 
 @pytest.mark.parametrize("mesh", [(2, 1, 1), (1, 2, 1)])
+@pytest.mark.default_cases('mesh0')
 def test_parallelize_trains_like_one_device(pool2, mesh):
     """parallelize leaves the model's attributes as they were, its stage modules hold no meta tensor,
     and two steps train as on one device."""

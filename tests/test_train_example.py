@@ -2,8 +2,9 @@
 
 A tiny vit_tiny_patch16_224 (32x32 input, patch 8, depth 2) on a generated folder of 3 classes: two
 pipeline stages for 2 steps with a checkpoint, then a resume of it, built on the meta device, for one more
-step; in the e2e tier also one process at mesh (1,1,1) for 3 steps, whose losses both runs must match.
-The learning rate stays in its warmup (--warmup-steps 10), so it does not depend on --steps.
+step; also one process at mesh (1,1,1) for 3 steps, whose losses both runs must match.  Every run is a
+torchrun: the e2e tier.  The learning rate stays in its warmup (--warmup-steps 10), so it does not depend
+on --steps.
 """
 import re
 import sys
@@ -56,6 +57,7 @@ def one_process(image_folder, tmp_path_factory):
     return _train(tmp_path_factory.mktemp("one_process"), 1, "--data", str(image_folder), "--mesh", "1,1,1", "--steps", "3")[1]
 
 
+@pytest.mark.e2e         # torchrun; the default tier's CLI subprocess test is test_checkpoint's export
 def test_train_image_folder_two_stages(two_stages):
     """Exit 0 (checked by _run), one plan, a metrics line per step, val accuracy, a committed checkpoint."""
     stdout, losses, ckpt = two_stages
