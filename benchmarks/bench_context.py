@@ -40,14 +40,16 @@ def key_bytes(plan) -> float:
     return total
 
 
-def row(name: str, image: int, cp: int, batch: int) -> dict:
+def row(name: str, image: int, cp: int, batch: int, attention: str = "auto") -> dict:
     model = build_model(name, img_size=image)
     x = torch.empty(batch, 3, image, image, device="meta")
     start = time.perf_counter()
     plan = autosplit.compile(model, mesh={"cp": cp}, example_input=x, device="h100", autocast=torch.bfloat16,
-                             num_microbatches=1)
+                             num_microbatches=1, cp_attention=attention)
+    code = "".join(str(m.code) for m in plan.stage_modules(0, 0))
     step = plan.predicted_step(device="h100")
-    return {"model": name, "image": image, "cp": cp, "batch": batch,
+    return {"model": name, "image": image, "cp": cp, "batch": batch, "attention": attention,
+            "lowering": f"{code.count('all_to_all(')} all-to-alls, {code.count('all_gather(')} all-gathers",
             "activation_bytes": sum(s.activation_bytes for s in plan.stages),
             "key_bytes": key_bytes(plan) if cp > 1 else None,
             "param_bytes": sum(s.param_bytes for s in plan.stages),
@@ -62,12 +64,15 @@ def main() -> None:
     p.add_argument("--cp", default="1,2,4,8")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--attention", default="auto", help="cp_attention: auto, gather, all_to_all, or a comma list")
     args = p.parse_args()
     rows = []
     for name in args.models.split(","):
         base = None
-        for cp in (int(c) for c in args.cp.split(",")):
-            r = row(name, args.image, cp, args.batch)
+        for cp, attention in ((int(c), a) for c in args.cp.split(",") for a in args.attention.split(",")):
+            if cp == 1 and base is not None:
+                continue
+            r = row(name, args.image, cp, args.batch, attention)
             if base is None:
                 base = r
             # closed form (module docstring): the keys held whole are the same bytes at cp = 1, where they
@@ -75,7 +80,7 @@ def main() -> None:
             k = r["key_bytes"] or 0.0
             r["closed_form_bytes"] = (base["activation_bytes"] - k) / cp + k
             rows.append(r)
-            print(f"{name} {args.image}px cp={cp}: planned {r['activation_bytes'] / 2**30:.2f} GiB per rank "
+            print(f"{name} {args.image}px cp={cp} {attention} ({r['lowering']}): planned {r['activation_bytes'] / 2**30:.2f} GiB per rank "
                   f"(closed form {r['closed_form_bytes'] / 2**30:.2f}; keys gathered whole {k / 2**30:.2f}), "
                   f"params {r['param_bytes'] / 2**20:.0f} MiB, predicted H100 step {r['step_ms']:.1f} ms "
                   f"(compute {r['compute_ms']:.1f}, exposed cp comm {r['cp_comm_ms']:.1f}); planned in {r['plan_s']:.1f} s",
