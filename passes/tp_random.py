@@ -41,9 +41,10 @@ def sharded_random_nodes(gm: fx.GraphModule, axis: str = "tp") -> list[fx.Node]:
     for node in gm.graph.nodes:
         spec = node.meta.get("spec", {})
         # a grid's blocks are split over the tp sub-mesh's axes (tp_row, tp_col, ...: autosplit/tp/
-        # axes.py): the tp rank's fork covers them all
+        # axes.py), cp's tokens over "cp" beside "tp_1d": the fork of the rank's place in the whole
+        # block ("tp") covers them all, so each (cp, tp) coordinate draws its own mask
         split = isinstance(spec.get(axis), Shard) or (axis == "tp" and any(
-            isinstance(place, Shard) for a, place in spec.items() if a.startswith("tp_")))
+            isinstance(place, Shard) for a, place in spec.items() if a.startswith("tp_") or a == "cp"))
         if node.meta.get("tp_random") or (split and is_random(node, gm)):
             out.append(node)
     return out

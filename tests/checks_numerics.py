@@ -210,8 +210,8 @@ def eval_mode(mesh, drop_path: float = 0.0, batch: int = 4, **kw):
 
 
 # ---- item 3: dropout masks under tensor parallelism ------------------------------------------------
-def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4):
-    """One training step of a dropout ViT on (1, tp, 1); every nn.Dropout call's mask (output zero
+def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4, mesh=None):
+    """One training step of a dropout ViT on (1, tp, 1) (or ``mesh``); every nn.Dropout call's mask (output zero
     where the input is not) by module path, the default CPU RNG state after the step, and how many
     times the step called torch.manual_seed."""
     import timm
@@ -232,7 +232,7 @@ def tp_dropout_masks(sequence_parallel: bool = False, batch: int = 4):
         if isinstance(m, torch.nn.Dropout) and m.p > 0:
             m.register_forward_hook(hook(name))
     xs, ys = batches(1, batch)
-    pm = autosplit.parallelize(model, mesh=(1, dist.get_world_size(), 1), num_microbatches=2,
+    pm = autosplit.parallelize(model, mesh=mesh or (1, dist.get_world_size(), 1), num_microbatches=2,
                                example_input=xs[0, : batch // 2], sequence_parallel=sequence_parallel)
     pm.train()
     seeded, global_seed = [], torch.manual_seed           # counts the step's torch.manual_seed calls

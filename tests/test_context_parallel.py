@@ -13,6 +13,7 @@ import torch
 import autosplit
 from autosplit.errors import AutosplitError
 
+from tests.checks_numerics import tp_dropout_masks
 from tests.dist_checks import features, train_matches_single_device
 from tests.checks_zoo import train_zoo
 from tests.models import VARIANTS
@@ -157,3 +158,16 @@ def test_the_cost_model_chooses_each_attentions_lowering():
         autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x, cp_attention="ring")
     with pytest.raises(AutosplitError, match="cp_attention='all_to_all' with cp=2 beside tp=2 is not built"):
         autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2, "tp": 2}, example_input=x, cp_attention="all_to_all")
+
+
+def test_dropout_masks_differ_across_cp_ranks(pool2):
+    """Every dropout on token-split activations draws its own mask on each cp rank (the block rank's
+    fork: passes/tp_random.py); the head's dropout, on the whole pooled token, the same everywhere."""
+    r0, r1 = pool2.run(tp_dropout_masks, mesh={"cp": 2})
+    split = {"pos_drop"} | {f"blocks.{i}.{m}" for i in (0, 1) for m in ("mlp.drop1", "mlp.drop2", "attn.proj_drop")}
+    assert set(r0["masks"]) == split | {"head_drop"}
+    for name in split:
+        a, b = r0["masks"][name], r1["masks"][name]
+        assert a.shape == b.shape and (a != b).float().mean() > 0.1, f"{name}: the same mask on both cp ranks"
+    assert (r0["masks"]["head_drop"] == r1["masks"]["head_drop"]).all()
+    assert (r0["rng"] == r1["rng"]).all()
