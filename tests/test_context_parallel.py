@@ -171,3 +171,11 @@ def test_dropout_masks_differ_across_cp_ranks(pool2):
         assert a.shape == b.shape and (a != b).float().mean() > 0.1, f"{name}: the same mask on both cp ranks"
     assert (r0["masks"]["head_drop"] == r1["masks"]["head_drop"]).all()
     assert (r0["rng"] == r1["rng"]).all()
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("attention", ["gather", "all_to_all"])
+def test_compiled_stages_with_cp(pool2, attention):
+    """torch.compile'd stages (the traceable collectives: all_gather, all_to_all as custom ops)."""
+    _assert_equal(pool2.run(TRAIN, "tp_timm", {"cp": 2}, "1f1b", 1, microbatches=2, cp_attention=attention,
+                            compile_stages={"backend": "aot_eager"}), ["cp"])
