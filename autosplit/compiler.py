@@ -150,7 +150,7 @@ def compile_with(model: nn.Module, mesh, example_input, options: PlanOptions, wa
                 schedule_grid=state.schedule_result.format_grid(),
                 autocast=None if options.autocast is None else str(options.autocast).removeprefix("torch."),
                 recompute=options.recompute, layer_end_segments=state.layer_ends, dp_shard=state.dp_shard,
-                profile=state.profile, batch_norms=find_batch_norms(gm))
+                profile=state.profile, batch_norms=find_batch_norms(gm), cp_attention=options.cp_attention)
     if warn:
         warn_batch_norm(plan.batch_norm_note(), stacklevel=4)   # at compile's caller
         note = node_layout_note(state.mesh, state.profile.gpus_per_node)

@@ -60,6 +60,7 @@ class Plan:
     dp_shard: str | None = None               # "stage" / "layer": FSDP2 units over dp; None: replicated
     profile: object = field(default=None, repr=False)   # the cost_model.DeviceProfile it was priced with
     batch_norms: list[BatchNormLayer] = field(default_factory=list)   # batch-statistics layers, graph order
+    cp_attention: str = "auto"                # with a cp axis: how attention was lowered (PlanOptions)
     _tp_modules: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -154,6 +154,9 @@ def test_the_cost_model_chooses_each_attentions_lowering():
                       .stage_modules(0, 1)[0].code) for mode in ("gather", "all_to_all")}
     assert "all_to_all(" not in code["gather"] and code["gather"].count("all_gather(") == 4    # k and v, 2 blocks
     assert "all_gather(" not in code["all_to_all"] and code["all_to_all"].count("all_to_all(") == 4
+    lines = autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x).summary().splitlines()
+    assert "(the cheaper by the cost model)" in next(line for line in lines if line.startswith("context parallel"))
+    assert sum("blocks." in line and ("all-to-all'd" in line or "all-gathered" in line) for line in lines) == 2
     with pytest.raises(AutosplitError, match="cp_attention"):
         autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x, cp_attention="ring")
     with pytest.raises(AutosplitError, match="cp_attention='all_to_all' with cp=2 beside tp=2 is not built"):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from torch.distributed.tensor import Shard
+
+
 from autosplit.cost_model.step_time import plan_deferred_w_stages, predict_plan
 from autosplit.errors import AutosplitError
 from autosplit.passes.sharding.describe import block_lines
@@ -111,20 +114,27 @@ def _step_line(plan) -> str:
 
 
 def _cp_note(plan) -> list[str]:
-    """Context parallelism: the block's axes, what each rank holds, and how each attention gets its keys."""
+    """Context parallelism: the block's axes, what each rank holds, and how each attention gets its keys
+    (passes/sharding/context.py *attention lowering*)."""
     tp = plan.tp_plan
     params = sum(s.param_bytes for s in plan.stages)
     acts = sum(s.activation_bytes for s in plan.stages)
     inner = f", 1D tensor parallelism over tp_1d ({plan.mesh.tp})" if plan.mesh.tp > 1 else ""
+    why = "the cheaper by the cost model" if plan.cp_attention == "auto" else f"cp_attention={plan.cp_attention!r}"
     lines = [f"context parallel (cp={plan.mesh.cp}{inner}): the query tokens of every op split over cp, padded "
              f"where cp does not divide them; per rank: params {_bytes(params)}, saved activations {_bytes(acts)} "
-             f"per microbatch"]
-    keys = [n for n in plan.graph.graph.nodes if n.meta.get("key_copy_of")]
-    for n in keys:
-        reader = next(iter(n.users), None)
-        lines.append(f"  {n.meta.get('module_path') or n.name}: {n.meta['key_copy_of']} read whole by "
-                     f"'{reader.name if reader is not None else '?'}': all-gathered over cp (its gradient "
-                     f"reduce-scattered); any mask, bias or rotary table applies to this rank's queries")
+             f"per microbatch; each attention's lowering ({why}):"]
+    readers: dict = {}
+    for n in plan.graph.graph.nodes:
+        if n.meta.get("key_copy_of"):
+            for u in n.users:
+                readers.setdefault(u, []).append(n)
+    for u, keys in readers.items():
+        heads = any(isinstance(k.meta.get("spec", {}).get("cp"), Shard) for k in keys)
+        how = ("heads split: q, k, v all-to-all'd from tokens to heads and the output back (Ulysses)" if heads else
+               f"queries split, {' and '.join(k.meta['key_copy_of'] for k in keys)} all-gathered over cp "
+               f"(gradients reduce-scattered)")
+        lines.append(f"  {u.meta.get('module_path') or u.name} ({u.name}): {how}")
     return lines
 
 

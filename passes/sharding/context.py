@@ -210,7 +210,8 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
     plan.regions = layer_lines(main) if tp > 1 else []
     plan.notes = [*first.notes, *opaque_notes(shardings)]
     plan.notes.insert(0, f"cp={cp}: {len(copies)} key copies ({', '.join(sorted({c.meta['key_copy_of'] for c in copies})[:6])}"
-                         f"{', ...' if len(copies) > 6 else ''}) all-gathered over cp; the query tokens split")
+                         f"{', ...' if len(copies) > 6 else ''}) mark the keys and values each attention reads whole; the "
+                         f"query tokens split")
     Lowering(shardings, plan, coords=lambda t: coords(axes, t), replicated=(AXIS,)).run()
     gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)   # fx calls x.add_(y) pure
     gm.graph.lint()
