@@ -97,7 +97,7 @@ def _conflicts(rules: Rules, node: fx.Node, shard: str) -> list[tuple[fx.Node, i
         if _classes(f, [la[-2]]) & _classes(f, [lb[-1]]):
             return [(b, len(lb) - 1)]                     # q @ k^T: k's tokens
         if _classes(f, [lb[-2]]) & _classes(f, la[:-1]):
-            return [(b, len(lb) - 2)]                              # attn @ v: v's tokens
+            return [(b, len(lb) - 2)]                     # attn @ v: v's tokens
         return []
     # attention reads every key for each query, whatever classes its operands' tokens have (a rotary
     # table applied to the tokens after the prefix and concatenated back gives q and k classes of
