@@ -166,6 +166,7 @@ def load_error(directory: str):
     return error_of(pm.load_checkpoint, directory)
 
 
+@pytest.mark.slow          # 20 s; the default tier checks checkpoint safety in test_checkpoint_safety.py
 def test_interrupted_save_is_ignored(pool2, tmp_path):
     """A rank killed while writing: LATEST still names the previous version, which loads (with a
     warning naming the incomplete one); a directory with only an interrupted save refuses to load."""
