@@ -28,6 +28,7 @@ from autosplit.passes.op_registry import functional_linear, op
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import Rules, tensorish
 from autosplit.passes.sharding.solve import Infeasible, solve
+from autosplit.tp.ops import whole_keys
 from autosplit.passes.sharding.strategies import P, R, Enumerator, NodeStrategies, Strategy, edge_bytes, operand_bytes
 
 _SIZE_READS = ("shape", "count", "rank")      # registry kinds: size(), numel(), dim()
@@ -304,7 +305,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
     (solve.py *shared*): q, k and v projections of one input share its copy."""
     ns, edges = sh.nodes[v], []
     writes = inplace_base(v, sh.gm) is not None
-    keys = op(v, sh.gm).shard == "whole_keys"
+    key_copy = v.op == "call_function" and v.target is whole_keys      # context.py's key copy
     for k, (p, lay) in enumerate(ns.rule.operands):
         if p not in index:
             continue
@@ -323,7 +324,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
                 # (with no other reader, the lowering makes the op out of place on the redistributed copy)
                 # a key copy runs whole but passes its readers' parts of the gradient on (context.py):
                 # the gather before it reduce-scatters them, as before a split consumer
-                t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded or keys)
+                t = enum.transition(p, sa.out, sb.ins[k], lay, nbytes, sb.sharded or key_copy)
                 if t is not None:
                     pairs[(a, b)] = t
                     keys[(a, b)] = (sb.ins[k], sb.sharded if sb.ins[k] == R else None, nbytes)
