@@ -201,6 +201,11 @@ def whole_keys(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x
 
 
+def is_key_copy(node) -> bool:
+    """Is the graph node ``node`` a call of ``whole_keys`` (see *whole_keys*)?"""
+    return getattr(node, "op", None) == "call_function" and node.target is whole_keys
+
+
 def global_size(local: int, full: int) -> int:
     """A size read off a dim split with padding (sequence parallelism's 17 tokens on 2 ranks): the
     unsplit size the model's code was written for, fixed at planning (the shard's is ceil(full / n))."""

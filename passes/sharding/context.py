@@ -105,13 +105,9 @@ def _conflicts(rules: Rules, node: fx.Node, shard: str) -> list[tuple[fx.Node, i
     out = []
     for x in (D.nth(node, 1), D.nth(node, 2)):
         lx = rules.lay(x)
-        if lx is not None and len(lx) >= 2 and not _is_copy(x):
+        if lx is not None and len(lx) >= 2 and not C.is_key_copy(x):
             out.append((x, len(lx) - 2))
     return out
-
-
-def _is_copy(x) -> bool:
-    return isinstance(x, fx.Node) and x.op == "call_function" and x.target is C.whole_keys
 
 
 def _copy(gm: fx.GraphModule, rules: Rules, node: fx.Node, operand: fx.Node, dim: int) -> fx.Node:
@@ -135,7 +131,7 @@ def readers(table: dict) -> list[fx.Node]:
     """The attention ops: every reader of a key copy, in graph order."""
     out = []
     for node in table:
-        if node.op == "call_function" and node.target is C.whole_keys:
+        if C.is_key_copy(node):
             out += [u for u in node.users if u not in out]
     return out
 
@@ -154,7 +150,7 @@ def query_tokens(sh: Sharding, table: dict) -> set[int]:
     """The classes the key copies detach from."""
     f, out = sh.factors, set()
     for node, rule in table.items():
-        if node.op == "call_function" and node.target is C.whole_keys:
+        if C.is_key_copy(node):
             out |= {f.find(leaf) for leaf in rule.forbid}
     return out
 

@@ -28,7 +28,7 @@ from autosplit.passes.op_registry import functional_linear, op
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import Rules, tensorish
 from autosplit.passes.sharding.solve import Infeasible, solve
-from autosplit.tp.ops import whole_keys
+from autosplit.tp.ops import is_key_copy
 from autosplit.passes.sharding.strategies import P, R, Enumerator, NodeStrategies, Strategy, edge_bytes, operand_bytes
 
 _SIZE_READS = ("shape", "count", "rank")      # registry kinds: size(), numel(), dim()
@@ -305,7 +305,7 @@ def _edges(sh: Sharding, enum: Enumerator, index: dict, v: fx.Node) -> list:
     (solve.py *shared*): q, k and v projections of one input share its copy."""
     ns, edges = sh.nodes[v], []
     writes = inplace_base(v, sh.gm) is not None
-    key_copy = v.op == "call_function" and v.target is whole_keys      # context.py's key copy
+    key_copy = is_key_copy(v)                  # context.py's key copy
     for k, (p, lay) in enumerate(ns.rule.operands):
         if p not in index:
             continue

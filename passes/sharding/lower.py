@@ -165,7 +165,7 @@ class Lowering:
         part on unsummed, and the gather before it is ``all_gather``, whose backward reduce-scatters the
         parts: one reduce-scatter of dK, not an all-reduce after it and a slice (torchtitan's lowering)."""
         sh = self.sh[axis]
-        return node.op == "call_function" and node.target is C.whole_keys and bool(node.users) and \
+        return C.is_key_copy(node) and bool(node.users) and \
             all(u in sh.chosen and sh.chosen[u].sharded for u in node.users)
 
     def layout(self, axis, node):

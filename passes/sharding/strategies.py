@@ -35,6 +35,7 @@ from autosplit.passes.shape_prop import tensor_bytes
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.rules import OpRule
 from autosplit.passes.sharding.tp_plan import fetch
+from autosplit.tp.ops import is_key_copy
 
 R, P = "R", "P"
 
@@ -275,7 +276,7 @@ class Enumerator:
         """Seconds (forward + backward) to turn ``have`` into ``need`` for one consumer; None if impossible."""
         n, prof = self.n, self.profile
         if have == need:
-            if need == R and consumer_sharded and op(producer, self.gm).shard == "whole_keys":
+            if need == R and consumer_sharded and is_key_copy(producer):
                 return 0.0                  # a key copy's gradient parts are summed by the gather before it
             if need == R and consumer_sharded and producer.op == "get_attr":
                 if not _is_parameter(self.gm, producer):
