@@ -93,6 +93,18 @@ def test_every_zoo_family_trains_like_one_device_cp2(pool2):
     _zoo_equal(pool2.run(train_zoo, names, {"cp": 2}, timeout=600), names)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["auto", "all_to_all"])
+def test_layouts_under_perturbed_prices_train_like_one_device(pool2, attention):
+    """The cp program solved under perturbed prices (tests/checks_layouts.py): the layouts other profiles
+    would pick (parameters read sliced, sums scattered onto tokens, moves between heads and tokens) train
+    equal to one device too."""
+    from tests.checks_layouts import train_perturbed
+    names = ["vit", "beit", "eva02", "samvit"]
+    for per_seed in pool2.run(train_perturbed, names, [1], {"cp": 2}, "1d", cp_attention=attention, timeout=600):
+        _zoo_equal(list(per_seed.values()), names)
+
+
 def test_fsdp_of_whole_stages_with_cp_is_refused_by_name():
     with pytest.raises(AutosplitError, match=r"dp_shard='stage' with cp=2 is not supported: use dp_shard='layer'"):
         autosplit.compile(VARIANTS["tp_hand"](), mesh={"cp": 2, "dp": 2}, example_input=torch.randn(2, 3, 32, 32),
@@ -143,6 +155,16 @@ def test_ulysses_all_to_all_trains_like_one_device(request, name, mesh):
     on whole sequences, the output moved back (17 tokens padded on every cp)."""
     pool = request.getfixturevalue(f"pool{mesh.get('cp', 1) * mesh.get('tp', 1)}")
     results = pool.run(TRAIN, name, mesh, "1f1b", 1, microbatches=2, cp_attention="all_to_all")
+    _assert_equal(results, ["cp"])
+
+
+@pytest.mark.parametrize("name,attention", [("tp_timm", "all_to_all"), ("timm_cls", "auto")])
+def test_one_microbatch_per_step_trains_like_one_device(pool2, name, attention):
+    """One microbatch of 8 rows: the engine runs the attention projection on heads (its weight sliced
+    over cp, its sum reduce-scattered onto token rows) and adds the bias to each rank's rows, so the
+    bias's gradient is a part per cp rank, the weight's whole.  Trained 0.02 off before the bias was
+    counted a part (lower.py ``_bias_on_rows``)."""
+    results = pool2.run(TRAIN, name, {"cp": 2}, "1f1b", 1, microbatches=1, device="h100", cp_attention=attention)
     _assert_equal(results, ["cp"])
 
 

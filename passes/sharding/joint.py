@@ -13,8 +13,9 @@ Terms (strategy, transition: strategies.py; Problem, split dims: engine.py):
                what is left.  The pair program finds the alternation a cube needs (a linear's output
                axis is the next one's input axis) because it prices both collectives of every edge.
 
-  nesting   -- a dim split over both axes holds the first axis's parts outermost (lower.py ``chain``):
-               an edge where the first axis would add its split inside the second's is left out.
+  nesting   -- a dim split over both axes holds the first axis's parts outermost (nesting.py): an edge
+               whose chain of collectives would break that (a split added outside another axis's, an
+               outer part gathered while an inner axis still splits the dim) is left out.
 
 The program is solve.py's, over pairs: its size is the product of the two axes' option counts per
 node, and of the pair counts per edge.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from autosplit.passes.sharding import nesting
 from autosplit.passes.sharding.engine import Sharding, analyse, split_dims, take
 from autosplit.passes.sharding.solve import solve
 from autosplit.passes.sharding.strategies import R
@@ -68,7 +70,8 @@ def analyse_pair(gm: fx.GraphModule, axes: tuple[int, int], profile, base: Shard
         for x, (a1, b1) in enumerate(pairs[p]):
             for y, (a2, b2) in enumerate(pairs[c]):
                 t, u = ta.get((a1, a2)), tb.get((b1, b2))
-                if t is not None and u is not None and not _nests_inside(sa, sb, pa.order[p], read, a1, a2, b2):
+                if t is not None and u is not None and not _nests_wrong(sa, sb, base, pa.order[p], read, a1, a2,
+                                                                        b1, b2):
                     joint[(x, y)] = t / (nb if split_b[b1] else 1) + u / (na if split_a[a1] else 1)
                     # one producer's collectives on both axes, as lowered (solve.py *shared*): shared where
                     # both axes' are (a free move shares trivially)
@@ -90,21 +93,27 @@ def _compatible(sa: Sharding, sb: Sharding, v: fx.Node, a: int, b: int) -> bool:
     return not split_dims(sa.enum, sa.nodes[v].rule, s) & split_dims(sb.enum, sb.nodes[v].rule, t)
 
 
-def _nests_inside(sa: Sharding, sb: Sharding, p: fx.Node, read, a1: int, a2: int, b2: int) -> bool:
-    """Would the first axis add a split of a dim the second still splits there (the lowering's chain:
-    a dim split over several axes nests them in axis order, so the first's split must come first)?"""
+def _nests_wrong(sa: Sharding, sb: Sharding, base: Sharding | None, p: fx.Node, read, a1: int, a2: int,
+                 b1: int, b2: int) -> bool:
+    """Would the lowering's chain of this edge break the nesting (nesting.py ``fault``): over the base
+    axis (fixed already), then the first, then the second?"""
     if read is None:
         return False
     v, k = read
-    have, need = sa.nodes[p].options[a1].out, sa.nodes[v].options[a2].ins[k]
-    other = sb.nodes[v].options[b2].ins[k]
-    if not isinstance(need, tuple) or need == have or not isinstance(other, tuple):
-        return False
-    layout = sa.nodes[v].rule.operands[k][1]
-    if isinstance(layout, tuple):
-        return False
-    da, db = sa.enum.where(layout, need[1]), sb.enum.where(layout, other[1])
-    return da is not None and db is not None and da[0] == db[0]
+    states = [(_state(sa, v, k, sa.nodes[p].options[a1].out), _state(sa, v, k, sa.nodes[v].options[a2].ins[k])),
+              (_state(sb, v, k, sb.nodes[p].options[b1].out), _state(sb, v, k, sb.nodes[v].options[b2].ins[k]))]
+    if base is not None and p.op != "get_attr" and v in base.chosen:     # (parameters: stored, gathered first)
+        states.insert(0, (_state(base, v, k, base.place(p)), _state(base, v, k, base.chosen[v].ins[k])))
+    return nesting.fault(states) is not None
+
+
+def _state(sh: Sharding, v: fx.Node, k: int, place):
+    """``place`` of ``v``'s operand ``k`` as nesting.py reads it (R, P or the dim it splits)."""
+    if not isinstance(place, tuple):
+        return place
+    layout = sh.nodes[v].rule.operands[k][1]
+    w = None if isinstance(layout, tuple) else sh.enum.where(layout, place[1])
+    return (id(sh), place) if w is None else w[0]
 
 
 def _splits(sh: Sharding, pr, i: int) -> list[bool]:

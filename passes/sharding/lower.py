@@ -55,6 +55,7 @@ from autosplit.passes import op_dims as D
 from autosplit.passes.op_dims import shape_index, whole_shape
 from autosplit.passes.op_names import inplace_base
 from autosplit.passes.op_registry import functional_linear, op
+from autosplit.passes.sharding import nesting
 from autosplit.passes.sharding.factors import index_sets
 from autosplit.passes.sharding.strategies import P, R
 from autosplit.passes.sharding.tp_plan import fetch
@@ -154,10 +155,26 @@ class Lowering:
                     ops = sh.nodes[u].rule.operands if u in sh.nodes else []
                     reads = [k for k, (a, _) in enumerate(ops) if a is v]
                     after = s is not None and s.pending_bias and op(u, self.gm).weighted   # bias after a sum
-                    if s is None or not s.sharded or any(s.ins[k] != R or (after and k == 2) for k in reads):
+                    if s is None or not s.sharded or \
+                            any(s.ins[k] != R or (after and k == 2 and not self._bias_on_rows(axis, u)) for k in reads):
                         parts = False
                 if not parts or v in self.mixed[axis]:
                     self.plan.whole_grads.add(v.target)
+
+    def _bias_on_rows(self, axis, u: fx.Node) -> bool:
+        """Is the bias ``u`` leaves pending added, for every reader, to a sum scattered over rows or tokens
+        (``_add_bias``: each rank adds the whole bias to its own rows, so its gradient is a part)?  Not
+        where a reader takes the sum whole or scattered over the features (the bias sliced): there its
+        gradient is whole."""
+        sh, last = self.sh[axis], u.meta["val"].dim() - 1
+        needs = [sh.chosen[c].ins[j] if c in sh.chosen else R for c in u.users
+                 for j, (a, _) in (enumerate(sh.nodes[c].rule.operands) if c in sh.nodes else [(0, (u, None))])
+                 if a is u]
+        for need in needs:
+            w = sh.enum.where(self.layout(axis, u), need[1]) if isinstance(need, tuple) else None
+            if w is None or w[0] == last:
+                return False
+        return bool(needs)
 
     def keys_partial(self, axis, node) -> bool:
         """Is ``node`` a key copy (passes/sharding/context.py) whose readers all run split on ``axis``?  Its
@@ -310,30 +327,46 @@ class Lowering:
         changes, in this order (why): first the sums (a Partial reduced before anything moves it, so a
         pending bias meets the linear's own output places); then the gathers, innermost axis first (a
         dim split over several axes is nested in axis order, so only the innermost part can be
-        gathered alone); then the new splits, outermost axis first.  A new split on an axis outside
-        another's existing split of the same dim would nest the wrong way round: refused."""
+        gathered alone); then the new splits, outermost axis first (nesting.py).  A step that breaks
+        the nesting (a split outside another axis's split of the dim, a gather of an outer part while an
+        inner axis still splits it) would hold blocks the layout does not name: refused."""
         axes = [a for a in self.axes if a not in skip]
         state = {a: self.sh[a].place(p) for a in self.axes}
-        sums = [a for a in axes if state[a] == P]
-        gathers = [a for a in axes if isinstance(state[a], tuple) and needs[a] != state[a]]
-        rest = [a for a in axes if a not in sums and a not in gathers]
-        if p in self.stored and self.store in rest:
+        states = [(self._state(a, p, state[a]), self._state(a, p, needs[a])) for a in axes]
+        steps = [axes[i] for i in nesting.order(states)]
+        if p in self.stored and self.store in steps and state[self.store] != P and \
+                not (isinstance(state[self.store], tuple) and needs[self.store] != state[self.store]):
             # a stored split is the innermost part of the parameter (``param``): gathered first
-            rest.remove(self.store)
-            sums.append(self.store)
+            steps.remove(self.store)
+            steps.insert(sum(have == P for have, _ in states), self.store)     # after the sums
+        checked = [i for i, a in enumerate(axes) if not (p in self.stored and a == self.store)]
+        bad = nesting.fault(states, [axes.index(a) for a in steps if axes.index(a) in checked])
+        if bad:
+            i, d, kind, later = bad
+            what = {"split": f"would be split on dim {d} over '{axes[i]}' inside its split over",
+                    "gathered": f"would have its split of dim {d} over '{axes[i]}' gathered outside its split over"}
+            raise PlanError(f"'{p.name}' {what[kind]} {', '.join(repr(axes[j]) for j in later)}: a dim split over "
+                            f"several tp axes must be split outermost axis first and gathered innermost first "
+                            f"({' > '.join(self.axes)}); this model's layout on this grid is not supported")
         src = p
-        for axis in [*sums, *reversed(gathers), *rest]:
+        for axis in steps:
             have, need = state[axis], needs[axis]
             d = self._dim(axis, p, have) if isinstance(have, tuple) else None
             outer = 1                  # the other axes' splits of the dim this gather restores
             for b in self.axes:
                 if b != axis and d is not None and isinstance(state[b], tuple) and self._dim(b, p, state[b]) == d:
                     outer *= self.n(b)
-            if isinstance(need, tuple) and need != have:
-                self._check_nesting(axis, p, need, state)
             src = self.transition(axis, p, src, need, sharded[axis], outer)
             state[axis] = need if not (p in self.stored and axis == self.store) else state[axis]
         return src
+
+    def _state(self, axis, p: fx.Node, place):
+        """``place`` as nesting.py reads it: R, P or the tensor dim it splits (a tuple's element moves:
+        a token no other axis shares)."""
+        if not isinstance(place, tuple):
+            return place
+        d = self._dim(axis, p, place)
+        return (axis, place) if d is None else d
 
     def _dim(self, axis, p: fx.Node, place):
         """The tensor dim ``place`` (a Shard) splits of ``p``; None for a tuple's (moved per element)."""
@@ -342,16 +375,6 @@ class Lowering:
             return None
         w = self.sh[axis].enum.where(layout, place[1])
         return None if w is None else w[0]
-
-    def _check_nesting(self, axis, p: fx.Node, need, state) -> None:
-        d = self._dim(axis, p, need)
-        later = [b for b in self.axes[self.axes.index(axis) + 1:]
-                 if isinstance(state[b], tuple) and self._dim(b, p, state[b]) == d]
-        if later:
-            raise PlanError(f"'{p.name}' would be split on dim {d} over '{axis}' inside its split over "
-                            f"{', '.join(repr(b) for b in later)}: a dim split over several tp axes must be split "
-                            f"outermost axis first ({' > '.join(self.axes)}); this model's layout on this grid is "
-                            f"not supported")
 
     def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool, outer: int = 1) -> fx.Node:
         """``src`` (``p``, after the earlier axes' transitions) in the place ``need`` on ``axis``;
@@ -431,7 +454,9 @@ class Lowering:
             # gradient is a part: summed by the runtime once a step (one axis, a parameter), or by a
             # copy in the graph (several axes; or a bias computed in the graph, as beit's
             # cat(q_bias, k_bias, v_bias), whose gradient flows on to the parameters it is made of)
-            if raw.op != "get_attr" or (self.param_copies and axis not in self.replicated):
+            # (on a replicated axis a bias whose gradient is whole elsewhere (``whole_grads``) is copied too)
+            if raw.op != "get_attr" or (self.param_copies and axis not in self.replicated) or \
+                    (axis in self.replicated and raw.target in self.plan.whole_grads):
                 bias = self._new(at, C.copy_to_axis, (bias, axis), bias, axis, Replicate())
                 at = bias      # after the sum (``at``): the add follows it
             elif axis not in self.replicated:          # (on a replicated axis the buckets sum the part)
