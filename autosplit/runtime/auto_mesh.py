@@ -33,9 +33,9 @@ def _world() -> tuple[int, int]:
 
 
 def auto_arguments(model, example_input, global_batch, compile_options: dict, autocast) -> dict:
-    """``parallelize`` keywords of the search's first candidate: mesh, its options (``autocast`` among
-    them: the search prices the dtypes it gives), and an example microbatch of the chosen size; the table
-    is logged at INFO on rank 0."""
+    """``parallelize`` keywords of the search's first candidate: mesh (a MeshShape, with the cp axis the
+    search may choose: strategy/space.py), its options (``autocast`` among them: the search prices the
+    dtypes it gives), and an example microbatch of the chosen size; the table is logged at INFO on rank 0."""
     from autosplit.strategy import search
     if global_batch is None:
         raise AutosplitError("mesh='auto' needs global_batch=<samples per optimizer step over all replicas>: the "
@@ -66,7 +66,7 @@ def auto_arguments(model, example_input, global_batch, compile_options: dict, au
         log.info("mesh='auto': strategy search, fastest predicted first\n%s", ranked.table())
     best = ranked[0]
     options = dict(best.options)
-    micro = global_batch // best.mesh[2] // options["num_microbatches"]
+    micro = global_batch // best.mesh.dp // options["num_microbatches"]
     example = tuple(torch.empty(micro, *x.shape[1:], dtype=x.dtype, device="meta") for x in inputs)
     return {**compile_options, **options, "autocast": autocast, "device": device, "mesh": best.mesh,
             "example_input": example if len(example) > 1 else example[0]}

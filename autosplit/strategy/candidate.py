@@ -1,7 +1,7 @@
 """What the search returns: ranked Candidates, the Rejected ones with their reasons, and the table.
 
 Terms:
-  Candidate -- one full configuration: ``mesh`` (pp, tp, dp) and ``options`` (the ``parallelize`` /
+  Candidate -- one full configuration: ``mesh`` (a SearchMesh: pp, cp, tp, dp) and ``options (the ``parallelize`` /
                ``compile`` keywords it implies), with its predicted ``step_time`` (seconds), ``parts``
                (compute, bubble, exposed_comm = tp_comm + pp_comm, dp_comm, optimizer: seconds of the
                slowest rank, adding up to step_time; cost_model/step_time.py) and ``memory`` (bytes on the fullest rank: the sum
@@ -10,6 +10,8 @@ Terms:
                (what the table counts: "tensor parallel", "batch", "stages", "memory", "schedule").
   pruned    -- configurations whose lower bound on step time was already no better than the
                ``top``-th best found: dominated, not infeasible (counted, not listed).
+  label     -- ``describe``: the mesh as ``(pp,tp,dp)`` where cp = 1 (as before the cp axis), as
+               ``(pp=..,cp=..,tp=..,dp=..)`` where cp > 1, then the options.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from autosplit.deprecated import RENAMED_OPTIONS, RenamedKeys
+from autosplit.mesh import MeshShape
 
 
 def _renamed(obj) -> None:
@@ -31,9 +34,45 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+class SearchMesh(MeshShape):
+    """A candidate's mesh: a MeshShape (``.pp``, ``.cp``, ``.tp``, ``.dp``; ``compile`` and ``parallelize``
+    take it as ``mesh=``) that also reads as the ``(pp, tp, dp)`` tuple the search returned before the cp
+    axis: ``mesh[2]`` is dp, ``pp, tp, dp = mesh`` unpacks, and it equals that tuple where cp = 1."""
+
+    def _key(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.cp, self.tp, self.dp)
+
+    def __iter__(self):
+        return iter((self.pp, self.tp, self.dp))
+
+    def __getitem__(self, i):
+        return (self.pp, self.tp, self.dp)[i]
+
+    def __len__(self) -> int:
+        return 3
+
+    def __eq__(self, other):
+        if isinstance(other, MeshShape):
+            return self._key() == (other.pp, other.cp, other.tp, other.dp)
+        if isinstance(other, tuple):
+            return self.cp == 1 and tuple(self) == other
+        return NotImplemented
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash(tuple(self)) if self.cp == 1 else hash(self._key())
+
+
+def search_mesh(pp: int, tp: int, dp: int, cp: int = 1) -> SearchMesh:
+    return SearchMesh(pp=pp, tp=tp, dp=dp, cp=cp)
+
+
 @dataclass(frozen=True)
 class Candidate:
-    mesh: tuple[int, int, int]
+    mesh: SearchMesh
     options: dict
     step_time: float
     memory: int
@@ -49,7 +88,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Rejected:
-    mesh: tuple[int, int, int]
+    mesh: SearchMesh
     options: dict
     why: str
     kind: str
@@ -58,10 +97,13 @@ class Rejected:
 
 
 def describe(mesh, options: dict) -> str:
-    """A short text of a configuration: ``(2,4,8) 1d sp interleaved v2 m16 recompute=block shard=stage``."""
+    """A short text of a configuration: ``(2,4,8) 1d sp interleaved v2 m16 recompute=block shard=stage``;
+    with a cp axis ``(pp=1,cp=4,tp=2,dp=8) 1d 1f1b m2`` (``mesh``: a MeshShape, or a (pp, tp, dp) tuple)."""
     o = options
-    words = [f"({mesh[0]},{mesh[1]},{mesh[2]})"]
-    if mesh[1] > 1:
+    cp = getattr(mesh, "cp", 1)
+    pp, tp, dp = (mesh.pp, mesh.tp, mesh.dp) if isinstance(mesh, MeshShape) else tuple(mesh)
+    words = [f"(pp={pp},cp={cp},tp={tp},dp={dp})" if cp > 1 else f"({pp},{tp},{dp})"]
+    if tp > 1:
         words.append(o.get("tp_mode", "1d") + (" sp" if o.get("sequence_parallel") else "") +
                      (f" d{o['tp_depth']}" if o.get("tp_depth") else ""))
     v = o.get("chunks_per_rank", 1)
@@ -87,7 +129,10 @@ class SearchResult(list):
         return Counter(r.kind for r in self.rejected)
 
     def table(self) -> str:
-        rows = [("rank", "configuration", "step ms", "compute", "bubble", "tp comm", "pp comm", "dp sync", "optimizer",
+        # with a cp axis, its collectives (key gathers, their gradients' reduce-scatters) are priced as
+        # the block's communication, as compile prices them (plan.predicted_step().tp_comm)
+        comm = "tp+cp comm" if any(getattr(c.mesh, "cp", 1) > 1 for c in self) else "tp comm"
+        rows = [("rank", "configuration", "step ms", "compute", "bubble", comm, "pp comm", "dp sync", "optimizer",
                  "memory")]
         for i, c in enumerate(self, 1):
             p = c.parts

@@ -197,8 +197,10 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     owned = dp if sharding else 1
     S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp,
                                                             group.profile.device_type)
-    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile, 1.0,
-                            tp=group.graph.tp, units=group.units if sharding == "layer" else None)
+    # FSDP gathers half-precision copies under autocast, as compile prices them (passes/stage_bounds.py)
+    gather_ratio = 0.5 if getattr(group.graph, "autocast", None) is not None else 1.0
+    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile,
+                            gather_ratio, tp=group.graph.tp, units=group.units if sharding == "layer" else None)
     overlap = tp_overlaps(group.profile, group.graph.tp, sharding)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]

@@ -17,6 +17,14 @@ Terms:
               scale linearly) makes ``at`` fall back to a real propagation at b.
               ``tests/test_search.py`` checks it against a fresh trace at other sizes.
   segment costs -- ``autosplit.segment_costs.SegmentCosts`` of the rescaled graph, per recompute mode.
+  cp       -- a context-parallel layout (cp >= 2, 1D tensor parallelism over tp >= 1 inside it): the
+              graph rewritten by passes/sharding/context.py ``shard_context`` as compile's TensorParallel
+              pass rewrites it (at the plan's microbatch count and size, priced at 2 rows: one graph per
+              distinct rewrite, ``ContextLayout``; rescaled to other sizes as any layout).  Its ``tp``
+              is the block, cp * tp ranks (what compile prices as the tensor-parallel group: the
+              collectives, core sharing, the dp group's stride), ``cp`` and ``tp_inner`` the axes;
+              every node's value is tp rank 0's and cp rank 0's (its share of the tokens), so the
+              activation bytes and times priced from it are a cp rank's.
   autocast -- torch.bfloat16 / torch.float16: after every shape propagation the graph gets the dtypes
               torch.autocast gives on the profile's device (passes/autocast_prop.py, as compile's
               AutocastDtypeProp after its local shape propagation), so both recorded sizes carry them and
@@ -43,7 +51,9 @@ from autosplit.passes.repeats import Repeats, expand
 from autosplit.passes.shape_prop import MetaShapeProp
 from autosplit.passes.split_backward import weight_gemm_nodes
 from autosplit.passes.decompose_attention import decompose_attention
+from autosplit.passes.sharding.context import shard_context
 from autosplit.passes.sharding.grid import shard_grid
+from autosplit.passes.tensor_parallel import layout_vals
 from autosplit.passes.sharding.megatron import shard_1d
 from autosplit.strategy.floors import at_size, node_table, time_floor
 from autosplit.tp.axes import GRID_MODES, batch_ways, tp_axes
@@ -80,23 +90,34 @@ class LayoutGraph:
 
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
                  sequence_parallel: bool, profile="h100", tp_depth: int | None = None, repeats: Repeats | None = None,
-                 autocast: torch.dtype | None = None):
+                 autocast: torch.dtype | None = None, cp: int = 1, microbatches: int = 1, rows: int = 2,
+                 rewritten: tuple | None = None):
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy); ``profile``
         prices the sharding engine's candidates (compile's ``device``); ``tp_depth``: 2.5D's d;
         ``repeats``: ``traced`` reduced to four of its identical layers (passes/repeats.py): the rewrite
         works on it and copies the rest, or rewrites ``traced`` where the layers came out different
         (``tp_plan`` is then the reduced graph's plan: the search prices graphs, it builds no modules);
-        ``autocast``: the half dtype the job trains in, or None (float32; module docstring)."""
-        self.inputs, self.tp, self.profile, self.autocast = inputs, tp, get_profile(profile), autocast
+        ``autocast``: the half dtype the job trains in, or None (float32; module docstring); ``cp``: the
+        context-parallel ranks (see *cp*), 1D tensor parallelism over ``tp`` inside them, the engine's
+        choices priced for ``microbatches`` per step, rewritten on the graph at ``rows`` rows (the plan's
+        microbatch size: ``context_rewrite``); ``rewritten``: ``context_rewrite``'s result for this
+        layout, where the caller already has it (``ContextLayout``)."""
+        self.inputs, self.profile, self.autocast = inputs, get_profile(profile), autocast
+        self.cp, self.tp_inner, self.microbatches, self.rows = cp, tp, microbatches, rows
+        self.tp = tp * cp                   # the block: what compile prices as tp (mesh.block)
         grid = tp_mode in GRID_MODES and tp > 1
         self.axes = tp_axes(tp_mode, tp, tp_depth) if grid else ()
         self.unit = batch_ways(self.axes) if grid else 1
         # one rewrite serves every size: the rewrites write head, token and feature counts into the graph,
         # never a microbatch's rows (a grid's row gathers leave their size out: lower.py ``grid_rows``);
-        # the second size is a shape propagation (sizes >= 2: a size-1 dim's stride is arbitrary)
-        reduced = repeats is not None and tp > 1
-        gm, self.tp_plan = self._build(repeats.graph if reduced else traced, 2 * self.unit, tp, tp_mode,
-                                       sequence_parallel)
+        # the second size is a shape propagation (sizes >= 2: a size-1 dim's stride is arbitrary).  A cp
+        # rewrite is rescaled the same way, but made at the size it serves (``context_rewrite``)
+        reduced = repeats is not None and self.tp > 1
+        if rewritten is not None:
+            gm, self.tp_plan = rewritten
+        else:
+            gm, self.tp_plan = self._build(repeats.graph if reduced else traced, 2 * self.unit, tp, tp_mode,
+                                           sequence_parallel)
         self._cast(gm, 2 * self.unit)
         earlier = {n: n.meta.get("val") for n in gm.graph.nodes}
         self._propagate(gm, 3 * self.unit, earlier)
@@ -145,13 +166,9 @@ class LayoutGraph:
             n.meta["val"] = _dtypes_of(n.meta.get("val"), cast.get(n))
 
     def _build(self, traced, b, tp, tp_mode, sp):
-        gm = _GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
-        if getattr(traced, "propagated_at", {}).get(b) is not None:     # the shared trace, propagated once per b
-            for n, val in zip(gm.graph.nodes, traced.propagated_at[b]):
-                n.meta["val"] = val
-        else:
-            MetaShapeProp(_with_batch(self.inputs, b))(gm)
-            traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
+        if self.cp > 1:
+            return context_rewrite(traced, self.inputs, self.cp, tp, self.profile, self.microbatches, self.rows)
+        gm = _copy_at(traced, self.inputs, b)
         if tp == 1:
             return gm, None
         decompose_attention(gm)     # as compile's TensorParallel pass does: nn.MultiheadAttention as its ops
@@ -204,6 +221,54 @@ class LayoutGraph:
         self.b = b
         self.cuts = find_cuts(self.gm)
         return self.gm
+
+
+def _copy_at(traced: fx.GraphModule, inputs, b: int) -> fx.GraphModule:
+    """A copy of ``traced`` with its values at b rows (the shared trace is propagated once per b)."""
+    gm = _GraphModule(traced, copy.deepcopy(traced.graph), type(traced).__name__)
+    if getattr(traced, "propagated_at", {}).get(b) is not None:
+        for n, val in zip(gm.graph.nodes, traced.propagated_at[b]):
+            n.meta["val"] = val
+    else:
+        MetaShapeProp(_with_batch(inputs, b))(gm)
+        traced.__dict__.setdefault("propagated_at", {})[b] = [n.meta["val"] for n in gm.graph.nodes]
+    return gm
+
+
+def context_rewrite(traced: fx.GraphModule, inputs, cp: int, tp: int, profile, microbatches: int = 1,
+                    rows: int = 2, propagate: bool = True):
+    """(local graph, plan): ``traced`` (the trace or its reduced form) rewritten for cp x tp as
+    compile's TensorParallel pass rewrites it (passes/sharding/context.py ``shard_context``): on the
+    graph at ``rows`` rows, priced at 2 rows (tensor_parallel.py ``layout_vals``) and the plan's
+    microbatch count, each attention's cp lowering chosen by cost (compile's default
+    ``cp_attention="auto"``).
+
+    ``rows``: the plan's microbatch size.  The cp rewrite does not depend on the priced values and m
+    alone: on the graph at another size it may come out different (tests/models.py ``tp_timm`` at cp=2,
+    m=4: an attention's all-to-all after the reshape that merges the heads at 2 rows, before it at 1
+    and 4 rows), so the search rewrites at the size compile rewrites at.  ``propagate``: the local
+    graph's values at 2 rows (what LayoutGraph starts from); False leaves them stale (a signature needs
+    none)."""
+    gm = _copy_at(traced, inputs, rows)
+    decompose_attention(gm)
+    price_vals = None
+    if rows != 2:       # layout_vals: the same values (by name) at every size, so computed once per graph
+        cache = traced.__dict__.setdefault("_cp_price_vals", {})
+        if "vals" not in cache:
+            cache["vals"] = layout_vals(gm, _with_batch(inputs, rows), 1)
+        price_vals = cache["vals"]
+    plan = shard_context(gm, cp, tp, profile, price_vals=price_vals, microbatches=microbatches, attention="auto")
+    gm = _GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
+    if propagate:
+        MetaShapeProp(_with_batch(inputs, 2))(gm)
+    return gm, plan
+
+
+def rewrite_signature(gm: fx.GraphModule) -> tuple:
+    """What tells two rewrites of one layout apart: the local graph's code and its parameters' and
+    buffers' shapes (``ContextLayout`` keeps one graph per distinct signature)."""
+    return (gm.code, tuple((name, tuple(t.shape)) for name, t in gm.named_parameters()),
+            tuple((name, tuple(t.shape)) for name, t in gm.named_buffers()))
 
 
 def _parameter_owners(gm: fx.GraphModule, nodes: list[fx.Node]):
@@ -315,8 +380,9 @@ class DeferredLayout:
         t, saved, params = self.base.floors(b, profile, ways=self.tp)
         return t, saved / self.tp, params / self.tp
 
-    def resolve(self) -> LayoutGraph | None:
-        """The built graph (once), or None with ``error`` the rewrite's refusal."""
+    def resolve(self, microbatches: int | None = None, rows: int | None = None) -> LayoutGraph | None:
+        """The built graph (once), or None with ``error`` the rewrite's refusal (one rewrite serves every
+        microbatch count and size: the arguments are ``ContextLayout``'s, unused here)."""
         if self.graph is None and self.error is None:
             try:
                 self.graph = self._build()
@@ -324,3 +390,83 @@ class DeferredLayout:
             except AutosplitError as exc:
                 self.error = str(exc).splitlines()[0]
         return self.graph
+
+
+class ContextLayout:
+    """A cp layout's LayoutGraphs (cp x tp, 1D inside; see the module docstring's *cp*), built when a
+    configuration of it is first priced (search.py, step 4), one per microbatch count m and size b it
+    is priced at.
+
+    compile rewrites for cp at the plan's m (passes/tensor_parallel.py: the engine prices a whole
+    weight's partial gradient once a step, so its choices may depend on m) and on the graph at the
+    plan's b rows (which can change the rewrite too: ``context_rewrite``), so the graph of (m, b) is
+    that rewrite.  Rewrites that come out the same (``rewrite_signature`` of the rewritten reduced
+    graph; the usual case) share one LayoutGraph, so the shape propagations, the layer copies and the
+    group costs are paid once; a further (m, b) costs one rewrite of the reduced graph.
+
+    Until built, bounds that hold for any layout of its cp * tp ranks, as ``DeferredLayout``'s: the
+    split floor of the single-device graph ``base`` (each op's FLOPs and bytes split at most cp * tp
+    ways: cp splits the tokens, padding and gathered keys only add), its saved activations over
+    cp * tp, its parameters over tp (whole on every cp rank).
+
+    ``failures``: (cp, tp, message) of the rewrites refused so far, shared by a search's cp layouts: a
+    layout whose cp and tp are multiples of a refused one's is refused as it was (as the search inherits
+    a tp refusal by multiples of tp), at every (m, b)."""
+
+    unit = 1
+
+    def __init__(self, traced: fx.GraphModule, inputs, cp: int, tp: int, profile, repeats: Repeats | None,
+                 autocast, base: LayoutGraph, failures: list | None = None):
+        self.traced, self.inputs, self.profile, self.repeats, self.autocast = traced, inputs, profile, repeats, autocast
+        self.cp, self.tp_inner, self.tp, self.base = cp, tp, cp * tp, base
+        self.failures = failures if failures is not None else []
+        self.graphs: dict[tuple[int, int], LayoutGraph | None] = {}     # (m, b) -> its graph (None: refused)
+        self.errors: dict[tuple[int, int], str] = {}
+        self._by_signature: dict[tuple, LayoutGraph] = {}
+
+    @property
+    def cuts(self):
+        return self.base.cuts
+
+    def floors(self, b: int, profile) -> tuple[float, float, float]:
+        t, saved, params = self.base.floors(b, profile, ways=self.tp)
+        return t, saved / self.tp, params / self.tp_inner
+
+    @property
+    def error(self) -> str | None:
+        return next(iter(self.errors.values()), None)
+
+    def refusal(self, microbatches: int, rows: int) -> str | None:
+        return self.errors.get((microbatches, rows))
+
+    def resolve(self, microbatches: int = 1, rows: int = 2) -> LayoutGraph | None:
+        """The graph of plans of ``microbatches`` per step of ``rows`` rows each (built once per distinct
+        rewrite), or None with ``refusal(microbatches, rows)`` the rewrite's refusal."""
+        m = (microbatches, rows)
+        if m in self.graphs:
+            return self.graphs[m]
+        known = next(((c, t, msg) for c, t, msg in self.failures if self.cp % c == 0 and self.tp_inner % t == 0), None)
+        if known is not None:
+            c, t, msg = known
+            self.errors[m] = msg if (c, t) == (self.cp, self.tp_inner) else f"as for cp={c}, tp={t} (divisors): {msg}"
+            self.graphs[m] = None
+            return None
+        source = self.repeats.graph if self.repeats is not None else self.traced
+        try:
+            rewritten = context_rewrite(source, self.inputs, self.cp, self.tp_inner, self.profile, *m,
+                                        propagate=False)
+            key = rewrite_signature(rewritten[0])
+            graph = self._by_signature.get(key)
+            if graph is None:
+                MetaShapeProp(_with_batch(self.inputs, 2))(rewritten[0])
+                graph = LayoutGraph(self.traced, self.inputs, self.tp_inner, "1d", False, self.profile,
+                                    repeats=self.repeats, autocast=self.autocast, cp=self.cp, microbatches=m[0],
+                                    rows=m[1], rewritten=rewritten)
+                graph.at(2)
+                self._by_signature[key] = graph
+        except AutosplitError as exc:
+            self.errors[m] = str(exc).splitlines()[0]
+            self.failures.append((self.cp, self.tp_inner, self.errors[m]))
+            graph = None
+        self.graphs[m] = graph
+        return graph

@@ -7,10 +7,13 @@ Order of work, cheapest refusals first:
   1. trace the model once; per layout, rewrite a copy for tensor parallelism (a refusal, e.g. heads not
      dividing by tp, rejects the layout, and every multiple of that tp: divisibility refusals are
      inherited by multiples); a grid layout (2D, 2.5D, 3D) is rewritten only when a configuration of
-     it is first priced (layout.py ``DeferredLayout``: bounds from the single-device graph until then);
-  2. enumerate meshes, microbatch counts, schedules, recomputation and dp sharding (space.py), rejecting
-     what the compiler would refuse (batch and rows divisibility, stages beyond the graph's cuts,
-     zero-bubble with dp_shard);
+     it is first priced (layout.py ``DeferredLayout``: bounds from the single-device graph until then),
+     and so is a cp layout (cp x tp ranks, 1D inside: layout.py ``ContextLayout``), rewritten at each
+     (microbatch count, microbatch size) it is priced at, as compile rewrites it, one graph per
+     distinct rewrite;
+  2. enumerate meshes (pp, cp, tp, dp), microbatch counts, schedules, recomputation and dp sharding
+     (space.py), rejecting what the compiler would refuse (batch and rows divisibility, stages beyond
+     the graph's cuts, zero-bubble with dp_shard, dp_shard="stage" beside cp);
   3. for each configuration two sound lower bounds, from each layout's costs at two sizes (affine in b):
        memory >= (dp state of all parameters + saved activations without recomputation) / pp: the
          fullest rank holds at least the mean of what all ranks hold;
@@ -41,10 +44,11 @@ from autosplit.cost_model.optimizer_step import optimizer_kind
 from autosplit.model_layers import layer_paths
 from autosplit.options import AUTOCAST
 from autosplit.passes.repeats import reduce
-from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe
+from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe, search_mesh
 from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.strategy.costing import PRUNED, Group, price
-from autosplit.strategy.layout import DeferredLayout, LayoutGraph, fewest_microbatch_rows, trace_model
+from autosplit.strategy.layout import (ContextLayout, DeferredLayout, LayoutGraph, fewest_microbatch_rows,
+                                       trace_model)
 from autosplit.trace import keeps_module_state
 from autosplit.strategy.space import divisors, layouts, microbatch_counts, recompute_modes, schedules, shardings
 
@@ -85,6 +89,8 @@ def _options(layout, schedule, v, m, recompute, shard, budget, autocast=None) ->
         o["tp_2d_form"] = "allgather"
     if layout.tp_depth is not None:
         o["tp_depth"] = layout.tp_depth
+    if layout.cp > 1:                  # priced with each attention's cp lowering chosen by cost (layout.py)
+        o["cp_attention"] = "auto"
     if budget is not None:
         o["memory_budget"] = budget
     return o
@@ -93,12 +99,13 @@ def _options(layout, schedule, v, m, recompute, shard, budget, autocast=None) ->
 @keeps_module_state       # it traces and propagates shapes (leaves' forwards run) many times
 def search(model, world_size: int, example_input, *, global_batch: int, device="h100", memory_budget=None,
            top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None, autocast=None,
-           optimizer="adamw") -> SearchResult:
+           optimizer="adamw", context_parallel: bool = True) -> SearchResult:
     """Ranked configurations of ``model`` on ``world_size`` devices, fastest predicted step first.
 
     Args:
         model: the unchanged model (parameters may be on the meta device).
-        world_size: number of devices W; every mesh (pp, tp, dp) with pp * tp * dp = W is considered.
+        world_size: number of devices W; every mesh (pp, cp, tp, dp) with pp * cp * tp * dp = W is
+            considered (cp > 1 beside 1D tensor parallelism without sequence parallelism: space.py).
         example_input: one example of what the model's forward takes, batch dim first, with any batch
             size (e.g. torch.empty(1, 3, 224, 224, device="meta")): only its per-sample shape and dtype
             are used; each configuration sets the batch dim to its own microbatch size.
@@ -114,8 +121,11 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         optimizer: the optimizer the job steps with (a torch.optim class, an instance, or a name such as
             "adamw", "adam", "sgd"): its step over the parameters each rank owns is priced
             (cost_model/optimizer_step.py) and shown as the ``optimizer`` part.
+        context_parallel: False leaves the cp layouts out (every mesh has cp = 1: the search before the
+            cp axis).
     Returns:
-        A SearchResult: a list of Candidates (``.mesh``, ``.options`` for ``parallelize``/``compile``,
+        A SearchResult: a list of Candidates (``.mesh``: a MeshShape with cp that also reads as the
+        (pp, tp, dp) tuple; ``.options`` for ``parallelize``/``compile``,
         ``.step_time`` s, ``.memory`` bytes, ``.parts``), with ``.rejected`` (each with ``.why``),
         ``.pruned``, ``.table()``.
     """
@@ -142,8 +152,11 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     specs = []                                  # (layout, graph, pp, dp, m, b, schedule, v)
     single = None                               # the tp = 1 graph: a deferred grid layout's bounds
     failed = defaultdict(list)                  # tp_mode -> [(tp, message)]
-    for layout in layouts(world_size):
-        meshes = [(pp, layout.tp, world_size // (pp * layout.tp)) for pp in divisors(world_size // layout.tp)]
+    context_failures: list = []                 # (cp, tp, message): the cp layouts' refusals (ContextLayout)
+    for layout in layouts(world_size, context=context_parallel):
+        block = layout.block
+        meshes = [search_mesh(pp, layout.tp, world_size // (pp * block), layout.cp)
+                  for pp in divisors(world_size // block)]
         base = {"tp_mode": layout.tp_mode, "sequence_parallel": layout.sequence_parallel}
         if layout.tp_depth is not None:
             base["tp_depth"] = layout.tp_depth
@@ -152,7 +165,12 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         build = lambda layout=layout: LayoutGraph(traced, inputs, layout.tp, layout.tp_mode,  # noqa: E731
                                                   layout.sequence_parallel, profile, tp_depth=layout.tp_depth,
                                                   repeats=repeats, autocast=autocast)
-        if known is None and layout.unit > 1 and single is not None:
+        if layout.cp > 1:
+            if single is None:                  # (the tp = 1 layout comes first and never fails)
+                continue
+            graph = ContextLayout(traced, inputs, layout.cp, layout.tp, profile, repeats, autocast, single,
+                                  context_failures)                  # built per m when first priced
+        elif known is None and layout.unit > 1 and single is not None:
             graph = DeferredLayout(build, layout.tp, layout.unit, single)   # built when first priced
         elif known is None:
             try:
@@ -165,15 +183,15 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             why = known[1] if known[0] == layout.tp else f"as for tp={known[0]} (a divisor): {known[1]}"
             rejected += [Rejected(mesh, base, why, "tensor parallel") for mesh in meshes]
             continue
-        if layout.tp == 1:
+        if layout.block == 1:
             single = graph
-        if not isinstance(graph, DeferredLayout):
+        if not isinstance(graph, (DeferredLayout, ContextLayout)):
             with clock("rewrite"):
                 graph.at(2 * graph.unit)
         n_segments = len(graph.cuts) + 1
         most = min(n_segments, 2 * len(layers)) if layers else n_segments
-        for pp, tp, dp in meshes:
-            mesh = (pp, tp, dp)
+        for mesh in meshes:
+            pp, dp = mesh.pp, mesh.dp
             if global_batch % dp:
                 rejected.append(Rejected(mesh, base, f"global_batch({global_batch}) % dp({dp}) = "
                                                      f"{global_batch % dp}", "batch"))
@@ -207,31 +225,33 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     for layout, graph, pp, dp, m, b, schedule, v in specs:
         with clock("bounds"):
             time_floor, saved, params = graph.floors(b, profile)    # strategy/floors.py
+        mesh = search_mesh(pp, layout.tp, dp, layout.cp)
         for recompute in recompute_modes():
-            for shard, why in shardings(dp, schedule):
+            for shard, why in shardings(dp, schedule, layout.cp):
                 options = _options(layout, schedule, v, m, recompute, shard, budget, autocast)
                 if why:
-                    rejected.append(Rejected((pp, layout.tp, dp), options, why, "schedule"))
+                    rejected.append(Rejected(mesh, options, why, "schedule"))
                     continue
                 state = (4 / dp + 1 if shard else 4) * params
                 floor = (state + (saved if recompute is None else 0)) / pp - pp * v
                 if budget is not None and floor > budget:
-                    rejected.append(Rejected((pp, layout.tp, dp), options,
+                    rejected.append(Rejected(mesh, options,
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
                 # the fullest rank steps at least the mean of the parameters it owns (optimizer_step.py)
                 opt_floor = opt_kind.floor(params / pp / (dp if shard else 1), profile)
-                bounded.append((m * time_floor / pp + opt_floor, describe((pp, layout.tp, dp), options),
-                                (graph, b, recompute), pp, dp, schedule, v, m, shard, options, opt_floor))
+                bounded.append((m * time_floor / pp + opt_floor, describe(mesh, options),
+                                (graph, b, recompute), pp, dp, schedule, v, m, shard, options, opt_floor, mesh))
 
     bounded.sort(key=lambda c: (c[0], c[1]))
     found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
-    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options, opt_floor) in enumerate(bounded):
+    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options, opt_floor, mesh) in enumerate(bounded):
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
-        if isinstance(key[0], DeferredLayout):       # a grid layout, built now if the bound does not prune it
+        if isinstance(key[0], (DeferredLayout, ContextLayout)):   # a grid or cp layout, built now if the bound
+            #                                                        does not prune it
             deferred, b, recompute = key
             base_key = (deferred.base, b, recompute, False)
             if base_key not in groups:
@@ -244,10 +264,10 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                 pruned += 1
                 continue
             with clock("rewrite"):
-                graph = deferred.resolve()
-            mesh = (pp, deferred.tp, dp)
+                graph = deferred.resolve(m, b)
             if graph is None:
-                rejected.append(Rejected(mesh, options, key[0].error, "tensor parallel"))
+                why = deferred.refusal(m, b) if isinstance(deferred, ContextLayout) else deferred.error
+                rejected.append(Rejected(mesh, options, why, "tensor parallel"))
                 continue
             most = min(len(graph.cuts) + 1, 2 * len(layers)) if layers else len(graph.cuts) + 1
             if pp * v > most:
@@ -265,7 +285,6 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             with clock("group costs"):
                 groups[key] = Group(graph, b, recompute, profile, layers, b * sample_bytes, cross)
         group = groups[key]
-        mesh = (pp, group.graph.tp, dp)
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
         if m * group.work / pp + opt_floor > incumbent:   # the same bound with the group's full op times
             pruned += 1

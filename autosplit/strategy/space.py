@@ -1,10 +1,14 @@
 """The space the search enumerates, and the refusals it knows before pricing anything.
 
 Terms:
-  world     -- the number of ranks, W = pp * tp * dp.
-  layout    -- (tp, tp_mode, sequence_parallel, tp_depth): tp_mode "1d" (sequence parallelism on or off
+  world     -- the number of ranks, W = pp * cp * tp * dp.
+  layout    -- (tp, tp_mode, sequence_parallel, tp_depth, cp): tp_mode "1d" (sequence parallelism on or off
                when tp > 1), "2d" (tp = q * q, q >= 2), "2.5d" (tp = q * q * d for every depth d >= 2
                with q >= 2) or "3d" (tp = q^3, q >= 2); sequence parallelism applies to 1d only.
+               cp >= 2 (a context-parallel axis: the tokens of every op split over cp ranks,
+               passes/sharding/context.py) for every divisor of W, beside 1D tensor parallelism without
+               sequence parallelism (tp >= 1, cp * tp dividing W): what compile builds with a cp axis
+               (autosplit/options.py).  Listed after every cp = 1 layout.
   Bd        -- the per-replica batch, global_batch / dp (dp must divide it).
   m, b      -- microbatches per step and microbatch size, m * b = Bd.  m runs over the divisors of Bd
                with pp <= m <= 4 pp when pp > 1 (fewer leave the pipeline mostly idle; interleaved
@@ -17,7 +21,8 @@ Terms:
   stages    -- pp * chunks_per_rank <= the segments the graph can be cut into, and <= 2 per layer
                (``model_layers.layer_paths``): a stage holds at least half a layer.
   recompute -- None, "stage", "block".   dp_shard -- False, or "stage" / "layer" when dp > 1;
-               zero-bubble schedules only with False (the compiler refuses FSDP with a split backward).
+               zero-bubble schedules only with False (the compiler refuses FSDP with a split backward);
+               with cp > 1 not "stage" (the compiler refuses it: autosplit/options.py).
 """
 from __future__ import annotations
 
@@ -38,6 +43,12 @@ class Layout:
     tp_mode: str
     sequence_parallel: bool
     tp_depth: int | None = None
+    cp: int = 1
+
+    @property
+    def block(self) -> int:
+        """The ranks that share a microbatch: cp * tp (autosplit/mesh.py *block*)."""
+        return self.cp * self.tp
 
     @property
     def unit(self) -> int:
@@ -52,13 +63,16 @@ class Layout:
         return f"{self.tp_mode} d={self.tp_depth}" if self.tp_depth else self.tp_mode
 
 
-def layouts(world: int) -> list[Layout]:
+def layouts(world: int, context: bool = True) -> list[Layout]:
+    """Every layout of ``world`` ranks (see *layout*); ``context``: with the cp layouts."""
     out = []
     for tp in divisors(world):
         out.append(Layout(tp, "1d", False))
         if tp > 1:
             out.append(Layout(tp, "1d", True))
             out += [Layout(tp, mode, False, depth) for mode, depth in grid_layouts(tp)]
+    if context:
+        out += [Layout(tp, "1d", False, None, cp) for cp in divisors(world)[1:] for tp in divisors(world // cp)]
     return out
 
 
@@ -75,7 +89,7 @@ def microbatch_counts(pp: int, per_replica: int) -> list[int]:
     return [m for m in divisors(per_replica) if pp <= m <= 4 * pp]
 
 
-def shardings(dp: int, schedule: str) -> list[tuple[object, str | None]]:
+def shardings(dp: int, schedule: str, cp: int = 1) -> list[tuple[object, str | None]]:
     """(dp_shard, why not) pairs: why not is the compiler's refusal, or None."""
     if dp == 1:
         return [(False, None)]
@@ -85,6 +99,9 @@ def shardings(dp: int, schedule: str) -> list[tuple[object, str | None]]:
         if schedule in SPLIT_BACKWARD:
             why = (f"schedule={schedule!r} with dp_shard={s!r}: FSDP2 reduce-scatters a module's gradients when "
                    f"its backward ends, but a zero-bubble schedule computes the weight gradients later, in W")
+        elif s == "stage" and cp > 1:
+            why = (f"dp_shard='stage' with cp={cp} is not supported by the compiler: FSDP2 units per layer over "
+                   f"dp x cp (dp_shard='layer') only")
         out.append((s, why))
     return out
 
