@@ -102,6 +102,12 @@ def example_inputs(model_: nn.Module, value) -> tuple[torch.Tensor, ...]:
         if x.dim() == 0:
             raise AutosplitError(f"example_input has shape (); expected one microbatch with the batch dim "
                                  f"first, e.g. (B, C, H, W)")
+        if x.shape[0] == 0:
+            # (a slice batch[: B // dp // m] with B < dp * m comes out empty: every cost would be 0 / 0)
+            where = f"example_input[{i}]" if isinstance(value, (tuple, list)) else "example_input"
+            raise AutosplitError(f"{where} has 0 rows (shape {tuple(x.shape)}); a microbatch needs at least one "
+                                 f"sample: with B samples per step, dp replicas and m microbatches it holds "
+                                 f"B // (dp * m), so B >= dp * m")
     return inputs
 
 

@@ -305,7 +305,7 @@ def plan_stage_times(plan, device=None, optimizer="adamw") -> list[StageTimes]:
     split = plan_deferred_w_stages(plan, profile)
     sharding = getattr(plan, "dp_shard", None)
     overlap = tp_overlaps(profile, plan.mesh.block, sharding)
-    owned = plan.mesh.dp if sharding else 1          # FSDP: each rank steps its 1/dp shard
+    owned = plan.mesh.dp * plan.mesh.cp if sharding else 1      # FSDP: each rank steps its 1/(dp cp) shard
     out = []
     for k, (s, (f, b)) in enumerate(zip(plan.stages, tp)):
         again = getattr(s, "recompute_comm", 0.0)

@@ -38,8 +38,10 @@ class ChooseStageBounds(MetaPass):
         s, opts, seg = self.state, self.state.options, self.state.costs
         options = candidates(opts.dp_shard, s.mesh.dp, s.mesh.cp) if s.mesh.dp > 1 else [None]
         for sharding in options:        # in order of preference: the first whose cut fits the budget
-            dpc = StageDataParallel(s.segments, seg.params, s.layers, s.mesh.dp, s.num_microbatches, sharding,
-                                    s.profile, 0.5 if opts.autocast is not None else 1.0, tp=s.mesh.block)
+            # the gradients are summed (FSDP: sharded) over the dp x cp ranks of one tp coordinate, every
+            # tp-th rank (autosplit/mesh.py's order): with cp = 1 the dp group
+            dpc = StageDataParallel(s.segments, seg.params, s.layers, s.mesh.dp * s.mesh.cp, s.num_microbatches,
+                                    sharding, s.profile, 0.5 if opts.autocast is not None else 1.0, tp=s.mesh.tp)
 
             def memory(st, a, b, dpc=dpc):     # the dp state as sharded, instead of 4 x parameter bytes
                 return seg.memory(st, a, b) - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes

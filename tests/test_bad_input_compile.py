@@ -41,6 +41,9 @@ CASES = [  # (id, compile overrides, exception type, regex the message must matc
     ("example_numpy_like", dict(example_input=3.0), AutosplitError, r"example_input is a float; expected a tensor"),
     ("example_wrong_rank", dict(example_input=torch.randn(3, 32, 32)), AutosplitError, r"(?s)example_input has shape \(3, 32, 32\); it must be one microbatch"),
     ("example_empty_tuple", dict(example_input=()), AutosplitError, r"example_input is empty"),
+    # (was a ZeroDivisionError reported as an autosplit bug)
+    ("example_zero_rows", dict(example_input=torch.randn(0, 3, 32, 32)), AutosplitError,
+     r"example_input has 0 rows \(shape \(0, 3, 32, 32\)\); a microbatch needs at least one sample"),
     ("budget_unit_typo", dict(memory_budget="8 GBs"), AutosplitError, r"memory_budget='8 GBs': expected bytes as a number or a string like '8GiB'"),
     ("budget_negative", dict(memory_budget=-1), AutosplitError, r"memory_budget=-1 = -1 bytes; it must be a positive"),
     ("budget_zero_string", dict(memory_budget="0GiB"), AutosplitError, r"memory_budget='0GiB' = 0 bytes"),

@@ -105,6 +105,23 @@ def test_layouts_under_perturbed_prices_train_like_one_device(pool2, attention):
         _zoo_equal(list(per_seed.values()), names)
 
 
+def test_the_gradient_sum_over_dp_x_cp_is_priced():
+    """The buckets sum each gradient over the dp x cp ranks of a tp coordinate, and FSDP shards over them:
+    at cp = 2 the plan prices the sync a dp = 2 plan does (it priced dp alone, so cp's sync looked free),
+    at cp = 2, dp = 2 a group of 4, and FSDP's per-rank state is a quarter."""
+    x = torch.randn(4, 3, 32, 32)
+
+    def plan(mesh, **kw):
+        torch.manual_seed(0)
+        return autosplit.compile(VARIANTS["tp_timm"](), mesh=mesh, example_input=x, device="h100", **kw)
+
+    cp, dp, both = (plan(m).predicted_step().dp_comm for m in ({"cp": 2}, {"dp": 2}, {"cp": 2, "dp": 2}))
+    assert cp == pytest.approx(dp) and both > 1.5 * dp
+    saved = [plan(m).stages[0].memory_bytes - plan(m, dp_shard="layer").stages[0].memory_bytes
+             for m in ({"dp": 4}, {"cp": 2, "dp": 2})]       # FSDP's saving: the state over 4 ranks in both
+    assert saved[0] > 0 and saved[1] == saved[0]
+
+
 def test_fsdp_of_whole_stages_with_cp_is_refused_by_name():
     with pytest.raises(AutosplitError, match=r"dp_shard='stage' with cp=2 is not supported: use dp_shard='layer'"):
         autosplit.compile(VARIANTS["tp_hand"](), mesh={"cp": 2, "dp": 2}, example_input=torch.randn(2, 3, 32, 32),

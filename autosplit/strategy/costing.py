@@ -194,13 +194,15 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``.  ``optimizer``:
     the OptimizerKind the job steps with (cost_model/optimizer_step.py), None: AdamW."""
     optimizer = optimizer if optimizer is not None else optimizer_kind("adamw")
-    owned = dp if sharding else 1
+    # the gradients are summed (FSDP: sharded) over dp x cp, every tp-th rank (passes/stage_bounds.py)
+    cp, tp = getattr(group.graph, "cp", 1), getattr(group.graph, "tp_inner", group.graph.tp)
+    owned = dp * cp if sharding else 1
     S, seg, split = pp * v, group.seg, deferred_w_stages(schedule, pp, m, v, group.graph.tp,
                                                             group.profile.device_type)
     # FSDP gathers half-precision copies under autocast, as compile prices them (passes/stage_bounds.py)
     gather_ratio = 0.5 if getattr(group.graph, "autocast", None) is not None else 1.0
-    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp, m, sharding or None, group.profile,
-                            gather_ratio, tp=group.graph.tp, units=group.units if sharding == "layer" else None)
+    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp * cp, m, sharding or None, group.profile,
+                            gather_ratio, tp=tp, units=group.units if sharding == "layer" else None)
     overlap = tp_overlaps(group.profile, group.graph.tp, sharding)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]

@@ -232,7 +232,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                 if why:
                     rejected.append(Rejected(mesh, options, why, "schedule"))
                     continue
-                state = (4 / dp + 1 if shard else 4) * params
+                owners = dp * layout.cp           # FSDP shards over dp x cp (passes/stage_bounds.py)
+                state = (4 / owners + 1 if shard else 4) * params
                 floor = (state + (saved if recompute is None else 0)) / pp - pp * v
                 if budget is not None and floor > budget:
                     rejected.append(Rejected(mesh, options,
@@ -240,7 +241,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
                 # the fullest rank steps at least the mean of the parameters it owns (optimizer_step.py)
-                opt_floor = opt_kind.floor(params / pp / (dp if shard else 1), profile)
+                opt_floor = opt_kind.floor(params / pp / (owners if shard else 1), profile)
                 bounded.append((m * time_floor / pp + opt_floor, describe(mesh, options),
                                 (graph, b, recompute), pp, dp, schedule, v, m, shard, options, opt_floor, mesh))
 
