@@ -30,8 +30,9 @@ Terms (factors, classes: factors.py; strategies, transitions: strategies.py; the
                 heads split by one all-to-all each, attention on whole sequences of cp-th of the heads,
                 its output moved back; where cp divides the heads).  The engine may move any tensor of
                 the cp axis from one split dim to another (strategies.py *transition*); the heads are
-                the classes of the attention's first operand's dim -3 (B, H, N, d).  Beside tp only
-                "gather" is built (the heads are tp's already; ``shard_context`` says why).
+                the classes of the attention's first operand's dim -3 (B, H, N, d).  Beside tp the heads
+                are tp_1d's already (split with the weights): the all-to-all splits each tp rank's heads
+                again over cp, where cp x tp divides them, and the lowering nests that dim tp_1d outermost.
   parameters -- whole on every cp rank (the engine never stores one split over cp), their gradients
                 summed over cp by the runtime's dp x cp buckets (lower.py *replicated axis*).
 
@@ -136,13 +137,14 @@ def readers(table: dict) -> list[fx.Node]:
     return out
 
 
-def heads(sh: Sharding, table: dict) -> set[int]:
-    """The classes of dim -3 of each attention's first operand (B, H, N, d): see *attention lowering*."""
+def heads(sh: Sharding, table: dict, ways: int = 1) -> set[int]:
+    """The classes of dim -3 of each attention's first operand (B, H, N, d): see *attention lowering*;
+    those whose size ``ways`` divides (beside tp: cp x tp, as the heads are split over both)."""
     f, out = sh.factors, set()
     for u in readers(table):
         q = table[u].operands[0][1] if u in table and table[u].operands else None
         if q is not None and len(q) >= 3:
-            out |= {f.find(leaf) for leaf in f.flat(q[-3])}
+            out |= {f.find(leaf) for leaf in f.flat(q[-3]) if f.size[leaf] % ways == 0}
     return out
 
 
@@ -168,13 +170,6 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
         microbatches: per step (prices the once-a-step sums of partial gradients).
         attention: "auto", "gather" or "all_to_all" (see *attention lowering*).
     """
-    if tp > 1 and attention == "all_to_all":
-        raise PlanError(f"cp_attention='all_to_all' with cp={cp} beside tp={tp} is not built: the heads would be split "
-                        f"over tp_1d (outer, with the weights) and then over cp inside each tp rank's heads, but a "
-                        f"dim split over two axes must hold the outer axis's (cp's) parts outermost; use "
-                        f"cp_attention='gather' (or 'auto', which gathers beside tp)")
-    if tp > 1:
-        attention = "gather"               # "auto" beside tp: the gather alone (see the error above)
     copies = insert_key_copies(gm)
     axes = ((AXIS, cp),) + (((TP_AXIS, tp),) if tp > 1 else ())      # autosplit/tp/axes.py block_axes
     size = dict(axes)
@@ -185,10 +180,13 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
         price_vals = {**price_vals, **{v.name: price_vals[v.meta["functional_of"]] for v in gm.graph.nodes
                                        if v.meta.get("functional_of") in price_vals}}
     shardings: dict[str, Sharding] = {}
-    allowed = cp_tokens if attention == "gather" else lambda sh, table: cp_tokens(sh, table) | heads(sh, table)
+    # Ulysses beside tp: tp_1d splits the heads first (with the weights), cp each tp rank's heads again,
+    # so only heads that cp x tp divides may move (an attention with fewer gathers)
+    ways = cp * tp
+    allowed = cp_tokens if attention == "gather" else lambda sh, table: cp_tokens(sh, table) | heads(sh, table, ways)
     forced = None
     if attention == "all_to_all":          # each attention runs on heads where any option splits them
-        forced = lambda sh, table: {u: (lambda s, h=heads(sh, table): s.cls in h) for u in readers(table)}  # noqa: E731
+        forced = lambda sh, table: {u: (lambda s, h=heads(sh, table, ways): s.cls in h) for u in readers(table)}  # noqa: E731
     shardings[AXIS] = first = analyse(gm, cp, profile, allowed_fn=allowed, must_split_fn=cp_tokens,
                                       padded_fn=cp_tokens, price_vals=price_vals, microbatches=microbatches,
                                       grid=True, partial_linears=True, stride=tp, split_params=False,
@@ -208,7 +206,11 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
     plan.notes.insert(0, f"cp={cp}: {len(copies)} key copies ({', '.join(sorted({c.meta['key_copy_of'] for c in copies})[:6])}"
                          f"{', ...' if len(copies) > 6 else ''}) mark the keys and values each attention reads whole; the "
                          f"query tokens split")
-    Lowering(shardings, plan, coords=lambda t: coords(axes, t), replicated=(AXIS,)).run()
+    # the lowering's nesting order, tp_1d outermost: beside tp the all-to-all splits each tp rank's heads
+    # further over cp, so a heads dim split over both holds tp's parts outermost (nesting.py).  No other dim
+    # is split over both (tokens are cp's, features tp's).  The ranks keep their order (``axes``: cp outer)
+    order = dict(reversed(list(shardings.items())))
+    Lowering(order, plan, coords=lambda t: coords(axes, t), replicated=(AXIS,)).run()
     gm.graph.eliminate_dead_code(is_impure_node=keeps_effect)   # fx calls x.add_(y) pure
     gm.graph.lint()
     return plan

@@ -133,7 +133,8 @@ class Lowering:
         """For the cost model (cost_model/comm.py ``collective_time``): the ranks a collective over
         ``axis`` runs on, and how far apart they sit in the tp group (the sizes of the axes inside it:
         tp rank is mixed radix over the axes, the first outermost)."""
-        inner = self.axes[self.axes.index(axis) + 1:]
+        ranks = [a for a, _ in getattr(self.plan, "axes", ())] or self.axes    # the ranks' order (may differ from
+        inner = ranks[ranks.index(axis) + 1:]                                    # the nesting order: context.py)
         return {"axis_size": self.n(axis), "axis_stride": math.prod(self.n(b) for b in inner)}
 
     def whole_grads(self) -> None:
@@ -349,6 +350,17 @@ class Lowering:
                             f"several tp axes must be split outermost axis first and gathered innermost first "
                             f"({' > '.join(self.axes)}); this model's layout on this grid is not supported")
         src = p
+        # a pending bias is added once, after the last sum: summed over several axes (cp's rows and tp_1d's
+        # features of one row-parallel linear), a bias added after the first would be summed again
+        last_sum = next((a for a in reversed(steps) if state[a] == P), None)
+        if any(needs[a] == P for a in axes):
+            last_sum = None              # (still a partial sum after the chain: no axis adds it yet)
+            pending = any(p in self.sh[a].chosen and self.sh[a].chosen[p].pending_bias for a in axes)
+            if pending and any(state[a] == P and needs[a] != P for a in axes):
+                raise PlanError(f"'{p.name}' would be summed over {', '.join(a for a in axes if state[a] == P and needs[a] != P)} "
+                                f"and passed on partial over {', '.join(a for a in axes if needs[a] == P)}, with its bias "
+                                f"pending: no sum could add the bias once; this model's layout on this mesh is not "
+                                f"supported")
         for axis in steps:
             have, need = state[axis], needs[axis]
             d = self._dim(axis, p, have) if isinstance(have, tuple) else None
@@ -356,7 +368,7 @@ class Lowering:
             for b in self.axes:
                 if b != axis and d is not None and isinstance(state[b], tuple) and self._dim(b, p, state[b]) == d:
                     outer *= self.n(b)
-            src = self.transition(axis, p, src, need, sharded[axis], outer)
+            src = self.transition(axis, p, src, need, sharded[axis], outer, bias=axis == last_sum)
             state[axis] = need if not (p in self.stored and axis == self.store) else state[axis]
         return src
 
@@ -376,9 +388,11 @@ class Lowering:
         w = self.sh[axis].enum.where(layout, place[1])
         return None if w is None else w[0]
 
-    def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool, outer: int = 1) -> fx.Node:
+    def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool, outer: int = 1,
+                   bias: bool = True) -> fx.Node:
         """``src`` (``p``, after the earlier axes' transitions) in the place ``need`` on ``axis``;
-        ``outer``: how many ways other axes still split the dim a gather restores."""
+        ``outer``: how many ways other axes still split the dim a gather restores; ``bias``: a sum adds
+        the bias ``p`` left pending (False: another axis's sum comes after it)."""
         if p in self.stored and axis == self.store:
             return self._stored_gather(p, src)
         sh = self.sh[axis]
@@ -387,14 +401,15 @@ class Lowering:
                                            (self.param_copies and axis not in self.replicated))
         if have == need and not (need == R and consumer_sharded and grads and not self.keys_partial(axis, p)):
             return src
-        key = (axis, src, have, need, consumer_sharded if need == R else None)
+        key = (axis, src, have, need, consumer_sharded if need == R else None, bias)
         if key in self.made:
             return self.made[key]
         n = self.n(axis)
         if have == need:                                          # R for a split consumer
             node = self._new(src, C.copy_to_axis, (src, axis), p, axis, Replicate())
         elif have == P:
-            node = self._add_bias(axis, p, self._reduce(axis, p, src, need))
+            node = self._reduce(axis, p, src, need)
+            node = self._add_bias(axis, p, node) if bias else node
             if need == R and consumer_sharded:     # a split consumer's input gradient is a part: sum it
                 node = self._new(node, C.copy_to_axis, (node, axis), p, axis, Replicate())
         elif have == R:
