@@ -176,6 +176,7 @@ def test_ulysses_all_to_all_trains_like_one_device(request, name, mesh):
 
 
 @pytest.mark.parametrize("name,attention", [("tp_timm", "all_to_all"), ("timm_cls", "auto")])
+@pytest.mark.default_cases("tp_timm-all_to_all")
 def test_one_microbatch_per_step_trains_like_one_device(pool2, name, attention):
     """One microbatch of 8 rows: the engine runs the attention projection on heads (its weight sliced
     over cp, its sum reduce-scattered onto token rows) and adds the bias to each rank's rows, so the

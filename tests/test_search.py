@@ -81,7 +81,7 @@ def test_pruned_search_equals_brute_force(world, budget, measured):
 
 
 @pytest.mark.parametrize("measured", [False, True, "nodes"])
-@pytest.mark.default_cases('False')
+@pytest.mark.slow       # (17 s; the default tier keeps test_search_cp's and test_step_pricing's search = compile checks)
 def test_predictions_equal_compile(measured):
     """Every candidate's step time, memory and cut are what compile + predict_plan give (top 3 and a
     sample), with a datasheet profile, with a measured one (per-class fits, sharing, posting: the search once

@@ -84,6 +84,7 @@ def test_search_mesh_is_a_mesh_shape_that_reads_as_the_tuple():
 
 
 @pytest.mark.parametrize("cp,tp", [(2, 1), (2, 2)])
+@pytest.mark.default_cases("2-2")
 def test_cp_graph_at_any_size_equals_compile(cp, tp):
     """A cp layout's graph, rewritten at the plan's (m, b) as compile rewrites it (built at 2 and 3 rows,
     rescaled to b), has compile's nodes, costs and cut points (at m = 4, b = 1 and b = 4 rewrite
@@ -103,6 +104,7 @@ def test_cp_graph_at_any_size_equals_compile(cp, tp):
 
 
 @pytest.mark.parametrize("family", ["timm", "hand"])
+@pytest.mark.default_cases("timm")
 def test_cp_layers_copied_price_as_the_whole_rewrite(family):
     """The search rewrites four of a model's identical blocks and copies the rest (passes/repeats.py): for
     a cp layout the copies price as the whole rewrite does (every stage cut's time, bytes and activations,
@@ -158,6 +160,7 @@ def test_cp_candidates_equal_compile():
         _equal_compile(model, c, batch, 32)
 
 
+@pytest.mark.slow
 def test_a_budget_only_cp_meets_picks_cp_and_compile_agrees():
     """Without a budget a cp = 1 configuration wins; under a budget below every cp = 1 configuration's
     memory the search picks a cp layout (one head: tensor parallelism cannot split the attention, cp splits
@@ -186,6 +189,7 @@ def test_long_sequences_pick_cp_and_short_ones_do_not():
     assert "tp+cp comm" in short.table() and "cp=" in short.table()
 
 
+@pytest.mark.slow
 def test_pruned_cp_search_equals_brute_force():
     """The bounds a cp layout is pruned with before it is rewritten (layout.py ``ContextLayout``: the
     single-device graph's floors split cp * tp ways) never drop a configuration of the top ones."""
@@ -247,6 +251,7 @@ def test_mesh_auto_takes_a_cp_candidate(monkeypatch):
     assert chosen["cp_attention"] == "auto" and chosen["tp_mode"] == "1d" and not chosen["sequence_parallel"]
 
 
+@pytest.mark.slow
 def test_autocast_dp_shard_candidates_equal_compile():
     """Under autocast compile prices FSDP's gathers of half-precision copies (passes/stage_bounds.py):
     the search's dp_shard candidates too (they once priced float32 gathers)."""
@@ -257,6 +262,7 @@ def test_autocast_dp_shard_candidates_equal_compile():
         _equal_compile(model, next(c for c in every if c.options["dp_shard"] == shard and c.mesh.pp == 2), batch, 32)
 
 
+@pytest.mark.slow
 def test_cli_table_shows_cp(capsys):
     from autosplit.__main__ import main
     assert main(["search", "tests.test_search_cp:long_vit", "--world", "4", "--global-batch", "1", "--top", "3"]) == 0

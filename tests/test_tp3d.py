@@ -175,6 +175,7 @@ def test_auto_trains_a_grid_it_chose(pool8):
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.default_cases("1")
 def test_every_layout_the_cube_program_may_pick_lowers(seed):
     """3D's joint program under perturbed prices (tests/checks_layouts.py): whatever layout it picks, the
     lowering builds it (xcit's class attention and attention over channels; before nesting.py the program
