@@ -357,7 +357,25 @@ def _scale(x, y, k: int):
     return value
 
 
-class DeferredLayout:
+class _Unbuilt:
+    """Bounds of a layout not rewritten yet, from the single-device graph ``base``: floors.py's split
+    floor of its compute and saved activations over the ``tp`` ranks of a block, of its parameters over
+    ``param_ways`` (the ranks that split them), and ``base``'s cut positions."""
+
+    base: LayoutGraph
+    tp: int
+    param_ways: int
+
+    @property
+    def cuts(self):
+        return self.base.cuts
+
+    def floors(self, b: int, profile) -> tuple[float, float, float]:
+        t, saved, params = self.base.floors(b, profile, ways=self.tp)
+        return t, saved / self.tp, params / self.param_ways
+
+
+class DeferredLayout(_Unbuilt):
     """A grid layout's LayoutGraph, built when a configuration of it is first priced (search.py, step 4).
 
     Rewriting a graph for 2.5D or 3D costs seconds (three engine programs, one over pairs), and most of
@@ -369,16 +387,9 @@ class DeferredLayout:
 
     def __init__(self, build, tp: int, unit: int, base: LayoutGraph):
         self._build, self.tp, self.unit, self.base = build, tp, unit, base
+        self.param_ways = tp
         self.graph: LayoutGraph | None = None
         self.error: str | None = None
-
-    @property
-    def cuts(self):
-        return self.base.cuts
-
-    def floors(self, b: int, profile) -> tuple[float, float, float]:
-        t, saved, params = self.base.floors(b, profile, ways=self.tp)
-        return t, saved / self.tp, params / self.tp
 
     def resolve(self, microbatches: int | None = None, rows: int | None = None) -> LayoutGraph | None:
         """The built graph (once), or None with ``error`` the rewrite's refusal (one rewrite serves every
@@ -392,7 +403,7 @@ class DeferredLayout:
         return self.graph
 
 
-class ContextLayout:
+class ContextLayout(_Unbuilt):
     """A cp layout's LayoutGraphs (cp x tp, 1D inside; see the module docstring's *cp*), built when a
     configuration of it is first priced (search.py, step 4), one per microbatch count m and size b it
     is priced at.
@@ -419,18 +430,11 @@ class ContextLayout:
                  autocast, base: LayoutGraph, failures: list | None = None):
         self.traced, self.inputs, self.profile, self.repeats, self.autocast = traced, inputs, profile, repeats, autocast
         self.cp, self.tp_inner, self.tp, self.base = cp, tp, cp * tp, base
+        self.param_ways = tp                # parameters whole on every cp rank
         self.failures = failures if failures is not None else []
         self.graphs: dict[tuple[int, int], LayoutGraph | None] = {}     # (m, b) -> its graph (None: refused)
         self.errors: dict[tuple[int, int], str] = {}
         self._by_signature: dict[tuple, LayoutGraph] = {}
-
-    @property
-    def cuts(self):
-        return self.base.cuts
-
-    def floors(self, b: int, profile) -> tuple[float, float, float]:
-        t, saved, params = self.base.floors(b, profile, ways=self.tp)
-        return t, saved / self.tp, params / self.tp_inner
 
     @property
     def error(self) -> str | None:

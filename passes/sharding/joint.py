@@ -108,12 +108,8 @@ def _nests_wrong(sa: Sharding, sb: Sharding, base: Sharding | None, p: fx.Node, 
 
 
 def _state(sh: Sharding, v: fx.Node, k: int, place):
-    """``place`` of ``v``'s operand ``k`` as nesting.py reads it (R, P or the dim it splits)."""
-    if not isinstance(place, tuple):
-        return place
-    layout = sh.nodes[v].rule.operands[k][1]
-    w = None if isinstance(layout, tuple) else sh.enum.where(layout, place[1])
-    return (id(sh), place) if w is None else w[0]
+    """``place`` of ``v``'s operand ``k`` as nesting.py reads it."""
+    return nesting.state(place, sh.enum, sh.nodes[v].rule.operands[k][1], (id(sh), place))
 
 
 def _splits(sh: Sharding, pr, i: int) -> list[bool]:

@@ -172,8 +172,8 @@ class Lowering:
                  for j, (a, _) in (enumerate(sh.nodes[c].rule.operands) if c in sh.nodes else [(0, (u, None))])
                  if a is u]
         for need in needs:
-            w = sh.enum.where(self.layout(axis, u), need[1]) if isinstance(need, tuple) else None
-            if w is None or w[0] == last:
+            d = self._dim(axis, u, need) if isinstance(need, tuple) else None
+            if d is None or d == last:
                 return False
         return bool(needs)
 
@@ -373,20 +373,13 @@ class Lowering:
         return src
 
     def _state(self, axis, p: fx.Node, place):
-        """``place`` as nesting.py reads it: R, P or the tensor dim it splits (a tuple's element moves:
-        a token no other axis shares)."""
-        if not isinstance(place, tuple):
-            return place
-        d = self._dim(axis, p, place)
-        return (axis, place) if d is None else d
+        """``place`` of ``p`` as nesting.py reads it."""
+        return nesting.state(place, self.sh[axis].enum, self.layout(axis, p), (axis, place))
 
     def _dim(self, axis, p: fx.Node, place):
         """The tensor dim ``place`` (a Shard) splits of ``p``; None for a tuple's (moved per element)."""
-        layout = self.layout(axis, p)
-        if isinstance(layout, tuple):
-            return None
-        w = self.sh[axis].enum.where(layout, place[1])
-        return None if w is None else w[0]
+        d = nesting.state(place, self.sh[axis].enum, self.layout(axis, p), None)
+        return d if isinstance(d, int) else None
 
     def transition(self, axis, p: fx.Node, src: fx.Node, need, consumer_sharded: bool, outer: int = 1,
                    bias: bool = True) -> fx.Node:

@@ -25,6 +25,16 @@ from __future__ import annotations
 from autosplit.passes.sharding.strategies import P, R
 
 
+def state(place, enum, layout, token):
+    """``place`` (strategies.py: R, P or ("S", class)) as this module reads it: R, P or the tensor dim
+    its class lies in under ``layout`` (the Enumerator ``enum``'s ``where``); ``token`` where the
+    layout is a tuple's or holds no such class (a move per element: a token no other axis shares)."""
+    if not isinstance(place, tuple):
+        return place
+    w = None if isinstance(layout, tuple) else enum.where(layout, place[1])
+    return token if w is None else w[0]
+
+
 def order(states: list) -> list[int]:
     """The axes (indices into ``states``: (have, need) per axis, outermost first) in chain order."""
     sums = [i for i, (have, _) in enumerate(states) if have == P]
