@@ -198,12 +198,6 @@ class PlanOptions:
         check_dp_shard(self.dp_shard)
         validate.positive_int("tp_overlap_chunks", self.tp_overlap_chunks)
         validate.one_of("cp_attention", self.cp_attention, CP_ATTENTION)
-        if getattr(mesh, "cp", 1) > 1 and self.dp_shard == "stage":
-            # Not built: every unit of dp_shard="layer" gathers right over dp x cp, but the one unit of a
-            # whole stage came back with wrong values on gloo at cp=2, dp=2 (tests/test_context_parallel.py
-            # runs "layer"); refused until that is understood, never run wrong
-            raise AutosplitError(f"dp_shard='stage' with cp={mesh.cp} is not supported: use dp_shard='layer' (FSDP2 "
-                                 f"units per layer over dp x cp) or dp_shard=True, which picks it")
         if self.schedule in SPLIT_BACKWARD and self.dp_shard:
             raise AutosplitError(
                 f"schedule={self.schedule!r} with dp_shard={self.dp_shard!r}: FSDP2 reduce-scatters a module's "

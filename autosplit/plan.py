@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from autosplit.errors import AutosplitError, RankError
@@ -86,7 +87,9 @@ class Plan:
         key = (stage, tp_rank)
         if key not in self._tp_modules:
             graph = self.modules[stage].graph
-            self._tp_modules[key] = fx.GraphModule(self.tp_plan.local_root(tp_rank, graph), graph, f"Stage{stage}")
+            module = fx.GraphModule(self.tp_plan.local_root(tp_rank, graph), graph, f"Stage{stage}")
+            same_order(module, self.modules[stage])
+            self._tp_modules[key] = module
         return self._tp_modules[key]
 
     def balance(self) -> tuple[float, float | None]:
@@ -155,3 +158,22 @@ class Plan:
     def dump(self, directory) -> list[str]:
         """Write per-rank code, a graph drawing per stage, plan.json, summary.txt, schedule.txt."""
         return dump_plan(self, directory)
+
+
+def same_order(module: torch.nn.Module, like: torch.nn.Module) -> None:
+    """Register ``module``'s submodules, parameters and buffers in ``like``'s order (names ``like`` lacks
+    after its own).  A stage module of block rank > 0 is built from the graph, rank 0's from the model, and
+    their orders differed; FSDP2 flattens a unit's parameters in registration order and all-gathers the
+    flat buffer, so with cp (units over dp x cp, ranks of other block coordinates) another order on one
+    rank gathered its shards into the wrong parameters: a wrong forward under dp_shard="stage"."""
+    for name, sub in list(module.named_modules()):
+        try:
+            ref = like.get_submodule(name)
+        except AttributeError:
+            continue
+        for table in ("_modules", "_parameters", "_buffers"):
+            mine, theirs = getattr(sub, table), getattr(ref, table)
+            order = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
+            items = [(k, mine[k]) for k in order]
+            mine.clear()
+            mine.update(items)

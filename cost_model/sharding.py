@@ -120,15 +120,14 @@ def unit_sums(nodes, layers) -> dict[str | None, float]:
     return per_unit
 
 
-def candidates(dp_shard, dp: int, cp: int = 1) -> list[str | None]:
-    """The shardings to try, in order of preference, for ``compile(..., dp_shard=...)``; with a cp axis
-    "layer" only (autosplit/options.py says why)."""
+def candidates(dp_shard, dp: int) -> list[str | None]:
+    """The shardings to try, in order of preference, for ``compile(..., dp_shard=...)``."""
     if dp_shard not in (False, None, True, *GRANULARITIES):
         raise ValueError(f"dp_shard={dp_shard!r}: expected False, True (the cost model chooses), 'stage' or 'layer'")
     if not dp_shard:
         return [None]
     if dp_shard is True:
-        return [g for g in GRANULARITIES if cp == 1 or g != "stage"]
+        return list(GRANULARITIES)
     return [dp_shard]
 
 

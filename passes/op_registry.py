@@ -86,7 +86,7 @@ _declare("linear_2d", kind="gemm", fresh_grad=True, cost="linear_2d")  # a grid'
 _declare("matmul bmm", kind="gemm", shard="matmul", fresh_grad=True, cost="matmul")
 _declare("mm", kind="gemm", shard="matmul", cost="matmul")
 _declare("addmm baddbmm", kind="gemm", cost="addmm")
-_declare("einsum", cost="einsum")                                   # what it is depends on its equation
+_declare("einsum", kind="gemm", shard="einsum", cost="einsum")      # one class per subscript: rules.py
 _declare("conv1d conv2d conv3d", kind="conv", shard="conv", weighted=True, fresh_grad=True, rowwise=True, cost="conv")
 _declare("Conv1d Conv2d Conv3d", kind="conv", fresh_grad=True, rowwise=True, cost="conv")
 _declare("scaled_dot_product_attention", kind="attention", shard="sdpa", fresh_grad=True, random="dropout_p",
@@ -156,7 +156,8 @@ _declare("view_as expand_as narrow select movedim as_strided unfold", kind="view
 _declare("getitem", kind="view", shard="getitem", linear_in="first", cost="getitem")
 _declare("cat concat", kind="view", shard="cat", linear_in="all", cost="copy")
 _declare("stack", kind="view", shard="stack", linear_in="all", cost="copy")
-_declare("concatenate repeat tile roll flip pad gather index_select", kind="copy", cost="copy")
+_declare("concatenate repeat tile roll flip gather index_select", kind="copy", cost="copy")
+_declare("pad", kind="copy", shard="pad", cost="copy")
 _declare("size", kind="shape", cost="view")
 _declare("numel", kind="count")
 _declare("dim", kind="rank", cost="view")

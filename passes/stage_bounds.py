@@ -36,7 +36,7 @@ class ChooseStageBounds(MetaPass):
 
     def call(self, graph_module) -> PassResult:
         s, opts, seg = self.state, self.state.options, self.state.costs
-        options = candidates(opts.dp_shard, s.mesh.dp, s.mesh.cp) if s.mesh.dp > 1 else [None]
+        options = candidates(opts.dp_shard, s.mesh.dp) if s.mesh.dp > 1 else [None]
         for sharding in options:        # in order of preference: the first whose cut fits the budget
             # the gradients are summed (FSDP: sharded) over the dp x cp ranks of one tp coordinate, every
             # tp-th rank (autosplit/mesh.py's order): with cp = 1 the dp group

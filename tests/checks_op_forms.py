@@ -12,7 +12,8 @@ How the forms are generated (no form is listed by hand):
                 ``torch.<name>`` function: the schemas of ``torch.ops.aten.<name>``), else the Python
                 signature (``inspect.signature``: ``F.softmax``, operator functions, module
                 constructors and forwards).  ``out=`` overloads and ones not taking a tensor first
-                (``aten::add.int``) are not tensor ops of a model and are left out.
+                (``aten::add.int``; einsum's leading equation aside) are not tensor ops of a model and
+                are left out.
   values     -- each parameter takes the first candidate (by its name, else by its type: ``VALUES``)
                 for which the whole call runs eagerly on the block's tensors and gives finite values;
                 tensors are the block's activations and parameters (``TENSORS``).  A parameter named in
@@ -141,7 +142,8 @@ def _schema_params(schema) -> list[Param] | None:
     if schema.overload_name.endswith("out") or any(a.alias_info is not None and a.alias_info.is_write
                                                    for a in args):
         return None
-    if not args or str(args[0].type) not in ("Tensor", "Tensor[]", "List[Tensor]"):
+    operands = [a for a in args if str(a.type) != "str"]       # einsum's equation comes before its tensors
+    if not operands or str(operands[0].type) not in ("Tensor", "Tensor[]", "List[Tensor]"):
         return None
     return [Param("input" if a.name == "self" else a.name, str(a.type).replace("List[Tensor]", "Tensor[]")
                   .replace("Optional[Tensor]", "Tensor?"), not a.has_default_value(), a.kwarg_only) for a in args]

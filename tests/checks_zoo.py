@@ -53,12 +53,12 @@ def _one(name: str, mesh, tp_mode: str, **kw) -> dict:
     """Train ``name`` on ``mesh`` and compare with its reference (every rank computes the reference)."""
     model = build(name)
     xs, ys = _batches(IMAGE[name])
-    ref_losses, ref_state = _reference(model, xs, ys, MICROBATCHES if name in BATCHNORM else 1)
+    m = kw.pop("num_microbatches", MICROBATCHES)
+    ref_losses, ref_state = _reference(model, xs, ys, m if name in BATCHNORM else 1)
     start = time.perf_counter()
     try:
         pm = autosplit.parallelize(model, mesh=mesh, loss_fn=torch.nn.CrossEntropyLoss(),
-                                   num_microbatches=MICROBATCHES, tp_mode=tp_mode,
-                                   example_input=xs[0, : BATCH // MICROBATCHES], **kw)
+                                   num_microbatches=m, tp_mode=tp_mode, example_input=xs[0, : BATCH // m], **kw)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
     except AutosplitError as exc:
         return {"refused": f"{type(exc).__name__}: {exc}"}

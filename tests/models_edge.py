@@ -15,6 +15,9 @@ real code sometimes writes it:
                       ``torch.sigmoid_(g)``, ``F.relu_(h)`` (results unused) on split activations;
   inplace_alias    -- an in-place add whose written tensor is also read through another name
                       afterwards (the write must reach that reader);
+  einsum           -- attention as ``torch.einsum`` with explicit and ellipsis subscripts; ``einsum_mlp``:
+                      a gate as an einsum of the activation and a weight with the implicit output (B, 2C, N);
+  pad              -- ``F.pad`` of the tokens, of the channels (both cut back after) and by zeros only;
   slice_traced     -- ``x[:, :n]`` with ``n`` computed from a shape while tracing (a node inside a
                       ``slice``), and a slice bound that depends on train / eval mode.
 Also the tiny timm models the issue names (pit, samvit), built with ``pretrained=False``.
@@ -54,6 +57,9 @@ class _Attention(nn.Module):
             s = s - s.amax(dim=-1, keepdim=True)
             s = s.exp() / s.exp().sum(dim=-1).unsqueeze(dim=-1)            # softmax over keys, by hand
             y = s.softmax(dim=-1) @ v                                      # a second softmax, negative dim
+        elif self.variant == "einsum":
+            s = torch.einsum("bhqd,bhkd->bhqk", q, k) * d ** -0.5           # (B, H, Nq, Nk)
+            y = torch.einsum("...qk,...kd->...qd", s.softmax(-1), v)        # ellipsis over (B, H)
         else:
             y = F.scaled_dot_product_attention(q, k, v)
         return self.proj(y.transpose(dim0=-3, dim1=-2).reshape(B, N, C))
@@ -84,6 +90,12 @@ class _Mlp(nn.Module):
         elif self.variant == "shape_index":
             (N,) = h.shape[1:2]                                            # a slice that misses the split dims
             h = (h * (h.shape[-1] / (4 * DIM)) + h / h.size()[2]).reshape(h.shape[0], N, -1)  # h/2 + h/2C, global
+        elif self.variant == "einsum_mlp":
+            h = torch.einsum("bnc,dc", x, self.gate.weight)                 # implicit output: (B, 2C, N)
+            h = F.gelu(h.transpose(1, 2) + self.gate.bias) * F.gelu(self.fc1(x))
+        elif self.variant == "pad":
+            h = F.pad(h, (0, 0, 1, 0))[:, 1:] + F.pad(x, (0, 2))[..., :-2].repeat(1, 1, 2)  # tokens; channels
+            h = F.pad(h, (0, 0, 0, 0, 0, 0))                                 # no padding: every dim kept
         elif self.variant == "inplace_alias":
             g = torch.sigmoid(self.gate(x))
             before = h
@@ -142,19 +154,21 @@ def tiny_samvit():
 
 
 EDGE_VARIANTS = ("softmax_implicit", "dims_negative", "shape_reads", "shape_chain", "shape_index", "inplace",
-                 "inplace_alias", "slice_traced")
+                 "inplace_alias", "slice_traced", "einsum", "einsum_mlp", "pad")
 VARIANTS.update({f"edge_{v}": (lambda v=v: EdgeViT(v)) for v in EDGE_VARIANTS})
 
 
 def edge_mixed_a():
-    """Implicit-dim softmax with shape reads, then negative / keyword dims with in-place writes."""
-    return EdgeViT(blocks=[("softmax_implicit", "shape_reads"), ("dims_negative", "inplace")])
+    """Implicit-dim softmax with shape reads, then negative / keyword dims with in-place writes, then einsum
+    attention with padding in the MLP."""
+    return EdgeViT(blocks=[("softmax_implicit", "shape_reads"), ("dims_negative", "inplace"), ("einsum", "pad")])
 
 
 def edge_mixed_b():
     """A traced, mode-dependent token slice in the stem, an aliased in-place write, shape arithmetic,
-    indexed shape reads."""
-    return EdgeViT("slice_traced", blocks=[("sdpa", "inplace_alias"), ("sdpa", "shape_chain"), ("sdpa", "shape_index")])
+    indexed shape reads, an einsum attention with an einsum gate."""
+    return EdgeViT("slice_traced", blocks=[("sdpa", "inplace_alias"), ("sdpa", "shape_chain"), ("sdpa", "shape_index"),
+                                           ("einsum", "einsum_mlp")])
 
 
 # Every variant in two models: what the multi-process tests train (one model per variant costs 3x).

@@ -123,10 +123,21 @@ ZOO = {f.__name__: f for f in (vit, deit_distilled, deit3, beit, eva02, vit_relp
 
 IMAGE = {name: 64 if name == "levit" else 32 for name in ZOO}
 
+
+def samvit_windows():
+    """samvit at 64 px: an 8 x 8 token grid in 4 x 4 windows, no padding, so 2 rows of windows: on 2 cp ranks
+    each holds whole windows (tests/test_context_parallel.py; not a zoo family of its own)."""
+    return timm.create_model("samvit_base_patch16", **{**SMALL, "img_size": 64}, window_size=4,
+                             global_attn_indexes=(1,), neck_chans=32)
+
+
+VARIANTS = {"samvit_windows": samvit_windows}      # built by name like the zoo, never iterated with it
+IMAGE["samvit_windows"] = 64
+
 BATCHNORM = ("xcit", "levit")
 
 
 def build(name: str) -> torch.nn.Module:
-    """The model ``name`` of ZOO with the weights of seed 0 (every rank builds the same one)."""
+    """The model ``name`` of ZOO (or VARIANTS) with the weights of seed 0 (every rank builds the same one)."""
     torch.manual_seed(0)
-    return ZOO[name]()
+    return ZOO[name]() if name in ZOO else VARIANTS[name]()

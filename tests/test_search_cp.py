@@ -57,7 +57,7 @@ def _equal_compile(model, c, global_batch: int, image: int) -> None:
 
 def test_the_space_has_cp_layouts():
     """cp in every divisor >= 2 of the world, 1D tensor parallelism without sequence parallelism inside it
-    (tp >= 1, cp * tp dividing W), listed after every cp = 1 layout; dp_shard='stage' refused beside cp."""
+    (tp >= 1, cp * tp dividing W), listed after every cp = 1 layout; both FSDP units beside cp."""
     every = layouts(8)
     cp = [(lay.cp, lay.tp) for lay in every if lay.cp > 1]
     assert cp == [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]
@@ -65,8 +65,7 @@ def test_the_space_has_cp_layouts():
                for lay in every if lay.cp > 1)
     assert every[:len(layouts(8, context=False))] == layouts(8, context=False)
     assert all(lay.cp == 1 for lay in layouts(8, context=False))
-    assert [s for s, why in shardings(2, "1f1b", cp=2) if why is None] == [False, "layer"]
-    assert "dp_shard='stage' with cp=2" in dict(shardings(2, "1f1b", cp=2))["stage"]
+    assert [s for s, why in shardings(2, "1f1b", cp=2) if why is None] == [False, "stage", "layer"]
 
 
 def test_search_mesh_is_a_mesh_shape_that_reads_as_the_tuple():
@@ -150,11 +149,12 @@ def test_cp_candidates_equal_compile():
     every = autosplit.search(model, 4, X32, global_batch=batch, top=10**6, prune=False, device="h100")
     cps = [c for c in every if c.mesh.cp > 1]
     assert {(c.mesh.cp, c.mesh.tp) for c in cps} == {(2, 1), (2, 2), (4, 1)}
-    assert all(c.options["tp_mode"] == "1d" and not c.options["sequence_parallel"] and c.options["dp_shard"] != "stage"
+    assert all(c.options["tp_mode"] == "1d" and not c.options["sequence_parallel"]
                and c.options["cp_attention"] == "auto" for c in cps)
     picks = cps[:2] + random.Random(0).sample(cps[2:], 2)
     picks += [next(c for c in cps if c.options["schedule"] == "zb-h1"),
               next(c for c in cps if c.options["dp_shard"] == "layer"),
+              next(c for c in cps if c.options["dp_shard"] == "stage"),
               next(c for c in cps if batch // c.mesh.dp // c.options["num_microbatches"] == 1 and c.mesh.pp > 1)]
     for c in {c.label: c for c in picks}.values():
         _equal_compile(model, c, batch, 32)

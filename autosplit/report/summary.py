@@ -130,12 +130,24 @@ def _cp_note(plan) -> list[str]:
             for u in n.users:
                 readers.setdefault(u, []).append(n)
     for u, keys in readers.items():
-        heads = any(isinstance(k.meta.get("spec", {}).get("cp"), Shard) for k in keys)
-        how = ("heads split: q, k, v all-to-all'd from tokens to heads and the output back (Ulysses)" if heads else
-               f"queries split, {' and '.join(k.meta['key_copy_of'] for k in keys)} all-gathered over cp "
-               f"(gradients reduce-scattered)")
-        lines.append(f"  {u.meta.get('module_path') or u.name} ({u.name}): {how}")
+        lines.append(f"  {u.meta.get('module_path') or u.name} ({u.name}): {_attention_lowering(keys, plan.mesh.cp)}")
     return lines
+
+
+def _attention_lowering(keys, cp: int) -> str:
+    """How one attention gets its keys: the split its key copies carry over cp (context.py keys_split)."""
+    how = {k.meta.get("cp_keys", "gather") for k in keys}
+    if how <= {"gather"}:
+        why = next((k.meta["cp_why"] for k in keys if k.meta.get("cp_why")), "")
+        return (f"queries split, {' and '.join(k.meta['key_copy_of'] for k in keys)} all-gathered over cp "
+                f"(gradients reduce-scattered){': ' + why if why else ''}")
+    if "heads" in how:
+        return "heads split: q, k, v all-to-all'd from tokens to heads and the output back (Ulysses)"
+    shape, place = keys[0].meta["val"].shape, keys[0].meta.get("spec", {}).get("cp")
+    at = f"dim {place.dim}" if isinstance(place, Shard) else "a dim"
+    whose = "windows merged into the batch" if "tokens" in how else "the batch"
+    return (f"whole sequences per rank: the keys' {at} ({whose}) split over cp, each rank attending over its "
+            f"own sequences of {shape[-2]} tokens; no communication")
 
 
 def _grid_note(plan) -> list[str]:

@@ -99,9 +99,6 @@ def shardings(dp: int, schedule: str, cp: int = 1) -> list[tuple[object, str | N
         if schedule in SPLIT_BACKWARD:
             why = (f"schedule={schedule!r} with dp_shard={s!r}: FSDP2 reduce-scatters a module's gradients when "
                    f"its backward ends, but a zero-bubble schedule computes the weight gradients later, in W")
-        elif s == "stage" and cp > 1:
-            why = (f"dp_shard='stage' with cp={cp} is not supported by the compiler: FSDP2 units per layer over "
-                   f"dp x cp (dp_shard='layer') only")
         out.append((s, why))
     return out
 

@@ -53,9 +53,10 @@ from autosplit.passes.sharding.describe import layer_lines, opaque_notes
 from autosplit.passes.sharding.engine import Sharding, analyse
 from autosplit.passes.sharding.factors import Factors
 from autosplit.passes.sharding.functional import functionalize
+from autosplit.passes.sharding.grid import batch_classes
 from autosplit.passes.sharding.lower import Lowering
 from autosplit.passes.sharding.megatron import feature_classes, token_classes
-from autosplit.passes.sharding.rules import Rules
+from autosplit.passes.sharding.rules import Rules, einsum_terms
 from autosplit.passes.sharding.tp_plan import TensorParallelPlan
 from autosplit.tp import ops as C
 from autosplit.tp.axes import coords
@@ -71,7 +72,7 @@ def insert_key_copies(gm: fx.GraphModule) -> list[fx.Node]:
     made = []
     for node in list(gm.graph.nodes):
         shard = op(node, gm).shard if node.op in ("call_function", "call_method") else ""
-        if shard in ("matmul", "sdpa"):
+        if shard in ("matmul", "sdpa", "einsum"):
             for operand, dim in _conflicts(rules, node, shard):
                 made.append(_copy(gm, rules, node, operand, dim))
         try:
@@ -100,6 +101,8 @@ def _conflicts(rules: Rules, node: fx.Node, shard: str) -> list[tuple[fx.Node, i
         if _classes(f, [lb[-2]]) & _classes(f, la[:-1]):
             return [(b, len(lb) - 2)]                     # attn @ v: v's tokens
         return []
+    if shard == "einsum":
+        return _einsum_conflicts(rules, node)
     # attention reads every key for each query, whatever classes its operands' tokens have (a rotary
     # table applied to the tokens after the prefix and concatenated back gives q and k classes of
     # their own: eva02): its keys and values are always copied
@@ -108,6 +111,30 @@ def _conflicts(rules: Rules, node: fx.Node, shard: str) -> list[tuple[fx.Node, i
         lx = rules.lay(x)
         if lx is not None and len(lx) >= 2 and not C.is_key_copy(x):
             out.append((x, len(lx) - 2))
+    return out
+
+
+def _einsum_conflicts(rules: Rules, node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """An einsum's conflicts: a dim of a later operand whose classes another subscript letter already holds
+    (``bhqd,bhkd->bhqk``: k's tokens are q's class; ``...qk,...kd->...qd``: v's tokens are the query's).
+    One copy per operand, none for an operand that is also an earlier one (the copy would replace both)."""
+    try:
+        ops, letters, _ = einsum_terms(node)
+    except Exception:                                       # noqa: BLE001  (no rule: opaque, nothing to copy)
+        return []
+    held: dict[str, set[int]] = {}
+    out = []
+    for i, (a, term) in enumerate(zip(ops, letters)):
+        lay, shape = rules.lay(a), a.meta["val"].shape
+        for j, c in enumerate(term):
+            if shape[j] == 1:
+                continue
+            cls = _classes(rules.f, [lay[j]])
+            others = set().union(*(v for k, v in held.items() if k != c))
+            if i > 0 and cls & others and not any(a is b for b in ops[:i]) and all(x is not a for x, _ in out):
+                out.append((a, j))                  # its copy gives the dim a class of its own
+                continue
+            held.setdefault(c, set()).update(cls)
     return out
 
 
@@ -157,6 +184,25 @@ def query_tokens(sh: Sharding, table: dict) -> set[int]:
     return out
 
 
+def keys_split(sh: Sharding, copies: list[fx.Node], ways: int, forced: bool) -> None:
+    """Record on each key copy how the cp axis splits it (see *attention lowering*), for the summary:
+    "gather" (whole: gathered), "heads" (moved to a class of neither the tokens nor the batch: Ulysses),
+    "tokens" (an outer factor of the tokens: windows merged into the batch, each rank's whole) or "batch";
+    and where an all-to-all was asked for (``forced``) but the keys are gathered, why (``cp_why``)."""
+    table, f = sh.table, sh.factors
+    tokens, batch = cp_tokens(sh, table), batch_classes(sh, table)
+    for copy in copies:
+        s = sh.chosen.get(copy)
+        c = s.cls if s is not None and s.out != "R" else None
+        copy.meta["cp_keys"] = ("gather" if c is None else "tokens" if c in tokens else "batch" if c in batch
+                                else "heads")
+        q = next((table[u].operands[0][1] for u in copy.users if u in table and table[u].operands), None)
+        if forced and c is None and q is not None and len(q) >= 3:
+            sizes = [f.size[leaf] for leaf in f.flat(q[-3])]
+            copy.meta["cp_why"] = (f"cp_attention='all_to_all', but cp x tp = {ways} divides none of the head "
+                                   f"counts of its dim -3 ({' x '.join(map(str, sizes))})")
+
+
 def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dict | None = None,
                   microbatches: int = 1, attention: str = "auto") -> TensorParallelPlan:
     """Rewrite ``gm`` (requires meta['val'], global shapes) for the cp x tp block of ranks.
@@ -194,6 +240,7 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
     if not cp_tokens(first, first.table):
         raise PlanError(f"cp={cp}: the graph has no token dim (no attention pairing the tokens of two operands, "
                         f"no linear over a (B, N, C) activation), so nothing can be split over cp; use dp or tp")
+    keys_split(first, copies, ways, attention == "all_to_all")
     if tp > 1:
         shardings[TP_AXIS] = analyse(gm, tp, profile, allowed_fn=feature_classes, must_split_fn=feature_classes,
                                   must_split_weights=True, price_vals=price_vals, microbatches=microbatches,

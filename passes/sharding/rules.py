@@ -346,10 +346,11 @@ class Rules:
             fill = nd - (len(items) - 1 - sum(1 for i in items if i is None))
             items = items[:k] + [slice(None)] * fill + items[k + 1:]
         out, forbid, d = [], [], 0
+        size = D.nth(n, 0).meta["val"].shape
         for i in items:
             if i is None:
                 out.append([self.f.new(1)])
-            elif isinstance(i, slice) and i == slice(None):
+            elif isinstance(i, slice) and _whole(i, size[d] if d < len(size) else None):
                 out.append(x[d])
                 d += 1
             elif isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool)):
@@ -436,6 +437,88 @@ class Rules:
             self._align_trailing(self.lay(mask), scores)
             ops.append((mask, self.lay(mask)))
         return OpRule(lq[:-1] + [lv[-1]], ops, forbid=self._leaves([lq[-1], lk[-2]]), rowwise=True)
+
+
+    def _pad(self, n, x, nd, entry, module) -> OpRule:
+        """F.pad(x, pad, mode, value): a dim padded by 0 on both sides keeps its class; a padded dim is new
+        and its input needed whole (a rank's rows would take another rank's padding).  Linear in x except
+        for a constant pad of a value other than 0 (every rank of a Partial sum would add it)."""
+        amounts = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in (D.named(n, 1, "pad") or ())]
+        if x is None or len(amounts) % 2 or not all(isinstance(a, int) for a in amounts):
+            raise _NoRule("pad amounts not known as ints when planning")
+        padded = {nd - 1 - k // 2 for k, a in enumerate(amounts) if a != 0}     # pairs from the last dim
+        out = [[self.f.new(n.meta["val"].shape[d])] if d in padded else x[d] for d in range(nd)]
+        mode, value = D.named(n, 2, "mode", "constant"), D.named(n, 3, "value", None)
+        linear = "first" if mode != "constant" or value in (None, 0, 0.0) else ""
+        return OpRule(out, [(D.nth(n, 0), x)], forbid=self._leaves([x[d] for d in padded]), linear=linear,
+                      rowwise=True)
+
+    def _einsum(self, n, x, nd, entry, module) -> OpRule:
+        """torch.einsum(equation, *operands): one class per subscript letter (a letter's dims paired across
+        operands, a size-1 dim broadcast), the letters the output drops summed over (``contract``), as a
+        matmul generalised.  A letter twice in one operand (a diagonal) has no rule."""
+        ops, letters, rhs = einsum_terms(n)
+        lays = [self.lay(a) for a in ops]
+        where: dict[str, tuple] = {}
+        for t, la, a in zip(letters, lays, ops):
+            for c, dim, size in zip(t, la, a.meta["val"].shape):
+                if c not in where or where[c][1] == 1:
+                    where[c] = (dim, size)
+                elif size != 1:
+                    self._align(dim, where[c][0])
+        out = [where[c][0] for c in rhs]
+        summed = self._leaves([where[c][0] for c in where if c not in rhs])
+        return OpRule(out, [(a, la) for a, la in zip(ops, lays)], contract=summed,
+                      linear="one" if len(ops) > 1 else "first", rowwise=True)
+
+
+def einsum_terms(n: fx.Node) -> tuple[list, list[str], str]:
+    """(operands, each operand's subscripts, the output's) of a ``torch.einsum`` node, every "..."
+    spelled out as the broadcast dims "0", "1", ... it covers (aligned from the right) and an implicit
+    output made explicit (the letters seen once, in alphabetical order, after the broadcast dims)."""
+    eq, ops = n.args[0] if n.args else None, list(n.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str) or not ops or not all(is_tensor(a) for a in ops):
+        raise _NoRule("einsum with its equation or operands not given positionally")
+    lhs, arrow, rhs = eq.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ops):
+        raise _NoRule(f"einsum '{eq}' names {len(terms)} operands, has {len(ops)}")
+    ndims = [a.meta["val"].dim() for a in ops]
+    span = max((nd - len(t.replace("...", "")) for t, nd in zip(terms, ndims) if "..." in t), default=0)
+    letters = [_spell(t, nd, span) for t, nd in zip(terms, ndims)]
+    if any(len(set(t)) != len(t) for t in letters):
+        raise _NoRule(f"einsum '{eq}' takes a diagonal")
+    if arrow:
+        rhs = _spell(rhs, None, span)
+    else:
+        seen = [c for t in letters for c in t]
+        rhs = "".join(str(k) for k in range(span)) + "".join(sorted(c for c in set(seen)
+                                                                    if seen.count(c) == 1 and c.isalpha()))
+    return ops, letters, rhs
+
+
+def _spell(term: str, ndim: int | None, span: int) -> str:
+    """``term`` with "..." replaced by the broadcast dims it covers (the last of ``span`` of them)."""
+    if "..." not in term:
+        if ndim is not None and len(term) != ndim:
+            raise _NoRule(f"einsum term '{term}' for a {ndim}-D operand")
+        return term
+    pre, _, post = term.partition("...")
+    k = span if ndim is None else ndim - len(pre) - len(post)
+    return pre + "".join(str(j) for j in range(span - k, span)) + post
+
+
+def _whole(i: slice, size: int | None) -> bool:
+    """Does slice ``i`` keep every index of a dim of ``size`` (``x[:, :H]`` where the dim has H, read from
+    the bounds' planned values)?  Then it keeps the dim's class: on a rank holding part of the dim it still
+    keeps every local index, since a stop >= the whole size is >= the part's."""
+    def val(b):
+        return b.meta.get("val") if isinstance(b, fx.Node) else b
+    start, stop, step = val(i.start), val(i.stop), val(i.step)
+    return start in (None, 0) and step in (None, 1) and (stop is None or (isinstance(stop, int) and size is not None
+                                                                           and stop >= size))
 
 
 _SIZE_KEYWORDS = {"size", "shape", "sizes", "split_size", "split_size_or_sections"}
