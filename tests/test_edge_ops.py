@@ -181,6 +181,7 @@ def test_edge_models_train_equal_under_1d(pool2):
     _assert_equal(pool2.run(train_many, MIXED, (1, 2, 1), timeout=600))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["gather", "all_to_all"])
 def test_edge_models_train_equal_under_cp(pool2, attention):
     """The tokens split over cp = 2: the hand-written scores and softmaxes get key copies, the einsum
