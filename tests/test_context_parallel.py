@@ -33,14 +33,15 @@ def _assert_equal(results, axes):
 
 
 @pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
+@pytest.mark.default_cases("tp_timm")
 def test_cp2_trains_like_one_device(pool2, name):
     results = pool2.run(TRAIN, name, {"cp": 2}, "1f1b", 1)
     _assert_equal(results, ["cp"])
     assert sorted(r["cp"] for r in results) == [(0, 2), (1, 2)]
 
 
+@pytest.mark.slow      # a further cp (padding on every cp is in the default tier at cp = 2)
 @pytest.mark.parametrize("name", ["tp_hand", "tp_timm"])
-@pytest.mark.default_cases("tp_timm")
 def test_cp4_trains_like_one_device(pool4, name):
     """17 tokens on 4 ranks: the last rank holds 2 real rows and 3 padding rows."""
     _assert_equal(pool4.run(TRAIN, name, {"cp": 4}, "1f1b", 1), ["cp"])

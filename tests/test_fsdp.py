@@ -67,6 +67,7 @@ def test_non_meta_model_sharded_holds_only_its_shards_with_tp_and_pp(pool4, name
     _held(pool4.run(C.held_beyond_user_model, name, mesh, dp_shard=dp_shard))
 
 
+@pytest.mark.slow      # a further case of FSDP2 (6 s): rebuilt after close
 def test_rebuilt_on_the_same_mesh_after_close(pool4):
     """close() destroys the groups; torch's DTensor caches key on mesh equality (not the groups), so a
     module rebuilt on the same mesh got the destroyed groups back from them after its AdamW steps

@@ -142,6 +142,7 @@ def test_cp_layers_copied_price_as_the_whole_rewrite(family):
             assert one == two, b
 
 
+@pytest.mark.slow      # 10 s; the default tier checks search = compile for cp in test_cp_graph_at_any_size_equals_compile
 def test_cp_candidates_equal_compile():
     """Every cp candidate priced is what compile + predict_plan give: the first few and a sample over
     schedules, recomputation, dp sharding, microbatch counts and sizes (b = 1 among them)."""

@@ -41,6 +41,7 @@ def test_zb_h1_idle_is_a_third_of_1f1b_and_memory_no_more():
             assert all(w <= r + 1 for r, w in enumerate(result.peak_pending_w)), (pp, m)   # W delay + 1
 
 
+@pytest.mark.slow      # a further zero-bubble schedule (5 s); zb-h1 stays in the default tier
 def test_zb_v_idle_is_only_the_unavoidable_start():
     """Unit chunk costs: rank pp-1 cannot start before pp-1 forwards went by, so no schedule idles less
     than pp-1 steps per rank; zb-v idles exactly that once m >= 2pp-1 (the paper's "zero bubble":
