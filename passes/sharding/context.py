@@ -16,8 +16,9 @@ Terms (factors, classes: factors.py; strategies, transitions: strategies.py; the
                 rows are the class of the second operand's columns (q @ k^T), or whose contracted dim of
                 the second operand is a class the first already holds in another dim (attn @ v; the
                 contraction would merge them); every ``sdpa``-rule op's keys and values (attention reads
-                every key for each query, whatever classes its operands carry).  Each conflict gets one
-                key copy of that operand's dim.
+                every key for each query, whatever classes its operands carry); an einsum whose later
+                operand has a dim of a class another subscript letter already holds (``bhqd,bhkd->bhqk``).
+                Each conflict gets one key copy of that operand's dim.
   tokens     -- the classes the key copies detach from (the query tokens), and the dims a Linear maps
                 one by one other than the batch (megatron.py ``token_classes``: an attention over
                 channels, xcit's, sums over the tokens instead and needs no copy).  The cp axis may split
