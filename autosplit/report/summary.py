@@ -130,11 +130,11 @@ def _cp_note(plan) -> list[str]:
             for u in n.users:
                 readers.setdefault(u, []).append(n)
     for u, keys in readers.items():
-        lines.append(f"  {u.meta.get('module_path') or u.name} ({u.name}): {_attention_lowering(keys, plan.mesh.cp)}")
+        lines.append(f"  {u.meta.get('module_path') or u.name} ({u.name}): {_attention_lowering(keys)}")
     return lines
 
 
-def _attention_lowering(keys, cp: int) -> str:
+def _attention_lowering(keys) -> str:
     """How one attention gets its keys: the split its key copies carry over cp (context.py keys_split)."""
     how = {k.meta.get("cp_keys", "gather") for k in keys}
     if how <= {"gather"}:

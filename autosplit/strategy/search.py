@@ -13,7 +13,7 @@ Order of work, cheapest refusals first:
      distinct rewrite;
   2. enumerate meshes (pp, cp, tp, dp), microbatch counts, schedules, recomputation and dp sharding
      (space.py), rejecting what the compiler would refuse (batch and rows divisibility, stages beyond
-     the graph's cuts, zero-bubble with dp_shard, dp_shard="stage" beside cp);
+     the graph's cuts, zero-bubble with dp_shard);
   3. for each configuration two sound lower bounds, from each layout's costs at two sizes (affine in b):
        memory >= (dp state of all parameters + saved activations without recomputation) / pp: the
          fullest rank holds at least the mean of what all ranks hold;
@@ -227,7 +227,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             time_floor, saved, params = graph.floors(b, profile)    # strategy/floors.py
         mesh = search_mesh(pp, layout.tp, dp, layout.cp)
         for recompute in recompute_modes():
-            for shard, why in shardings(dp, schedule, layout.cp):
+            for shard, why in shardings(dp, schedule):
                 options = _options(layout, schedule, v, m, recompute, shard, budget, autocast)
                 if why:
                     rejected.append(Rejected(mesh, options, why, "schedule"))

@@ -21,8 +21,7 @@ Terms:
   stages    -- pp * chunks_per_rank <= the segments the graph can be cut into, and <= 2 per layer
                (``model_layers.layer_paths``): a stage holds at least half a layer.
   recompute -- None, "stage", "block".   dp_shard -- False, or "stage" / "layer" when dp > 1;
-               zero-bubble schedules only with False (the compiler refuses FSDP with a split backward);
-               with cp > 1 not "stage" (the compiler refuses it: autosplit/options.py).
+               zero-bubble schedules only with False (the compiler refuses FSDP with a split backward).
 """
 from __future__ import annotations
 
@@ -89,7 +88,7 @@ def microbatch_counts(pp: int, per_replica: int) -> list[int]:
     return [m for m in divisors(per_replica) if pp <= m <= 4 * pp]
 
 
-def shardings(dp: int, schedule: str, cp: int = 1) -> list[tuple[object, str | None]]:
+def shardings(dp: int, schedule: str) -> list[tuple[object, str | None]]:
     """(dp_shard, why not) pairs: why not is the compiler's refusal, or None."""
     if dp == 1:
         return [(False, None)]

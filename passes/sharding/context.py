@@ -185,13 +185,14 @@ def query_tokens(sh: Sharding, table: dict) -> set[int]:
     return out
 
 
-def keys_split(sh: Sharding, copies: list[fx.Node], ways: int, forced: bool) -> None:
+def keys_split(sh: Sharding, copies: list[fx.Node], tokens: set[int], ways: int, forced: bool) -> None:
     """Record on each key copy how the cp axis splits it (see *attention lowering*), for the summary:
     "gather" (whole: gathered), "heads" (moved to a class of neither the tokens nor the batch: Ulysses),
     "tokens" (an outer factor of the tokens: windows merged into the batch, each rank's whole) or "batch";
-    and where an all-to-all was asked for (``forced``) but the keys are gathered, why (``cp_why``)."""
+    and where an all-to-all was asked for (``forced``) but the keys are gathered, why (``cp_why``).
+    ``tokens``: cp_tokens of ``sh``."""
     table, f = sh.table, sh.factors
-    tokens, batch = cp_tokens(sh, table), batch_classes(sh, table)
+    batch = batch_classes(sh, table)
     for copy in copies:
         s = sh.chosen.get(copy)
         c = s.cls if s is not None and s.out != "R" else None
@@ -238,10 +239,11 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
                                       padded_fn=cp_tokens, price_vals=price_vals, microbatches=microbatches,
                                       grid=True, partial_linears=True, stride=tp, split_params=False,
                                       all_to_all=attention != "gather", must_options_fn=forced)
-    if not cp_tokens(first, first.table):
+    tokens = cp_tokens(first, first.table)
+    if not tokens:
         raise PlanError(f"cp={cp}: the graph has no token dim (no attention pairing the tokens of two operands, "
                         f"no linear over a (B, N, C) activation), so nothing can be split over cp; use dp or tp")
-    keys_split(first, copies, ways, attention == "all_to_all")
+    keys_split(first, copies, tokens, ways, attention == "all_to_all")
     if tp > 1:
         shardings[TP_AXIS] = analyse(gm, tp, profile, allowed_fn=feature_classes, must_split_fn=feature_classes,
                                   must_split_weights=True, price_vals=price_vals, microbatches=microbatches,

@@ -438,12 +438,11 @@ class Rules:
             ops.append((mask, self.lay(mask)))
         return OpRule(lq[:-1] + [lv[-1]], ops, forbid=self._leaves([lq[-1], lk[-2]]), rowwise=True)
 
-
     def _pad(self, n, x, nd, entry, module) -> OpRule:
         """F.pad(x, pad, mode, value): a dim padded by 0 on both sides keeps its class; a padded dim is new
         and its input needed whole (a rank's rows would take another rank's padding).  Linear in x except
         for a constant pad of a value other than 0 (every rank of a Partial sum would add it)."""
-        amounts = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in (D.named(n, 1, "pad") or ())]
+        amounts = [_planned(a) for a in (D.named(n, 1, "pad") or ())]
         if x is None or len(amounts) % 2 or not all(isinstance(a, int) for a in amounts):
             raise _NoRule("pad amounts not known as ints when planning")
         padded = {nd - 1 - k // 2 for k, a in enumerate(amounts) if a != 0}     # pairs from the last dim
@@ -510,13 +509,16 @@ def _spell(term: str, ndim: int | None, span: int) -> str:
     return pre + "".join(str(j) for j in range(span - k, span)) + post
 
 
+def _planned(a):
+    """An argument's value when planning: a node's (shape arithmetic: meta['val']), or the argument itself."""
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
 def _whole(i: slice, size: int | None) -> bool:
     """Does slice ``i`` keep every index of a dim of ``size`` (``x[:, :H]`` where the dim has H, read from
     the bounds' planned values)?  Then it keeps the dim's class: on a rank holding part of the dim it still
     keeps every local index, since a stop >= the whole size is >= the part's."""
-    def val(b):
-        return b.meta.get("val") if isinstance(b, fx.Node) else b
-    start, stop, step = val(i.start), val(i.stop), val(i.step)
+    start, stop, step = _planned(i.start), _planned(i.stop), _planned(i.step)
     return start in (None, 0) and step in (None, 1) and (stop is None or (isinstance(stop, int) and size is not None
                                                                            and stop >= size))
 
