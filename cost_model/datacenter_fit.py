@@ -17,11 +17,15 @@ Terms (rows: datacenter_rows.py; kernel model: kernels.py):
                 all scale alike); tp / pp / dp communication stays as priced at P0 (its numbers, fitted to
                 nccl-tests rows, are not fitted here).  The fit's final numbers are then checked by
                 compiling every row again with them (benchmarks/datacenter_table.py).
-  fitted     -- per GPU, ``PARAMS``: gemm_efficiency, attention_efficiency, bandwidth_efficiency (each at
+  fitted     -- per GPU, ``FITTED``: gemm_efficiency, attention_efficiency, bandwidth_efficiency (each at
                 most 1: no kernel beats the datasheet peak or the memory bandwidth; attention is no faster
-                than a GEMM of its shape) and op_overhead (4-100 us: no eager op is launched and dispatched in
-                under ~4 us, the profile's default; at 0 the fit called a tiny model's ops free and the stage
-                cut followed the boundary bytes alone: a 4-block ViT cut after its patch embedding).
+                than a GEMM of its shape).  op_overhead is not fitted: ``LAUNCH`` (4 us, the profile's default;
+                no eager op is launched and dispatched faster).  These rows' GPUs are the bottleneck and their
+                launches overlap device work, so they cannot pin it: fitted free (4-100 us) it went to 0 on
+                all rows (a tiny model's ops free, its stage cut following the boundary bytes alone: a 4-block
+                ViT cut after its patch embedding) and to 29 us on the compute-bound ones (standing in for
+                slow memory-bound ops; 0.4 point of held-out median either way), which would price 29 us
+                per op of a 48-layer model's every microbatch.
                 Lower bounds: attention 0.5
                 (FlashAttention-2 runs forward and backward at 50-73 % of the A100's peak, Dao 2023, where
                 large GEMMs run at 70-85 %), bandwidth 0.5 (copies reach 80-90 % of HBM bandwidth); without
@@ -33,6 +37,14 @@ Terms (rows: datacenter_rows.py; kernel model: kernels.py):
                 than ~10 % pulls linearly, not quadratically), over the fit half's rows of that GPU.
   halves     -- the priceable rows shuffled with ``random.Random(seed)`` (seed 0): the first half is
                 fitted, the second only scored.
+  compute-bound -- a fit-half row is fitted on only where the plan spends at least ``COMPUTE_SHARE`` of
+                its step at P0 computing (compute, bubble and optimizer over ``total0``): the surrogate
+                holds communication as priced, so a row whose step is mostly exposed collectives cannot
+                tell a kernel number, and the fit would bend the kernels to make up for the
+                communication (2026-11-29: Megatron's 48-node replicated-dp rows, 36-86 % communication
+                at P0, pulled the H100's GEMM efficiency up to 0.535 and every compute-bound H100 row
+                11-45 % too fast).  The share comes from the model's own P0 prediction, never from the
+                published time, and every row of the held-out half is scored.
 """
 from __future__ import annotations
 
@@ -49,9 +61,12 @@ from autosplit.cost_model.measured import op_class
 from autosplit.cost_model.roofline import output_dtype
 
 PARAMS = ("gemm_efficiency", "attention_efficiency", "bandwidth_efficiency", "op_overhead")
-LOWER = (0.05, 0.5, 0.5, 4e-6)
-UPPER = (1.0, 1.0, 1.0, 100e-6)
+FITTED = PARAMS[:3]             # see *fitted*
+LOWER = (0.05, 0.5, 0.5)
+UPPER = (1.0, 1.0, 1.0)
+LAUNCH = 4e-6
 SEED = 0
+COMPUTE_SHARE = 0.8      # see *compute-bound*
 _CLASS = {"matmul": 1, "attention": 2}
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -166,12 +181,12 @@ def fit_gpu(features: list[RowFeatures], base) -> dict[str, float]:
         raise ValueError(f"no rows to fit {base.name} on")
 
     def residuals(x):
-        p = with_params(base, x)
+        p = with_params(base, (*x, LAUNCH))
         return [math.log(max(surrogate(f, p, base), 1e-12) / f.published_s) for f in features]
 
-    start = np.clip([getattr(base, k) for k in PARAMS], LOWER, UPPER)
+    start = np.clip([getattr(base, k) for k in FITTED], LOWER, UPPER)
     res = least_squares(residuals, start, bounds=(LOWER, UPPER), loss="soft_l1", f_scale=0.1, x_scale="jac")
-    return {k: float(v) for k, v in zip(PARAMS, res.x)}
+    return {**{k: float(v) for k, v in zip(FITTED, res.x)}, "op_overhead": LAUNCH}
 
 
 def errors(features: list[RowFeatures], profile, base) -> dict[str, float]:
@@ -185,12 +200,18 @@ def base_profile(feat: RowFeatures):
     return dataclasses.replace(BUILTIN[feat.gpu], **feat.base)
 
 
+def compute_share(feat: RowFeatures) -> float:
+    """The share of a row's step at P0 that is computing (see *compute-bound*)."""
+    return (feat.compute0 + feat.bubble0 + feat.optimizer0) / feat.total0 if feat.total0 > 0 else 0.0
+
+
 def fit_all(features: list[RowFeatures], gpus=("h100", "a100"), seed: int = SEED) -> tuple[dict, dict]:
-    """({gpu: fitted PARAMS}, {gpu: the row ids fitted on}): each GPU on its rows of the fit half."""
+    """({gpu: fitted PARAMS}, {gpu: the row ids fitted on}): each GPU on its compute-bound rows of the
+    fit half (see *compute-bound*)."""
     fit_ids, _ = halves([f.id for f in features], seed)
     fitted, rows = {}, {}
     for gpu in gpus:
-        mine = [f for f in features if f.gpu == gpu and f.id in fit_ids]
+        mine = [f for f in features if f.gpu == gpu and f.id in fit_ids and compute_share(f) >= COMPUTE_SHARE]
         bases = {tuple(sorted(f.base.items())) for f in mine}
         if len(bases) != 1:
             raise ValueError(f"{gpu}: the fit half's rows were priced with {len(bases)} different profiles")

@@ -37,15 +37,20 @@ def test_datacenter_efficiencies_are_physical(gpu):
 
 
 @needs_table
-def test_fit_rows_are_the_gpus_rows_of_the_fit_half():
+def test_fit_rows_are_the_gpus_compute_bound_rows_of_the_fit_half():
     rows = {r.id: r for r in load_rows()}
-    feats = json.loads(FEATURES.read_text())
-    fit_ids, held_ids = dcfit.halves([f["id"] for f in feats])
+    feats = {f["id"]: dcfit.RowFeatures(**f) for f in json.loads(FEATURES.read_text())}
+    fit_ids, held_ids = dcfit.halves(list(feats))
     assert not set(fit_ids) & set(held_ids) and abs(len(fit_ids) - len(held_ids)) <= 1
     for gpu in ("h100", "a100"):
         named = set(DATACENTER_FIT_ROWS[gpu])
-        assert named == {i for i in fit_ids if rows[i].gpu == gpu}
+        mine = {i for i in fit_ids if rows[i].gpu == gpu}
+        assert named == {i for i in mine if dcfit.compute_share(feats[i]) >= dcfit.COMPUTE_SHARE}
         assert all(not rows[i].unpriceable for i in named)
+        # the rows left out are those whose step is mostly communication at P0, never held-out rows
+        left = mine - named
+        assert all(dcfit.compute_share(feats[i]) < dcfit.COMPUTE_SHARE for i in left)
+        assert len(named) >= 2 * len(dcfit.FITTED), (gpu, sorted(named))
 
 
 def test_vectorized_op_time_is_kernel_parts():
