@@ -20,8 +20,8 @@ Run:
   python benchmarks/datacenter_table.py --fit                 fit H100 / A100 on the stored features'
                                                               fit half and write the numbers into
                                                               cost_model/device.py
-A full pricing run compiles 64 models (tens of layers each): about 40 minutes of one core (meg-15, 1T
-parameters over pp 64 and 512 microbatches, alone takes 12-15).
+A full pricing run compiles 64 models (tens of layers each): about 20 minutes of one core (meg-15, 1T
+parameters over pp 64 and 512 microbatches, alone takes about 2).
 """
 from __future__ import annotations
 
