@@ -191,40 +191,106 @@ def _topological(specs: dict[tuple, tuple]) -> list[tuple]:
     return order
 
 
-def _run(nodes: list[_Node], stages: Sequence[StageTimes], p2p: bool, post: float = 0.0,
+class _Flat:
+    """A timed run's nodes as plain lists, built once per structure (the search runs it for every
+    configuration it prices): per node its kind code (``_COMPUTE``, ``_ACTIVE``, ``_POSTED``, ``_DONE``),
+    deps, rank, and for a compute the index of its (stage, kind, first microbatch) in ``keys``, whose
+    durations ``_Parts`` tabulates once per run."""
+
+    def __init__(self, nodes: list[_Node]):
+        codes = {"compute": _COMPUTE, "active": _ACTIVE, "posted": _POSTED, "done": _DONE}
+        self.nodes, self.n = nodes, len(nodes)
+        self.kinds = [codes[n.kind] for n in nodes]
+        self.deps = [n.deps for n in nodes]
+        self.ranks = [n.rank for n in nodes]
+        self.ranks_count = max(self.ranks) + 1
+        index: dict[tuple, int] = {}
+        self.keys, self.key_of = [], []
+        for n in nodes:
+            if n.kind != "compute":
+                self.key_of.append(-1)
+                continue
+            a = n.action
+            key = (a.stage, a.kind, a.microbatch == 0)
+            if key not in index:
+                index[key] = len(self.keys)
+                self.keys.append(a)              # a representative action of the key
+            self.key_of.append(index[key])
+
+
+_COMPUTE, _ACTIVE, _POSTED, _DONE = range(4)
+
+
+@functools.lru_cache(maxsize=256)
+def _flat(schedule: str, pp: int, m: int, v: int, posts: bool) -> _Flat:
+    return _Flat(_structure(schedule, pp, m, v, posts)[0])
+
+
+class _Parts:
+    """Per key of a ``_Flat`` (a stage's F, B, I or W; a stage's first forward apart): the compute part,
+    the tp part (``_tp_part``), the whole duration (``_duration``) and FSDP's gather part."""
+
+    def __init__(self, flat: _Flat, stages: Sequence[StageTimes]):
+        self.part, self.tp, self.duration, self.gather = [], [], [], []
+        for a in flat.keys:
+            t = stages[a.stage]
+            tp, duration = _tp_part(a, t), _duration(a, t)
+            self.part.append(duration - tp)
+            self.tp.append(tp)
+            self.duration.append(duration)
+            self.gather.append(_gather_part(a, t))
+
+
+def _run(flat: _Flat, parts: _Parts, stages: Sequence[StageTimes], p2p: bool, post: float = 0.0,
          resume: tuple[float, float] = (1.0, 1.0), overhead: float = 0.0) -> tuple[list[float], list[float]]:
-    """The timed run without sharing, in topological order: (values, per rank seconds spent computing)."""
-    value = [0.0] * len(nodes)
-    busy = [0.0] * (max(n.rank for n in nodes) + 1)
-    host_free = [0.0] * len(busy)        # per rank: when its last compute or post ended
-    for k, n in enumerate(nodes):
-        if n.kind == "compute":
-            start = max((value[d] for d in n.deps), default=0.0)
-            t = stages[n.action.stage]
-            part = _duration(n.action, t) - _tp_part(n.action, t)
-            if start > host_free[n.rank] + 1e-12 * max(1.0, start):   # the rank sat idle: see *resume*
-                part = resumed(n.action, part, resume, overhead)
-            value[k] = start + part + _tp_part(n.action, t)
-            busy[n.rank] += part
-        else:
-            value[k] = _instant(n, value, stages, p2p, post)
-        if n.kind in ("compute", "posted"):
-            host_free[n.rank] = max(host_free[n.rank], value[k])
+    """The timed run without sharing, in topological order: (values, per rank seconds spent computing).
+    (``_instant`` spelled out over ``flat``'s lists: the same floats in the same order.)"""
+    value = [0.0] * flat.n
+    busy = [0.0] * flat.ranks_count
+    host_free = [0.0] * flat.ranks_count        # per rank: when its last compute or post ended
+    nodes, kinds, deps_of, ranks, key_of = flat.nodes, flat.kinds, flat.deps, flat.ranks, flat.key_of
+    part_of, tp_of = parts.part, parts.tp
+    wait = post if p2p else 0.0
+    for k in range(flat.n):
+        kind, deps = kinds[k], deps_of[k]
+        if kind == _DONE:           # step_events._transfer_end
+            mine = value[deps[0]]
+            value[k] = max([max(mine, value[peer]) + (stages[b].send if p2p else 0.0)
+                            for peer, b in nodes[k].transfers], default=mine)
+            continue
+        start = max([value[d] for d in deps]) if deps else 0.0
+        if kind == _ACTIVE:
+            value[k] = start
+        elif kind == _COMPUTE:
+            r, key = ranks[k], key_of[k]
+            part = part_of[key]
+            if start > host_free[r] + 1e-12 * max(1.0, start):   # the rank sat idle: see *resume*
+                part = resumed(nodes[k].action, part, resume, overhead)
+            value[k] = end = start + part + tp_of[key]
+            busy[r] += part
+            if end > host_free[r]:
+                host_free[r] = end
+        else:                       # posted
+            value[k] = end = start + wait
+            if end > host_free[ranks[k]]:
+                host_free[ranks[k]] = end
     return value, busy
 
 
-def _rank_ends(nodes, value, pp: int) -> list[float]:
+def _rank_ends(flat: _Flat, value, pp: int) -> list[float]:
     ends = [0.0] * pp
-    for k, n in enumerate(nodes):
-        if n.kind != "active":
-            ends[n.rank] = max(ends[n.rank], value[k])
+    kinds, ranks = flat.kinds, flat.ranks
+    for k in range(flat.n):
+        if kinds[k] != _ACTIVE and value[k] > ends[ranks[k]]:
+            ends[ranks[k]] = value[k]
     return ends
 
 
 def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
                  stages: Sequence[StageTimes], sharing: Sharing | None = None, post: float = 0.0,
                  wake: float = 0.0, fixed: float = 0.0,
-                 resume: tuple[float, float] = (1.0, 1.0), overhead: float = 0.0) -> StepPrediction:
+                 resume: tuple[float, float] = (1.0, 1.0), overhead: float = 0.0,
+                 parts: bool = True) -> StepPrediction:
     """Seconds of one step of ``schedule`` (see the module docstring).
 
     Args:
@@ -240,26 +306,40 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         resume: (F, B) factors on a compute that starts after its rank sat idle (``profile.resume``;
             see *resume*).
         overhead: seconds added to such a compute after ``resume`` (``profile.pass_overhead``).
+        parts: False skips the run with free transfers (half the work; the strategy search ranks by
+            ``total`` and asks for the parts of the configurations it returns): ``pp_comm`` is then 0 and
+            the transfers' delay counts in ``bubble``; ``total`` and every other part are the same.
     """
     nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
+    flat = _flat(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
+    table = _Parts(flat, stages)
     tp, gathers, last_bwd, last_dur = [0.0] * pp, [0.0] * pp, [0.0] * S, [0.0] * S
     if sharing is None:
-        timed, compute = _run(nodes, stages, p2p=True, post=post, resume=resume, overhead=overhead)
-        free, _ = _run(nodes, stages, p2p=False, resume=resume, overhead=overhead)
-    else:   # the free run: transfers and posting cost nothing
-        (timed, compute), (free, _) = (run_shared(nodes, stages, p2p, sharing, post, wake, resume, overhead)
-                                       for p2p in (True, False))
-    ends, free_ends = _rank_ends(nodes, timed, pp), _rank_ends(nodes, free, pp)
-    for k, n in enumerate(nodes):
-        if n.kind == "compute":
-            a, t = n.action, stages[n.action.stage]
-            g = _gather_part(a, t)
-            tp[n.rank] += _tp_part(a, t) - g
-            gathers[n.rank] += g
-            if a.kind is not F and timed[k] >= last_bwd[a.stage]:
-                last_bwd[a.stage], last_dur[a.stage] = timed[k], _duration(a, t)
+        timed, compute = _run(flat, table, stages, p2p=True, post=post, resume=resume, overhead=overhead)
+    else:
+        timed, compute = run_shared(nodes, stages, True, sharing, post, wake, resume, overhead)
+    ends = _rank_ends(flat, timed, pp)
+    free_ends = ends
+    if parts:       # the free run: transfers and posting cost nothing
+        if sharing is None:
+            free, _ = _run(flat, table, stages, p2p=False, resume=resume, overhead=overhead)
+        else:
+            free, _ = run_shared(nodes, stages, False, sharing, post, wake, resume, overhead)
+        free_ends = _rank_ends(flat, free, pp)
+    backward = [a.kind is not F for a in flat.keys]
+    for k in range(flat.n):
+        key = flat.key_of[k]
+        if key < 0:
+            continue
+        r, g = flat.ranks[k], table.gather[key]
+        tp[r] += table.tp[key] - g
+        gathers[r] += g
+        if backward[key]:
+            stage = flat.keys[key].stage
+            if timed[k] >= last_bwd[stage]:
+                last_bwd[stage], last_dur[stage] = timed[k], table.duration[key]
     totals, opt = [], [0.0] * pp
     for s in range(S):
         opt[rank_of[s]] += stages[s].opt
@@ -416,26 +496,47 @@ def stage_gathers(dp_cost, fwd: float, bwd: float) -> dict:
 
 
 def lower_bound(schedule: str, pp: int, num_microbatches: int, chunks_per_rank: int,
-                stages: Sequence[StageTimes]) -> float:
+                stages: Sequence[StageTimes], fixed: float = 0.0) -> float:
     """A bound ``predict_step(...).total`` never goes below, without running the schedule (the search
     prunes with it).  For each rank r, whose lowest stage is l (looped or V placement):
-      its first compute is a forward of some stage >= l, after that microbatch's forwards of stages < l;
-      its computes run one after another (m forwards and backwards of each of its stages);
+      its first compute is a forward of some stage >= l, after that microbatch's forwards of stages < l
+      and the transfers between those stages that sit on different ranks;
+      its computes run one after another (m forwards and backwards of each of its stages, FSDP2's exposed
+      gathers inside them: *fsdp gathers*);
       without a split backward its last compute is a backward of a stage >= l, and that microbatch's
-      backwards of stages < l all follow it.
-    So the step lasts at least sum_{s<l} F_s + m * sum_{s on r} (F_s + B_s) [+ sum_{s<l} B_s], and then its
-    optimizer step (sum_{s on r} opt_s); transfers (and wake),
-    posting, dp sync and the step's own collectives only add, and so do sharing and resume (factors of at
-    least 1).  With equal stages and 1F1B this is the exact (m + pp - 1)(F + B)."""
+      backwards of stages < l, and their transfers, all follow it;
+      its last compute is the final backward (B, I or W) of one of its stages s, and that stage's dp sync
+      ends at least dp_s - min(d_s, dp_s) (k_s - 1) / k_s after it (*dp sync*: d_s the longest backward
+      action of s, k_s its pieces), so its end is at least the smallest such remainder later.
+    So rank r ends no earlier than its last compute plus that remainder, then its optimizer step
+    (sum_{s on r} opt_s); and without a split backward the drain ends on stage 0's rank, then that rank's
+    optimizer step; every rank then pays ``fixed``.  Posting, wake, sharing and resume only add (factors
+    of at least 1), and so do the transfers and syncs of the steady state.  With equal stages, 1F1B and
+    free communication this is the exact (m + pp - 1)(F + B)."""
     place = placement_of(schedule, pp, chunks_per_rank)
     split = schedule in SPLIT_BACKWARD
-    fwd = [t.fwd + t.tp_fwd for t in stages]
-    bwd = [t.bwd + t.tp_bwd - t.tp_hidden for t in stages]
+    m = num_microbatches
+    fwd = [t.fwd + t.tp_fwd + t.gather_fwd for t in stages]
+    bwd = [t.bwd + t.tp_bwd - t.tp_hidden + t.gather_bwd for t in stages]
+    rank = [place.rank(s) for s in range(len(stages))]
+    # boundary s (stage s's output, forward and back) costs its send where s and s + 1 sit on different ranks
+    hop = [t.send if s + 1 < len(stages) and rank[s] != rank[s + 1] else 0.0 for s, t in enumerate(stages)]
+    opt = [sum(stages[s].opt for s in place.stages(r)) for r in range(pp)]   # after a rank's last compute
     bound = 0.0
     for r in range(pp):
         mine = place.stages(r)
         low = min(mine)
-        busy = num_microbatches * sum(fwd[s] + bwd[s] for s in mine)
-        opt = sum(stages[s].opt for s in mine)          # after the rank's last compute (*optimizer*)
-        bound = max(bound, sum(fwd[:low]) + busy + (0.0 if split else sum(bwd[:low])) + opt)
-    return bound
+        end = sum(fwd[:low]) + sum(hop[:low]) + sum(m * (fwd[s] + bwd[s]) + stages[s].gather_first for s in mine)
+        bound = max(bound, end + min(_sync_left(stages[s], split) for s in mine) + opt[r])
+        if not split and low:           # the drain, down to stage 0's rank
+            bound = max(bound, end + sum(bwd[:low]) + sum(hop[:low]) + opt[rank[0]])
+    return bound + fixed
+
+
+def _sync_left(t: StageTimes, split: bool) -> float:
+    """The least of a stage's dp sync that can end after its final backward action (see lower_bound)."""
+    if t.dp <= 0:
+        return 0.0
+    longest = max(t.bwd + t.tp_bwd + t.gather_bwd, t.w) if split else t.bwd + t.tp_bwd - t.tp_hidden + t.gather_bwd
+    k = max(1, t.dp_buckets)
+    return t.dp - min(longest, t.dp) * (k - 1) / k

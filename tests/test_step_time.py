@@ -62,6 +62,13 @@ def test_transfers_tp_and_dp_add_what_they_expose():
     for p in (pred, tp, dp, fixed):
         assert p.total == pytest.approx(p.compute + p.bubble + p.exposed_comm + p.dp_comm)
         assert p.total == pytest.approx(p.compute + p.bubble + p.tp_comm + p.pp_comm + p.dp_comm)
+    # without the free run (the search's ranking): the same total and parts, the transfers' delay in the bubble
+    lean = predict_step("1f1b", 2, 4, 1, [StageTimes(f, b, send=send, tp_fwd=0.1, dp=0.5)] * 2, fixed=0.3, parts=False)
+    full = predict_step("1f1b", 2, 4, 1, [StageTimes(f, b, send=send, tp_fwd=0.1, dp=0.5)] * 2, fixed=0.3)
+    assert full.pp_comm > 0 and lean.pp_comm == 0
+    assert (lean.total, lean.compute, lean.tp_comm, lean.dp_comm, lean.rank, lean.rank_ends) == \
+        (full.total, full.compute, full.tp_comm, full.dp_comm, full.rank, full.rank_ends)
+    assert lean.bubble == pytest.approx(full.bubble + full.pp_comm)
 
 
 @pytest.mark.parametrize("dp,buckets,exposed", [(1.0, 1, 1.0), (1.0, 4, 0.25), (4.0, 4, 2.5), (4.0, 1, 4.0)])
@@ -136,22 +143,52 @@ def test_plan_prediction_is_the_summary_line(kw):
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("gpipe", 1)])
 def test_lower_bound_never_exceeds_the_prediction(name, v):
-    """The search prunes with lower_bound: it must hold for any stage times (random here)."""
+    """The search prunes with lower_bound: it must hold for any stage times (random here: transfers, dp
+    sync in buckets, FSDP gathers, hidden tp, optimizer steps, the step's own collectives)."""
     import random
     from autosplit.cost_model.step_time import Sharing, lower_bound
     rng = random.Random(0)
-    for pp, m in ((2, 2), (3, 5), (4, 8)):
-        for _ in range(5):
-            stages = [StageTimes(fwd=rng.random(), bwd=2 * rng.random(), w=0.0, tp_fwd=0.1 * rng.random(),
-                                 tp_bwd=0.1 * rng.random(), send=0.2 * rng.random(), dp=rng.random())
-                      for _ in range(pp * v)]
-            if name.startswith("zb"):
-                stages = [StageTimes(t.fwd, t.bwd, t.bwd * rng.random(), t.tp_fwd, t.tp_bwd, t.send, t.dp) for t in stages]
-            assert lower_bound(name, pp, m, v, stages) <= predict_step(name, pp, m, v, stages).total * (1 + 1e-12)
+    for pp, m in ((2, 2), (3, 5), (4, 8), (2, 7)):
+        for _ in range(12):
+            stages = []
+            for _ in range(pp * v):
+                bwd, tp_bwd = 2 * rng.random(), 0.1 * rng.random()
+                w = bwd * rng.random() if name.startswith("zb") else 0.0
+                stages.append(StageTimes(
+                    fwd=rng.random(), bwd=bwd, w=w, tp_fwd=0.1 * rng.random(), tp_bwd=tp_bwd,
+                    send=0.2 * rng.random(), dp=3 * rng.random() ** 2, dp_buckets=rng.choice((1, 2, 5)),
+                    tp_hidden=min(tp_bwd, bwd) * rng.random(), gather_fwd=0.05 * rng.random(),
+                    gather_bwd=0.05 * rng.random(), gather_first=0.3 * rng.random() * (rng.random() < 0.3),
+                    opt=rng.choice((0.0, 0.1, 5.0)) * rng.random()))
+            fixed = 0.2 * rng.random()
+            bound = lower_bound(name, pp, m, v, stages, fixed)
+            assert bound <= predict_step(name, pp, m, v, stages, fixed=fixed).total * (1 + 1e-12)
             shared = Sharing(tuple(1.0 + 0.5 * k for k in range(pp)))
-            assert lower_bound(name, pp, m, v, stages) <= predict_step(name, pp, m, v, stages, shared).total * (1 + 1e-12)
+            assert bound <= predict_step(name, pp, m, v, stages, shared, fixed=fixed).total * (1 + 1e-12)
     equal = [StageTimes(1.0, 2.0)] * 4
     assert lower_bound("1f1b", 4, 8, 1, equal) == predict_step("1f1b", 4, 8, 1, equal).total
+
+
+def test_lower_bound_counts_the_optimizer_on_its_own_rank():
+    """pp = 2, one microbatch, stage 1's optimizer step long: rank 1 ends F0 + F1 + B1 + its step (1 + 1 + 2
+    + 10 = 14) while the drain's B0 runs on rank 0, whose own step is short (6).  The bound once added the
+    drain and rank 1's step together (16 > 14: a configuration the search could wrongly prune)."""
+    from autosplit.cost_model.step_time import lower_bound
+    stages = [StageTimes(1.0, 2.0), StageTimes(1.0, 2.0, opt=10.0)]
+    assert predict_step("1f1b", 2, 1, 1, stages).total == pytest.approx(14.0)
+    assert lower_bound("1f1b", 2, 1, 1, stages) == pytest.approx(14.0)
+
+
+def test_lower_bound_counts_transfers_syncs_and_the_steps_collectives():
+    """What the bound adds beyond compute: one microbatch through 2 stages pays both sends (F0 -> F1,
+    B1 -> B0); a dp sync in one piece after the final backward; the step's own collectives."""
+    from autosplit.cost_model.step_time import lower_bound
+    sends = [StageTimes(1.0, 2.0, send=0.25)] * 2
+    assert lower_bound("1f1b", 2, 1, 1, sends) == pytest.approx(predict_step("1f1b", 2, 1, 1, sends).total)
+    assert lower_bound("1f1b", 2, 1, 1, sends) == pytest.approx(6.5)
+    synced = [StageTimes(1.0, 2.0, dp=0.5)]
+    assert lower_bound("1f1b", 1, 3, 1, synced, fixed=0.1) == pytest.approx(9.0 + 0.5 + 0.1)
+    assert predict_step("1f1b", 1, 3, 1, synced, fixed=0.1).total == pytest.approx(9.6)
 
 
 def test_sharing_stretches_only_what_runs_at_once():

@@ -189,10 +189,11 @@ def _stage_times(group: Group, bounds, split: frozenset[int], dpc, overlap: bool
 
 
 def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget,
-          incumbent: float = float("inf"), optimizer=None):
+          incumbent: float = float("inf"), optimizer=None, parts: bool = True):
     """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
     or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``.  ``optimizer``:
-    the OptimizerKind the job steps with (cost_model/optimizer_step.py), None: AdamW."""
+    the OptimizerKind the job steps with (cost_model/optimizer_step.py), None: AdamW; ``parts``: as
+    ``step_time.predict_step``'s (False: the total alone is exact)."""
     optimizer = optimizer if optimizer is not None else optimizer_kind("adamw")
     # the gradients are summed (FSDP: sharded) over dp x cp, every tp-th rank (passes/stage_bounds.py)
     cp, tp = getattr(group.graph, "cp", 1), getattr(group.graph, "tp_inner", group.graph.tp)
@@ -207,10 +208,12 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]
     bounds = group.bounds(S)
+    profile = get_profile(group.profile)
+    fixed = step_collectives(profile, pp * group.graph.tp * dp, (pp, group.graph.tp, dp))
     if budget is None:                        # the cut is final: bound before simulating anything
         bounds = _rank_cut(group, bounds, stage_rank)
         stages, _ = _stage_times(group, bounds, split, dpc, overlap, optimizer, owned)
-        if lower_bound(schedule, pp, m, v, stages) > incumbent:
+        if lower_bound(schedule, pp, m, v, stages, fixed) > incumbent:
             return PRUNED
     seg.in_flight = list(in_flight(schedule, pp, m, v))
 
@@ -231,7 +234,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
             bounds = moved                                   # the moved cut where it fits, else the stage cut
         ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     stages, costs = _stage_times(group, bounds, split, dpc, overlap, optimizer, owned)
-    if lower_bound(schedule, pp, m, v, stages) > incumbent:
+    if lower_bound(schedule, pp, m, v, stages, fixed) > incumbent:
         return PRUNED
     stage_memory = []
     for s, (a, b) in enumerate(ranges):
@@ -240,8 +243,6 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     rank_memory = max(sum(stage_memory[s] for s in place.stages(r)) for r in range(pp))
     if budget is not None and rank_memory > budget:
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
-    profile = get_profile(group.profile)
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
-                         profile.p2p_post, profile.p2p_wake, step_collectives(profile, pp * group.graph.tp * dp, (pp, group.graph.tp, dp)),
-                         profile.resume, profile.pass_overhead)
+                         profile.p2p_post, profile.p2p_wake, fixed, profile.resume, profile.pass_overhead, parts)
     return price, rank_memory, bounds

@@ -26,7 +26,10 @@ Order of work, cheapest refusals first:
      time bound, stopping once the bound exceeds the ``top``-th best step time found (everything
      after it is slower than ``top`` configurations already found: pruned, never wrongly);
   4. pricing a configuration (costing.price; its group's costs built on first use) cuts, bounds again
-     with the stage times (step_time.lower_bound), checks memory, and runs the timed schedule.
+     with the stage times (step_time.lower_bound: transfers, dp sync and the step's own collectives
+     included), checks memory, and runs the timed schedule for its total alone; the returned ``top``
+     are run once more with their parts (the run with free transfers that tells pp_comm from the bubble:
+     step_time.predict_step's ``parts``).
 The result is deterministic (no clocks or randomness in the choices), so every rank of a job that
 searches reaches the same ranking.  ``SearchResult.phases`` says where the time went (``PHASES``).
 """
@@ -46,6 +49,7 @@ from autosplit.options import AUTOCAST
 from autosplit.passes.repeats import reduce
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe, search_mesh
 from autosplit.cost_model.comm import pipeline_crosses_nodes
+from autosplit.cost_model.step_time import step_collectives
 from autosplit.strategy.costing import PRUNED, Group, price
 from autosplit.strategy.layout import (ContextLayout, DeferredLayout, LayoutGraph, fewest_microbatch_rows,
                                        trace_model)
@@ -222,10 +226,13 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                     specs.append((layout, graph, pp, dp, m, b, schedule, v))
 
     groups, bounded = {}, []
+    fixed = {}                                  # mesh -> step_collectives (the same for every configuration of it)
     for layout, graph, pp, dp, m, b, schedule, v in specs:
         with clock("bounds"):
             time_floor, saved, params = graph.floors(b, profile)    # strategy/floors.py
         mesh = search_mesh(pp, layout.tp, dp, layout.cp)
+        if mesh not in fixed:
+            fixed[mesh] = step_collectives(profile, world_size, (pp, layout.block, dp))
         for recompute in recompute_modes():
             for shard, why in shardings(dp, schedule):
                 options = _options(layout, schedule, v, m, recompute, shard, budget, autocast)
@@ -240,8 +247,9 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
-                # the fullest rank steps at least the mean of the parameters it owns (optimizer_step.py)
-                opt_floor = opt_kind.floor(params / pp / (owners if shard else 1), profile)
+                # the fullest rank steps at least the mean of the parameters it owns (optimizer_step.py),
+                # and every rank pays the step's own collectives (step_time.py *fixed*)
+                opt_floor = opt_kind.floor(params / pp / (owners if shard else 1), profile) + fixed[mesh]
                 bounded.append((m * time_floor / pp + opt_floor, describe(mesh, options),
                                 (graph, b, recompute), pp, dp, schedule, v, m, shard, options, opt_floor, mesh))
 
@@ -290,8 +298,8 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         if m * group.work / pp + opt_floor > incumbent:   # the same bound with the group's full op times
             pruned += 1
             continue
-        with clock("pricing"):
-            result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent, opt_kind)
+        with clock("pricing"):      # the total alone: the parts of the returned ones are priced below
+            result = price(group, pp, dp, schedule, v, m, shard, budget, incumbent, opt_kind, parts=False)
         if result is PRUNED:
             pruned += 1
             continue
@@ -299,13 +307,18 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             rejected.append(Rejected(mesh, options, result, "memory"))
             continue
         pred, memory, bounds = result
-        found.append(Candidate(mesh, options, pred.total, memory, {
-            "compute": pred.compute, "bubble": pred.bubble, "exposed_comm": pred.exposed_comm,
-            "tp_comm": pred.tp_comm, "pp_comm": pred.pp_comm, "dp_comm": pred.dp_comm,
-            "optimizer": pred.optimizer}, tuple(bounds)))
+        found.append((pred.total, describe(mesh, options), mesh, options, memory, tuple(bounds),
+                      (group, pp, dp, schedule, v, m, shard, budget)))
         heapq.heappush(best, -pred.total)
         if len(best) > top:
             heapq.heappop(best)
-    ranked = sorted(found, key=lambda c: (c.step_time, c.label))[:top]
+    ranked = []
+    for total, _, mesh, options, memory, bounds, args in sorted(found, key=lambda c: c[:2])[:top]:
+        with clock("pricing"):      # the same run again with its parts (predict_step's ``parts``)
+            pred = price(*args, optimizer=opt_kind)[0]
+        ranked.append(Candidate(mesh, options, pred.total, memory, {
+            "compute": pred.compute, "bubble": pred.bubble, "exposed_comm": pred.exposed_comm,
+            "tp_comm": pred.tp_comm, "pp_comm": pred.pp_comm, "dp_comm": pred.dp_comm,
+            "optimizer": pred.optimizer}, bounds))
     phases = clock.done()
     return SearchResult(ranked, rejected, pruned, len(found), sum(phases.values()), phases)
