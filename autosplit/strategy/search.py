@@ -247,15 +247,15 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                                              f"memory >= {floor / 2**30:.1f} GiB (lower bound: dp state + saved "
                                              f"activations over pp={pp}) > budget {budget / 2**30:.1f} GiB", "memory"))
                     continue
-                # the fullest rank steps at least the mean of the parameters it owns (optimizer_step.py),
-                # and every rank pays the step's own collectives (step_time.py *fixed*)
-                opt_floor = opt_kind.floor(params / pp / (owners if shard else 1), profile) + fixed[mesh]
-                bounded.append((m * time_floor / pp + opt_floor, describe(mesh, options),
-                                (graph, b, recompute), pp, dp, schedule, v, m, shard, options, opt_floor, mesh))
+                # after its last compute the fullest rank steps at least the mean of the parameters it owns
+                # (optimizer_step.py), and every rank pays the step's own collectives (step_time.py *fixed*)
+                after_floor = opt_kind.floor(params / pp / (owners if shard else 1), profile) + fixed[mesh]
+                bounded.append((m * time_floor / pp + after_floor, describe(mesh, options),
+                                (graph, b, recompute), pp, dp, schedule, v, m, shard, options, after_floor, mesh))
 
     bounded.sort(key=lambda c: (c[0], c[1]))
     found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
-    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options, opt_floor, mesh) in enumerate(bounded):
+    for k, (bound, label, key, pp, dp, schedule, v, m, shard, options, after_floor, mesh) in enumerate(bounded):
         if prune and len(best) == top and bound > -best[0] * (1 + _SLACK):
             pruned += len(bounded) - k
             break
@@ -269,7 +269,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
             # a rank's compute is at least 1/tp of the single-device ops' times (an op split n ways
             # takes at least 1/n of its time: GEMM efficiency falls with size, launches stay)
-            if m * groups[base_key].work / (deferred.tp * pp) + opt_floor > incumbent:
+            if m * groups[base_key].work / (deferred.tp * pp) + after_floor > incumbent:
                 pruned += 1
                 continue
             with clock("rewrite"):
@@ -295,7 +295,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                 groups[key] = Group(graph, b, recompute, profile, layers, b * sample_bytes, cross)
         group = groups[key]
         incumbent = -best[0] * (1 + _SLACK) if prune and len(best) == top else float("inf")
-        if m * group.work / pp + opt_floor > incumbent:   # the same bound with the group's full op times
+        if m * group.work / pp + after_floor > incumbent:   # the same bound with the group's full op times
             pruned += 1
             continue
         with clock("pricing"):      # the total alone: the parts of the returned ones are priced below
