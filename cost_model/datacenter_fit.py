@@ -34,7 +34,7 @@ Terms (rows: datacenter_rows.py; kernel model: kernels.py):
                 the consumer fits' median): these rows' GEMM dims are all >= 768, where it moves a rate
                 by <= 3 %, so they cannot pin it.
   loss       -- soft-L1 least squares on log(surrogate / published), scale 0.1 (a row off by more
-                than ~10 % pulls linearly, not quadratically), over the fit half's rows of that GPU.
+                than ~10 % pulls linearly, not quadratically), over that GPU's compute-bound rows of the fit half.
   halves     -- the priceable rows shuffled with ``random.Random(seed)`` (seed 0): the first half is
                 fitted, the second only scored.
   compute-bound -- a fit-half row is fitted on only where the plan spends at least ``COMPUTE_SHARE`` of

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow      # a nested pytest run (8 s): the temp-folder hygiene check, in the heavy tier
 def test_run_leaves_no_profile_directory(tmp_path):
     """A pytest run whose spawned worker wrote a profile into the cache: afterwards its temp folder
     (TMPDIR, where tempfile makes directories) holds no autosplit-profiles-* (or other autosplit*) entry."""

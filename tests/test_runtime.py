@@ -67,6 +67,8 @@ def test_failure_on_one_rank_stops_every_rank():
         assert r["seconds"] < 10
 
 
+@pytest.mark.slow      # 13 s: predict, clipping, accumulation, recompute and load on one pool (the default tier trains
+#                         its (2, 1, 2) mesh in test_four_ranks_equal_single_device)
 def test_predict_clip_accumulate_checkpoint_load(pool4):
     for r in pool4.run(features):
         assert r["predict"] <= TOL and r["modes"] == [True, True], r

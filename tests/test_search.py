@@ -107,6 +107,7 @@ def test_predictions_equal_compile(measured):
         assert max(ranks) == c.memory <= 400_000
 
 
+@pytest.mark.slow      # 7 s; a rejection's reason is checked in the default tier too (the one-row BatchNorm case)
 def test_rejections_say_why():
     model = tp_torchvision()                  # 4 heads
     result = autosplit.search(model, 8, X, global_batch=20, memory_budget=300_000, top=3)
