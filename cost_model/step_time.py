@@ -216,6 +216,8 @@ class _Flat:
                 index[key] = len(self.keys)
                 self.keys.append(a)              # a representative action of the key
             self.key_of.append(index[key])
+        # per key: its stage where it is a backward action (B, I or W; the dp sync waits for the last), else -1
+        self.backward_stage = [a.stage if a.kind is not F else -1 for a in self.keys]
 
 
 _COMPUTE, _ACTIVE, _POSTED, _DONE = range(4)
@@ -328,7 +330,6 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         else:
             free, _ = run_shared(nodes, stages, False, sharing, post, wake, resume, overhead)
         free_ends = _rank_ends(flat, free, pp)
-    backward = [a.kind is not F for a in flat.keys]
     for k in range(flat.n):
         key = flat.key_of[k]
         if key < 0:
@@ -336,19 +337,17 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         r, g = flat.ranks[k], table.gather[key]
         tp[r] += table.tp[key] - g
         gathers[r] += g
-        if backward[key]:
-            stage = flat.keys[key].stage
-            if timed[k] >= last_bwd[stage]:
-                last_bwd[stage], last_dur[stage] = timed[k], table.duration[key]
+        stage = flat.backward_stage[key]
+        if stage >= 0 and timed[k] >= last_bwd[stage]:
+            last_bwd[stage], last_dur[stage] = timed[k], table.duration[key]
     totals, opt = [], [0.0] * pp
     for s in range(S):
         opt[rank_of[s]] += stages[s].opt
     for r in range(pp):
         clock = 0.0
         for s in sorted((s for s in range(S) if rank_of[s] == r), key=lambda s: last_bwd[s]):
-            t = stages[s]       # the buckets of the final backward's first (k-1)/k: see *dp sync*
-            hidden = min(last_dur[s], t.dp) * (t.dp_buckets - 1) / t.dp_buckets if t.dp_buckets > 1 else 0.0
-            clock = max(clock, last_bwd[s] - hidden) + t.dp
+            t = stages[s]
+            clock = max(clock, last_bwd[s] - _sync_hidden(last_dur[s], t)) + t.dp
         # the optimizer steps once the rank's gradients are synced (opt.step() after pm.step)
         totals.append(max(ends[r], clock) + fixed + opt[r])
     r = max(range(pp), key=lambda q: (totals[q], -q))
@@ -538,5 +537,10 @@ def _sync_left(t: StageTimes, split: bool) -> float:
     if t.dp <= 0:
         return 0.0
     longest = max(t.bwd + t.tp_bwd + t.gather_bwd, t.w) if split else t.bwd + t.tp_bwd - t.tp_hidden + t.gather_bwd
-    k = max(1, t.dp_buckets)
-    return t.dp - min(longest, t.dp) * (k - 1) / k
+    return t.dp - _sync_hidden(longest, t)
+
+
+def _sync_hidden(duration: float, t: StageTimes) -> float:
+    """Seconds of a stage's dp sync hidden under its final backward action of ``duration``: the buckets
+    of its first (k-1)/k (see *dp sync*; 0 for one piece)."""
+    return min(duration, t.dp) * (t.dp_buckets - 1) / t.dp_buckets if t.dp_buckets > 1 else 0.0
