@@ -1,8 +1,9 @@
 """``python -m autosplit search MODEL --world 64 --global-batch 512 --device h100 --memory-budget 80GiB [--top N]
-[--autocast bf16|fp16] [--optimizer adamw|adam|sgd|sgd_momentum]``.
+[--autocast bf16|fp16] [--optimizer adamw|adam|sgd|sgd_momentum] [--max-tp N|node|none]``.
 
 ``--autocast`` ranks the configurations for training under ``torch.autocast`` in that dtype (every
-candidate priced with the dtypes autocast gives); ``--optimizer`` names the optimizer whose step is priced.
+candidate priced with the dtypes autocast gives); ``--optimizer`` names the optimizer whose step is priced;
+``--max-tp`` caps the tensor-parallel degree (default: one node's GPUs; ``search``'s ``max_tp``).
 
 Prints the strategy search's ranked table (mesh and options, predicted step time with its parts,
 memory of the fullest rank) and how many configurations were rejected, by reason.  MODEL as for
@@ -20,6 +21,7 @@ warning line names the new one; autosplit/deprecated.py).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -86,6 +88,18 @@ def add_search_parser(sub) -> None:
                    help="rank for training under torch.autocast in bf16 or fp16 (default: off, float32)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="the optimizer whose step is priced (default adamw)")
+    p.add_argument("--max-tp", type=_max_tp, default="node", metavar="N|node|none",
+                   help="largest tensor-parallel degree tried: node (default: the device's GPUs per node), a "
+                        "number, or none (every divisor of --world)")
+
+
+def _max_tp(text: str):
+    """--max-tp's value as ``search``'s ``max_tp``."""
+    if text in ("node", "none"):
+        return None if text == "none" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number, 'node' or 'none'")
+    return int(text)
 
 
 def run_search(args, build_model) -> int:
@@ -99,7 +113,8 @@ def run_search(args, build_model) -> int:
         profile, described = _profile(args, model, x)
         ranked = search(model, args.world, x, global_batch=args.global_batch, device=profile,
                         memory_budget=args.memory_budget, top=args.top,
-                        autocast=AUTOCAST_NAMES.get(args.autocast), optimizer=args.optimizer)
+                        autocast=AUTOCAST_NAMES.get(args.autocast), optimizer=args.optimizer,
+                        max_tp=args.max_tp)
     except AutosplitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -141,6 +141,7 @@ class StageDataParallel:
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
         self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
         self._units = units
+        self._costs: dict[tuple, DataParallelCost] = {}  # (first, last, param_bytes) -> its cost (a pure function)
 
     def _unit(self, first: int, last: int) -> float:
         """Bytes of the largest FSDP unit of segments first..last, from per-segment sums computed once (a memory-budgeted
@@ -154,8 +155,11 @@ class StageDataParallel:
         return max(total.values(), default=0.0)
 
     def __call__(self, first: int, last: int, param_bytes: float | None = None) -> DataParallelCost:
-        """``param_bytes``: the stage module's own count, where known (default: its segments' sum)."""
-        unit = self._unit(first, last) if self.sharding == "layer" else 0.0
-        total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
-        return dp_cost(total, unit, self.dp, self.m, self.sharding, self.profile,
-                       self.ratio, self.nodes)
+        """``param_bytes``: the stage module's own count, where known (default: its segments' sum).  Kept
+        per range: a memory-budgeted cut, and the search's every price of one group, ask again."""
+        key = (first, last, param_bytes)
+        if key not in self._costs:
+            unit = self._unit(first, last) if self.sharding == "layer" else 0.0
+            total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
+            self._costs[key] = dp_cost(total, unit, self.dp, self.m, self.sharding, self.profile, self.ratio, self.nodes)
+        return self._costs[key]

@@ -6,6 +6,7 @@ Shared by both so that neither imports the other's internals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autosplit.schedule.actions import B, F, I, W
 
@@ -28,9 +29,9 @@ class StageTimes:
     opt: float = 0.0         # the optimizer step over the stage's parameters this rank owns (optimizer_step.py)
 
 
-@dataclass(frozen=True)
-class _Node:
-    """One value of the timed run: a compute's end, a group's activation, or a group's end."""
+class _Node(NamedTuple):
+    """One value of the timed run: a compute's end, a group's activation, or a group's end (a named tuple:
+    a long schedule's run has ~10^5 of them, built once per structure)."""
     kind: str                 # "compute", "posted", "active", "done"
     rank: int
     deps: tuple[int, ...]     # node indices whose values it waits for

@@ -66,10 +66,10 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autosplit.schedule import (SPLIT_BACKWARD, Action, Group, build_schedule, deferring_stages, lower,
+from autosplit.schedule import (SPLIT_BACKWARD, Group, build_schedule, deferring_stages, lower,
                                 placement_of)
-from autosplit.schedule.actions import RECV_B, RECV_F, F, W
-from autosplit.schedule.timing import ScheduleDeadlock, dependencies
+from autosplit.schedule.actions import MATCHING, RECV_B, RECV_F, F, W
+from autosplit.schedule.timing import ScheduleDeadlock, dependency_keys
 from autosplit.cost_model.host_contention import Sharing, resumed, run_shared, sharing_of  # noqa: F401 (re-exported)
 from autosplit.cost_model.step_events import (StageTimes, _duration, _gather_part, _instant, _Node,  # noqa: F401
                                              _tp_part)
@@ -102,81 +102,111 @@ class StepPrediction:
                 f"pp {self.pp_comm * 1e3:.3f}){dp}{opt} (slowest rank, pp rank {self.rank})")
 
 
-@functools.lru_cache(maxsize=256)
 def _structure(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> tuple[list[_Node], list[int], int]:
+    """The timed run's dependency graph as ``_Node``s (``_flat``'s, for the run with sharing), the rank
+    of each stage, and the stage count."""
+    flat = _flat(schedule, pp, m, v, posts)
+    return flat.nodes, flat.rank_of, flat.S
+
+
+@functools.lru_cache(maxsize=256)
+def _flat(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> _Flat:
     """The timed run's dependency graph (nodes in an order where every dependency comes first); with
-    ``posts``, a "posted" node per group on its rank's host timeline (see *post*)."""
+    ``posts``, a "posted" node per group on its rank's host timeline (see *post*).
+
+    Built on integer node ids (each rank's items in list order: a group's posted, active and done
+    nodes, a compute's node), then ordered by ``_topological``.  Any order where dependencies come first
+    gives the same floats: every sum and tie-break over a rank's nodes follows the rank's own list,
+    which each order keeps (a rank's nodes depend on the one before)."""
     sched = build_schedule(schedule, pp, m, v)
     lists, place, S = lower(sched), sched.placement, sched.num_stages
-    recv_group = {}                                  # receive Action -> (rank, group index)
-    send_group = {}                                  # send Action -> (rank, group index)
+    # actions keyed by (stage, kind, microbatch) tuples: ~10^5 of them, cheaper to hash than Actions
+    kinds: list[str] = []                            # per id
+    ranks: list[int] = []
+    actions: list = []
+    compute_id: dict[tuple, int] = {}
+    group_ids: list[list[tuple[int, int]]] = []      # per rank, per group: (active id, done id)
+    where: dict[tuple, tuple[int, int]] = {}         # a send or receive -> its group's (active id, done id)
     for r, items in lists.items():
+        mine = []
+        for item in items:
+            if isinstance(item, Group):
+                if posts:
+                    kinds.append("posted"), ranks.append(r), actions.append(None)
+                ids = (len(kinds), len(kinds) + 1)
+                mine.append(ids)
+                kinds += ["active", "done"]
+                ranks += [r, r]
+                actions += [None, None]
+                for a in item.actions:
+                    where[(a.stage, a.kind, a.microbatch)] = ids
+            else:
+                compute_id[(item.stage, item.kind, item.microbatch)] = len(kinds)
+                kinds.append("compute"), ranks.append(r), actions.append(item)
+        group_ids.append(mine)
+    n = len(kinds)
+    deps: list[list[int]] = [[] for _ in range(n)]
+    transfers: list[tuple] = [()] * n
+    feeds = [-1] * n
+    for r, items in lists.items():
+        last_compute = last_host = -1                # last_host: the rank's last compute or post
         g = 0
         for item in items:
             if isinstance(item, Group):
-                for a in item.actions:
-                    (recv_group if a.kind.is_recv else send_group)[a] = (r, g)
-                g += 1
-    specs: dict[tuple, tuple] = {}     # ("c", Action) / ("a" | "d", (rank, group)) -> (rank, deps, action, transfers)
-    for r, items in lists.items():
-        last_compute, last_host, g = None, None, 0     # last_host: the rank's last compute or post
-        for item in items:
-            if isinstance(item, Group):
-                deps = [last_compute] if last_compute is not None else []
+                active, done = group_ids[r][g]
                 if posts:
-                    specs[("p", (r, g))] = (r, [last_host] if last_host is not None else [], None, (), None)
-                    last_host = ("p", (r, g))
-                    deps.append(last_host)
+                    posted = active - 1
+                    if last_host >= 0:
+                        deps[posted].append(last_host)
+                    last_host = posted
+                mine = deps[active]
+                if last_compute >= 0:
+                    mine.append(last_compute)
+                if posts:
+                    mine.append(last_host)
                 if g:
-                    deps.append(("d", (r, g - 1)))
-                specs[("a", (r, g))] = (r, deps, None, (), None)
-                transfers = []
+                    mine.append(group_ids[r][g - 1][1])
+                peers = []
                 for a in item.actions:
-                    peer = a.matching()
-                    table = send_group if peer.kind.is_send else recv_group
                     # the boundary is the producing stage's output: SEND_F / RECV_B of stage s and
                     # SEND_B / RECV_F of stage s+1 all carry stage s's output (or its gradient)
-                    boundary = min(a.stage, a.peer_stage)
-                    transfers.append((("a", table[peer]), boundary))
-                specs[("d", (r, g))] = (r, [("a", (r, g))] + [t[0] for t in transfers], None, tuple(transfers), None)
+                    peer = a.peer_stage
+                    peers.append((where[(peer, MATCHING[a.kind], a.microbatch)][0], min(a.stage, peer)))
+                deps[done] = [active] + [p for p, _ in peers]
+                transfers[done] = tuple(peers)
                 g += 1
             else:
-                deps = [last_host] if last_host is not None else []
-                deps += [("c", d) for d in dependencies(item, S)]
-                feed = _feed(item)
-                fed = ("d", recv_group[feed]) if feed is not None and feed in recv_group else None
+                s, kind, i = item.stage, item.kind, item.microbatch
+                k = compute_id[(s, kind, i)]
+                mine = deps[k]
+                if last_host >= 0:
+                    mine.append(last_host)
+                mine += [compute_id[d] for d in dependency_keys(s, kind, i, S)]
+                # the receive that brings it its input (as the simulator's ``_feed``): none for a W
+                fed = where.get((s, RECV_F if kind is F else RECV_B, i)) if kind is not W else None
                 if fed is not None:
-                    deps.append(fed)
-                specs[("c", item)] = (r, deps, item, (), fed)
-                last_compute = last_host = ("c", item)
-    order = _topological(specs)
-    index = {key: k for k, key in enumerate(order)}
-    nodes = []
-    for key in order:
-        r, deps, action, transfers, fed = specs[key]
-        kind = {"c": "compute", "p": "posted", "a": "active", "d": "done"}[key[0]]
-        nodes.append(_Node(kind, r, tuple(index[d] for d in deps), action,
-                           tuple((index[t], b) for t, b in transfers), index[fed] if fed is not None else -1))
-    return nodes, [place.rank(s) for s in range(S)], S
+                    feeds[k] = fed[1]
+                    mine.append(fed[1])
+                last_compute = last_host = k
+    order = _topological(deps)
+    index = [0] * n
+    for pos, k in enumerate(order):
+        index[k] = pos
+    return _Flat([kinds[k] for k in order], [ranks[k] for k in order],
+                 [tuple(index[d] for d in deps[k]) for k in order], [actions[k] for k in order],
+                 [tuple((index[t], b) for t, b in transfers[k]) for k in order],
+                 [index[feeds[k]] if feeds[k] >= 0 else -1 for k in order], [place.rank(s) for s in range(S)], S)
 
 
-def _feed(a: Action) -> Action | None:
-    """The receive that brings compute ``a`` its input (as the simulator's ``_feed``)."""
-    if a.kind is W:
-        return None
-    return Action(a.stage, RECV_F if a.kind is F else RECV_B, a.microbatch)
-
-
-def _topological(specs: dict[tuple, tuple]) -> list[tuple]:
-    """Kahn's order of the spec keys; a cycle means the schedule cannot finish (never for a schedule
+def _topological(deps: list[list[int]]) -> list[int]:
+    """Kahn's order of the node ids; a cycle means the schedule cannot finish (never for a schedule
     the simulator accepted)."""
-    users: dict[tuple, list[tuple]] = {k: [] for k in specs}
-    missing = {}
-    for k, (_, deps, *_) in specs.items():
-        missing[k] = len(deps)
-        for d in deps:
+    users: list[list[int]] = [[] for _ in deps]
+    missing = [len(d) for d in deps]
+    for k, mine in enumerate(deps):
+        for d in mine:
             users[d].append(k)
-    ready = [k for k, n in missing.items() if n == 0]
+    ready = [k for k, c in enumerate(missing) if c == 0]
     order = []
     while ready:
         k = ready.pop()
@@ -185,47 +215,50 @@ def _topological(specs: dict[tuple, tuple]) -> list[tuple]:
             missing[u] -= 1
             if missing[u] == 0:
                 ready.append(u)
-    if len(order) != len(specs):
-        raise ScheduleDeadlock(f"the timed run cannot order {len(specs) - len(order)} of its events: the "
+    if len(order) != len(deps):
+        raise ScheduleDeadlock(f"the timed run cannot order {len(deps) - len(order)} of its events: the "
                                f"lowered schedule has a cycle")
     return order
 
 
 class _Flat:
-    """A timed run's nodes as plain lists, built once per structure (the search runs it for every
-    configuration it prices): per node its kind code (``_COMPUTE``, ``_ACTIVE``, ``_POSTED``, ``_DONE``),
-    deps, rank, and for a compute the index of its (stage, kind, first microbatch) in ``keys``, whose
-    durations ``_Parts`` tabulates once per run."""
+    """A timed run's nodes as plain lists (the search runs it for every configuration it prices): per
+    node its kind code (``_COMPUTE``, ``_ACTIVE``, ``_POSTED``, ``_DONE``), deps, rank, action (a
+    compute's), transfers (a done node's: (peer active node, boundary stage)) and feed, and for a compute
+    the index of its (stage, kind, first microbatch) in ``keys``, whose durations ``_Parts`` tabulates
+    once per run; ``rank_of`` (per stage its rank) and ``S`` (stages)."""
 
-    def __init__(self, nodes: list[_Node]):
+    def __init__(self, kinds: list[str], ranks: list[int], deps: list[tuple], actions: list, transfers: list[tuple],
+                 feeds: list[int], rank_of: list[int], S: int):
         codes = {"compute": _COMPUTE, "active": _ACTIVE, "posted": _POSTED, "done": _DONE}
-        self.nodes, self.n = nodes, len(nodes)
-        self.kinds = [codes[n.kind] for n in nodes]
-        self.deps = [n.deps for n in nodes]
-        self.ranks = [n.rank for n in nodes]
-        self.ranks_count = max(self.ranks) + 1
+        self.names, self.n = kinds, len(kinds)
+        self.kinds = [codes[k] for k in kinds]
+        self.deps, self.ranks, self.actions, self.transfers, self.feeds = deps, ranks, actions, transfers, feeds
+        self.rank_of, self.S = rank_of, S
+        self.ranks_count = max(ranks) + 1
         index: dict[tuple, int] = {}
         self.keys, self.key_of = [], []
-        for n in nodes:
-            if n.kind != "compute":
+        for a in actions:
+            if a is None:
                 self.key_of.append(-1)
                 continue
-            a = n.action
             key = (a.stage, a.kind, a.microbatch == 0)
             if key not in index:
                 index[key] = len(self.keys)
                 self.keys.append(a)              # a representative action of the key
             self.key_of.append(index[key])
+        self.computes = [k for k, key in enumerate(self.key_of) if key >= 0]       # the compute nodes, in order
         # per key: its stage where it is a backward action (B, I or W; the dp sync waits for the last), else -1
         self.backward_stage = [a.stage if a.kind is not F else -1 for a in self.keys]
 
+    @functools.cached_property
+    def nodes(self) -> list[_Node]:
+        """The same graph as ``_Node``s (the run with sharing, host_contention.py, reads these)."""
+        return [_Node(*fields) for fields in zip(self.names, self.ranks, self.deps, self.actions, self.transfers,
+                                                 self.feeds)]
+
 
 _COMPUTE, _ACTIVE, _POSTED, _DONE = range(4)
-
-
-@functools.lru_cache(maxsize=256)
-def _flat(schedule: str, pp: int, m: int, v: int, posts: bool) -> _Flat:
-    return _Flat(_structure(schedule, pp, m, v, posts)[0])
 
 
 class _Parts:
@@ -250,7 +283,8 @@ def _run(flat: _Flat, parts: _Parts, stages: Sequence[StageTimes], p2p: bool, po
     value = [0.0] * flat.n
     busy = [0.0] * flat.ranks_count
     host_free = [0.0] * flat.ranks_count        # per rank: when its last compute or post ended
-    nodes, kinds, deps_of, ranks, key_of = flat.nodes, flat.kinds, flat.deps, flat.ranks, flat.key_of
+    transfers, actions = flat.transfers, flat.actions
+    kinds, deps_of, ranks, key_of = flat.kinds, flat.deps, flat.ranks, flat.key_of
     part_of, tp_of = parts.part, parts.tp
     wait = post if p2p else 0.0
     for k in range(flat.n):
@@ -258,7 +292,7 @@ def _run(flat: _Flat, parts: _Parts, stages: Sequence[StageTimes], p2p: bool, po
         if kind == _DONE:           # step_events._transfer_end
             mine = value[deps[0]]
             value[k] = max([max(mine, value[peer]) + (stages[b].send if p2p else 0.0)
-                            for peer, b in nodes[k].transfers], default=mine)
+                            for peer, b in transfers[k]], default=mine)
             continue
         start = max([value[d] for d in deps]) if deps else 0.0
         if kind == _ACTIVE:
@@ -267,7 +301,7 @@ def _run(flat: _Flat, parts: _Parts, stages: Sequence[StageTimes], p2p: bool, po
             r, key = ranks[k], key_of[k]
             part = part_of[key]
             if start > host_free[r] + 1e-12 * max(1.0, start):   # the rank sat idle: see *resume*
-                part = resumed(nodes[k].action, part, resume, overhead)
+                part = resumed(actions[k], part, resume, overhead)
             value[k] = end = start + part + tp_of[key]
             busy[r] += part
             if end > host_free[r]:
@@ -312,10 +346,10 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
             ``total`` and asks for the parts of the configurations it returns): ``pp_comm`` is then 0 and
             the transfers' delay counts in ``bubble``; ``total`` and every other part are the same.
     """
-    nodes, rank_of, S = _structure(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
+    flat = _flat(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
+    nodes, rank_of, S = flat.nodes if sharing is not None else None, flat.rank_of, flat.S
     if len(stages) != S:
         raise ValueError(f"{len(stages)} StageTimes for pp({pp}) * chunks_per_rank({chunks_per_rank}) = {S} stages")
-    flat = _flat(schedule, pp, num_microbatches, chunks_per_rank, post > 0)
     table = _Parts(flat, stages)
     tp, gathers, last_bwd, last_dur = [0.0] * pp, [0.0] * pp, [0.0] * S, [0.0] * S
     if sharing is None:
@@ -330,14 +364,14 @@ def predict_step(schedule: str, pp: int, num_microbatches: int, chunks_per_rank:
         else:
             free, _ = run_shared(nodes, stages, False, sharing, post, wake, resume, overhead)
         free_ends = _rank_ends(flat, free, pp)
-    for k in range(flat.n):
-        key = flat.key_of[k]
-        if key < 0:
-            continue
-        r, g = flat.ranks[k], table.gather[key]
-        tp[r] += table.tp[key] - g
+    key_of, ranks, backward_stage = flat.key_of, flat.ranks, flat.backward_stage
+    tp_of, gather_of = table.tp, table.gather
+    for k in flat.computes:         # in node order: each rank's sums in its list's order
+        key = key_of[k]
+        r, g = ranks[k], gather_of[key]
+        tp[r] += tp_of[key] - g
         gathers[r] += g
-        stage = flat.backward_stage[key]
+        stage = backward_stage[key]
         if stage >= 0 and timed[k] >= last_bwd[stage]:
             last_bwd[stage], last_dur[stage] = timed[k], table.duration[key]
     totals, opt = [], [0.0] * pp

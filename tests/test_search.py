@@ -4,6 +4,7 @@ Tiny models only: the searches here take about a second each.
 """
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import autosplit
 from autosplit.cost_model import get_profile
 from autosplit.cost_model.step_time import predict_plan
 from autosplit.passes.partition import balanced_bounds
-from autosplit.strategy.cuts import CutSolver
+from autosplit.strategy.cuts import _BLOCK, CutSolver
 from autosplit.strategy.layout import LayoutGraph, trace_model
 
 from tests.models import VARIANTS, tp_timm, tp_torchvision
@@ -32,10 +33,11 @@ def _compiled(model, c, global_batch, device="h100"):
                                               (8, "2.5d", False, 2), (8, "3d", False, None)])
 @pytest.mark.default_cases('1-1d-False-None', '4-2d-False-None')
 def test_rescaled_graph_equals_a_fresh_compile(tp, mode, sp, depth):
-    """Shapes and costs extrapolated to microbatch size b are those compile computes tracing at b."""
+    """Shapes and costs extrapolated to microbatch size b are those compile computes tracing at b (and at a
+    size seen before, the values ``at`` kept for it)."""
     model = tp_timm()
     graph = LayoutGraph(trace_model(model, (X,)), (X,), tp, mode, sp, tp_depth=depth)
-    for b in (4, 12) if tp == 8 else (4, 10):
+    for b in (4, 12, 4) if tp == 8 else (4, 10, 4):
         graph.at(b)
         extra = {"tp_2d_form": "allgather"} if mode in ("2d", "2.5d") else {}
         plan = autosplit.compile(model, mesh=(1, tp, 1), example_input=torch.empty(b, 3, 32, 32), tp_mode=mode,
@@ -55,6 +57,14 @@ def test_cut_solver_is_balanced_bounds():
         params = [rng.choice([0, 0, 5, 7]) for _ in range(K)] if trial % 2 else None
         solver = CutSolver(seg, out, params)
         for S in rng.sample(range(1, K + 1), min(K, 4)):
+            assert solver.bounds(S) == balanced_bounds(seg, out, S, seg_params=params)
+    # tables wider than a block of the solver's columns (cuts.py _BLOCK): the ~440 segments of a 48-block ViT
+    for trial, K in enumerate((_BLOCK + 1, 2 * _BLOCK + 37)):
+        seg = [rng.choice([0.0, 1.0, 2.0, rng.random()]) for _ in range(K)]
+        out = [rng.choice([0.0, 0.5, rng.random()]) for _ in range(K)]
+        params = [rng.choice([0, 0, 5, 7]) for _ in range(K)] if trial % 2 else None
+        solver = CutSolver(seg, out, params)
+        for S in (2, 7, K - 1, K):
             assert solver.bounds(S) == balanced_bounds(seg, out, S, seg_params=params)
 
 
@@ -92,7 +102,7 @@ def test_predictions_equal_compile(measured):
     if measured == "nodes":
         device = dataclasses.replace(get_profile("h100"), name="h100_2pernode", gpus_per_node=2)
     every = autosplit.search(model, 8, X, global_batch=batch, memory_budget=400_000, top=10**6, prune=False,
-                             device=device)
+                             device=device, max_tp=None)          # (tp 4 and 8 on nodes of 2 too)
     picks = list(every[:3]) + random.Random(1).sample(list(every[3:]), 12 if not measured else 6)
     picks += [next(c for c in every if c.options["tp_mode"] == mode) for mode in ("2.5d", "3d")]
     for c in picks:
@@ -131,6 +141,30 @@ def test_bad_arguments_are_refused():
         autosplit.search(tp_timm(), 2.5, X, global_batch=8)
 
 
+def test_max_tp_leaves_out_wider_tensor_parallelism():
+    """max_tp caps the tp degree (a cp layout's tp inside its cp ranks): "node" (the default) at the
+    profile's gpus_per_node, an int at itself, None nowhere; what it leaves out is listed with the
+    arithmetic, and what it keeps is priced and ranked as without the cap."""
+    model = tp_timm()
+    one = dataclasses.replace(get_profile("h100"), name="h100_1pernode", gpus_per_node=1)
+    kw = dict(global_batch=16, top=10**6, prune=False)
+    capped = autosplit.search(model, 2, X, device=one, **kw)
+    every = autosplit.search(model, 2, X, device=one, max_tp=None, **kw)
+    assert {c.mesh.tp for c in capped} == {1} and {c.mesh.tp for c in every} == {1, 2}
+    assert any(c.mesh.cp > 1 for c in capped)
+    assert [(c.label, c.step_time) for c in capped] == [(c.label, c.step_time) for c in every if c.mesh.tp == 1]
+    why = {r.why for r in capped.rejected if r.kind == "max_tp"}
+    assert why == {"tp(2) > max_tp(1) = gpus_per_node of 'h100_1pernode': tensor parallelism stays inside a node "
+                   "(search's max_tp)"}
+    assert not any(r.kind == "max_tp" for r in every.rejected)
+    explicit = autosplit.search(model, 2, X, device="h100", max_tp=1, **kw)         # (8 per node)
+    assert {c.mesh.tp for c in explicit} == {1}
+    assert {r.why for r in explicit.rejected if r.kind == "max_tp"} == {"tp(2) > max_tp(1)"}
+    for bad in (0, "all", True, 2.0):
+        with pytest.raises(autosplit.AutosplitError, match=r"max_tp=.*expected \"node\", a positive int or None"):
+            autosplit.search(model, 2, X, global_batch=16, max_tp=bad)
+
+
 def test_cli_prints_the_table(capsys):
     from autosplit.__main__ import main
     assert main(["search", "tests.models:tp_timm", "--world", "4", "--global-batch", "16", "--memory-budget", "400KB",
@@ -138,6 +172,12 @@ def test_cli_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "autosplit search" in out and "step ms" in out and "rejected" in out
     assert len([line for line in out.splitlines() if line[:1].isdigit()]) == 3
+    assert main(["search", "tests.models:tp_timm", "--world", "4", "--global-batch", "16", "--max-tp", "1"]) == 0
+    rows = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    tps = [re.fullmatch(r"\((?:pp=\d+,cp=\d+,tp=(\d+),dp=\d+|\d+,(\d+),\d+)\)", row).groups() for row in rows]
+    assert tps and all("1" in t for t in tps), rows
+    with pytest.raises(SystemExit):
+        main(["search", "tests.models:tp_timm", "--world", "4", "--global-batch", "16", "--max-tp", "0"])
 
 
 def test_parallelize_auto_trains_like_one_device(pool2):

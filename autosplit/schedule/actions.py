@@ -42,6 +42,11 @@ class ActionKind(Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
+    # Members are singletons compared by identity (Enum defines no __eq__), so identity's C-level hash is
+    # consistent with equality; Enum's own hashes the name in Python, and the timed run's structures hash
+    # ~10^6 actions.  (Neither is stable across processes: a str hash is salted too.)
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)

@@ -85,6 +85,8 @@ class Group:
         self.params = sum(n.meta["cost"].param_bytes for n in nodes)
         self.saved = sum(n.meta["cost"].saved_bytes for n in nodes)
         self._seg = self._solver = None
+        self._dp: dict[tuple, StageDataParallel] = {}
+        self._stages: dict[tuple, tuple] = {}       # cut -> (part sums, parameter bytes, tensors) per stage
 
     @property
     def seg(self) -> SegmentCosts:
@@ -108,6 +110,16 @@ class Group:
     def n_segments(self) -> int:
         return len(self.segments)
 
+    def data_parallel(self, dp: int, m: int, sharding, gather_ratio: float, tp: int) -> StageDataParallel:
+        """The StageDataParallel of one (dp group, m, sharding), kept for every price of this group (its
+        costs per stage range are kept in it)."""
+        key = (dp, m if sharding else None, sharding, gather_ratio, tp)   # m only in a sharded cost
+        if key not in self._dp:
+            self._dp[key] = StageDataParallel(self.segments, self.seg.params, self.layers, dp, m, sharding,
+                                              self.profile, gather_ratio, tp=tp,
+                                              units=self.units if sharding == "layer" else None)
+        return self._dp[key]
+
     def bounds(self, n_stages: int) -> list[int]:
         if self._solver is None:
             self._solver = CutSolver(self.seg.time, self.seg.out_time, self.seg.params)
@@ -121,25 +133,30 @@ class Group:
     def stages(self, bounds: list[int]) -> tuple[np.ndarray, list[int]]:
         """Per stage the summed node parts (S, 5) and parameter bytes, with compile's assignment: a node
         in the stage of its segment, a parameter read (and what is computed from parameters alone) in
-        the stage of its first user."""
-        stage_of_segment = np.searchsorted(np.array(bounds), np.arange(len(self.segments)))
-        stage = stage_of_segment[self.segment_of]
-        for k, users in self.graph.param_users:
-            stage[k] = min(stage[u] for u in users)
-        S = len(bounds)
-        sums = np.stack([np.bincount(stage, weights=self.node_parts[:, i], minlength=S) for i in range(5)], axis=1)
-        names = [set() for _ in range(S)]
-        for k, used in self.graph.param_names:
-            names[stage[k]].update(used)
-        sizes = self.graph.param_bytes
-        self._names = (tuple(bounds), names)
-        return sums, [sum(sizes[n] for n in group) for group in names]
+        the stage of its first user.  Kept per cut (read only): the configurations of one group that
+        share a stage count ask for the same cut."""
+        key = tuple(bounds)
+        if key not in self._stages:
+            stage_of_segment = np.searchsorted(np.array(bounds), np.arange(len(self.segments)))
+            stage = stage_of_segment[self.segment_of]
+            for k, users in self.graph.param_users:
+                stage[k] = min(stage[u] for u in users)
+            S = len(bounds)
+            sums = np.stack([np.bincount(stage, weights=self.node_parts[:, i], minlength=S) for i in range(5)],
+                            axis=1)
+            names = [set() for _ in range(S)]
+            for k, used in self.graph.param_names:
+                names[stage[k]].update(used)
+            sizes = self.graph.param_bytes
+            self._stages[key] = (sums, [sum(sizes[n] for n in group) for group in names],
+                                 [len(group) for group in names])
+        sums, param_bytes, _ = self._stages[key]
+        return sums, param_bytes
 
     def stage_tensors(self, bounds: list[int]) -> list[int]:
         """Per stage the parameter tensors it holds (``stages``' names, of the same cut)."""
-        if getattr(self, "_names", (None,))[0] != tuple(bounds):
-            self.stages(bounds)
-        return [len(group) for group in self._names[1]]
+        self.stages(bounds)
+        return self._stages[tuple(bounds)][2]
 
 
 def _node_parts(layout_graph, b: int, profile) -> np.ndarray:
@@ -202,8 +219,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
                                                             group.profile.device_type)
     # FSDP gathers half-precision copies under autocast, as compile prices them (passes/stage_bounds.py)
     gather_ratio = 0.5 if getattr(group.graph, "autocast", None) is not None else 1.0
-    dpc = StageDataParallel(group.segments, seg.params, group.layers, dp * cp, m, sharding or None, group.profile,
-                            gather_ratio, tp=tp, units=group.units if sharding == "layer" else None)
+    dpc = group.data_parallel(dp * cp, m, sharding or None, gather_ratio, tp)
     overlap = tp_overlaps(group.profile, group.graph.tp, sharding)
     place = placement_of(schedule, pp, v)
     stage_rank = [place.rank(s) for s in range(S)]

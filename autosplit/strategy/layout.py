@@ -146,6 +146,7 @@ class LayoutGraph:
         self.param_users, self.param_names, self.param_bytes = _parameter_owners(self.gm, self.nodes)
         self.b = None
         self.unknown_ops: list[str] = []
+        self._sizes: dict[int, tuple] = {}  # b -> (vals, costs, cuts, unknown ops): ``at`` of a size seen before
 
     def _cast(self, gm: fx.GraphModule, b: int) -> None:
         """The dtypes autocast gives, on ``gm`` propagated at b rows (nothing without autocast)."""
@@ -204,6 +205,12 @@ class LayoutGraph:
             return self.gm
         if b % self.unit:
             raise AutosplitError(f"microbatch size {b} does not divide by the {self.unit} ways the grid splits rows")
+        if b in self._sizes:                      # this size again (the search's groups of several sizes take
+            vals, costs, self.cuts, self.unknown_ops = self._sizes[b]       # turns): put its values back
+            for n, val, cost in zip(self.nodes, vals, costs):
+                n.meta["val"], n.meta["cost"] = val, cost
+            self.b = b
+            return self.gm
         k = b // self.unit - 2                    # b = unit * (2 + k): value = first + k * (second - first)
         origin = self.origin                      # a copied layer's node: its source's value and cost
         try:
@@ -220,6 +227,8 @@ class LayoutGraph:
         self.unknown_ops = sorted(unknown)
         self.b = b
         self.cuts = find_cuts(self.gm)
+        self._sizes[b] = ([n.meta["val"] for n in self.nodes], [n.meta["cost"] for n in self.nodes], self.cuts,
+                          self.unknown_ops)
         return self.gm
 
 

@@ -4,7 +4,8 @@ Terms: see space.py (layout, Bd, m, b, the enumerated options), costing.py (grou
 candidate.py (Candidate, Rejected, pruned).
 
 Order of work, cheapest refusals first:
-  1. trace the model once; per layout, rewrite a copy for tensor parallelism (a refusal, e.g. heads not
+  1. trace the model once; leave out the layouts whose tp exceeds ``max_tp`` (one node's GPUs by default);
+     per layout, rewrite a copy for tensor parallelism (a refusal, e.g. heads not
      dividing by tp, rejects the layout, and every multiple of that tp: divisibility refusals are
      inherited by multiples); a grid layout (2D, 2.5D, 3D) is rewritten only when a configuration of
      it is first priced (layout.py ``DeferredLayout``: bounds from the single-device graph until then),
@@ -84,6 +85,17 @@ class _Clock(dict):
         return dict(self)
 
 
+def _tp_cap(max_tp, profile) -> float:
+    """The largest tp ``search`` tries (see its ``max_tp``)."""
+    if max_tp is None:
+        return float("inf")
+    if max_tp == "node":
+        return profile.gpus_per_node or float("inf")
+    if isinstance(max_tp, bool) or not isinstance(max_tp, int) or max_tp < 1:
+        raise AutosplitError(f"max_tp={max_tp!r}: expected \"node\", a positive int or None")
+    return max_tp
+
+
 def _options(layout, schedule, v, m, recompute, shard, budget, autocast=None) -> dict:
     o = {"num_microbatches": m, "schedule": schedule, "chunks_per_rank": v, "tp_mode": layout.tp_mode,
          "sequence_parallel": layout.sequence_parallel, "dp_shard": shard, "recompute": recompute}
@@ -103,7 +115,7 @@ def _options(layout, schedule, v, m, recompute, shard, budget, autocast=None) ->
 @keeps_module_state       # it traces and propagates shapes (leaves' forwards run) many times
 def search(model, world_size: int, example_input, *, global_batch: int, device="h100", memory_budget=None,
            top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None, autocast=None,
-           optimizer="adamw", context_parallel: bool = True) -> SearchResult:
+           optimizer="adamw", context_parallel: bool = True, max_tp="node") -> SearchResult:
     """Ranked configurations of ``model`` on ``world_size`` devices, fastest predicted step first.
 
     Args:
@@ -127,6 +139,13 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             (cost_model/optimizer_step.py) and shown as the ``optimizer`` part.
         context_parallel: False leaves the cp layouts out (every mesh has cp = 1: the search before the
             cp axis).
+        max_tp: the largest tensor-parallel degree tried (a cp layout's tp inside its cp ranks): "node"
+            (default) the profile's ``gpus_per_node`` (no cap where the profile puts the job on one node),
+            an int, or None for every divisor of ``world_size``.  Why a node: every tensor-parallel
+            collective sits inside each layer's forward and backward, and across nodes it runs at the
+            network's bandwidth (an H100 node's NVLink all-reduce is ~10x its InfiniBand); Galvatron's
+            search caps it the same way (``max_tp_deg``, default 8) and published large runs keep tp
+            inside a node.  The layouts above the cap are listed in ``rejected`` (kind "max_tp").
     Returns:
         A SearchResult: a list of Candidates (``.mesh``: a MeshShape with cp that also reads as the
         (pp, tp, dp) tuple; ``.options`` for ``parallelize``/``compile``,
@@ -145,6 +164,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     if not any(autocast is a for a in AUTOCAST):
         raise AutosplitError(f"autocast={autocast!r}: expected None, torch.bfloat16 or torch.float16")
     opt_kind = optimizer_kind(optimizer)
+    tp_cap = _tp_cap(max_tp, profile)
     layers = layer_paths(model)
     sample_bytes = sum(x[:1].numel() * x.element_size() for x in inputs)
     with clock("trace"):
@@ -164,6 +184,11 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
         base = {"tp_mode": layout.tp_mode, "sequence_parallel": layout.sequence_parallel}
         if layout.tp_depth is not None:
             base["tp_depth"] = layout.tp_depth
+        if layout.tp > tp_cap:
+            why = (f"tp({layout.tp}) > max_tp({tp_cap})" + (f" = gpus_per_node of {profile.name!r}: tensor parallelism "
+                   f"stays inside a node (search's max_tp)" if max_tp == "node" else ""))
+            rejected += [Rejected(mesh, base, why, "max_tp") for mesh in meshes]
+            continue
         known = next(((t, msg) for t, msg in failed[layout.tp_mode] if layout.tp % t == 0), None)
         graph = None
         build = lambda layout=layout: LayoutGraph(traced, inputs, layout.tp, layout.tp_mode,  # noqa: E731
