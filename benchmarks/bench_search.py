@@ -1,7 +1,7 @@
 """Strategy search time and peak memory: ViT-B/16 on 8, ViT-H/14 on 64, a ViT-22B-like model on 1024
 devices (H100 profile, 80 GiB per device).  Each model is built on the meta device.
 
-    python benchmarks/bench_search.py [--only NAME] [--autocast bf16|fp16]
+    python benchmarks/bench_search.py [--only NAME] [--autocast bf16|fp16] [--no-cp] [--max-tp N|node|none]
 
 Prints, per case: wall seconds, CPU seconds of this process (the machine is shared; CPU time is what
 the search itself costs), the search's phases (``SearchResult.phases``: trace, tensor-parallel
@@ -32,13 +32,14 @@ CASES = {   # name: (model factory, world, global batch)
 }
 
 
-def run(name: str, traced: bool = False, autocast=None) -> dict:
+def run(name: str, traced: bool = False, autocast=None, context_parallel: bool = True, max_tp="node") -> dict:
     factory, world, batch = CASES[name]
     with torch.device("meta"):
         model = factory()
     x = torch.empty(1, 3, 224, 224, device="meta")
     search = lambda: autosplit.search(model, world, x, global_batch=batch, device="h100", memory_budget="80GiB",
-                                      top=5, autocast=autocast)
+                                      top=5, autocast=autocast, context_parallel=context_parallel,
+                                      max_tp=max_tp)
     wall, cpu = time.perf_counter(), time.process_time()
     result = search()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -62,13 +63,18 @@ def main() -> None:
     p.add_argument("--only", choices=sorted(CASES), default=None)
     p.add_argument("--traced", action="store_true", help="also the peak traced Python memory (a second search)")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="search for training under autocast")
+    p.add_argument("--no-cp", action="store_true", help="without the cp layouts (context_parallel=False)")
+    p.add_argument("--max-tp", default="node", help="search's max_tp: node (default), a number or none")
     args = p.parse_args()
     if args.only is None:           # one process per case: max RSS is the case's own
         for name in CASES:
-            subprocess.run([sys.executable, __file__, "--only", name] + (["--traced"] if args.traced else []) +
+            subprocess.run([sys.executable, __file__, "--only", name, "--max-tp", args.max_tp] +
+                           (["--traced"] if args.traced else []) + (["--no-cp"] if args.no_cp else []) +
                            (["--autocast", args.autocast] if args.autocast else []), check=False)
         return
-    r = run(args.only, args.traced, {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast])
+    max_tp = {"node": "node", "none": None}.get(args.max_tp) or int(args.max_tp)
+    r = run(args.only, args.traced, {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast],
+            not args.no_cp, max_tp)
     print(r.pop("table"))
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 
