@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autosplit.check import configs
 from autosplit.check.cli import _argument_error, _parts
@@ -125,6 +126,39 @@ def test_bad_flags_are_refused_before_joining_a_world(monkeypatch):
         _args("--parts", "numerics,speed")
     args = _args("--batch", "8,16", "--autocast", "bf16")
     assert args.batch == [8, 16] and args.device is None and args.parts == ("numerics", "profile", "prediction")
+
+
+def test_the_prediction_part_gets_the_flags_band(monkeypatch, tmp_path):
+    """--max-ratio reaches the prediction part (it was parsed and checked, then dropped: every check ran
+    with the default band of 2, and the torchrun test asking for 100 failed on a loaded machine)."""
+    import autosplit.check.job as job
+    import autosplit.check.prediction as prediction
+    from autosplit.check.cli import run_check
+    from autosplit.check.record import make_record
+    seen = {}
+
+    class World:
+        rank, size, backend, device_name = 0, 1, "gloo", "cpu"
+
+        def say(self, text):
+            pass
+
+        def describe(self):
+            return {"torch": torch.__version__}
+
+        def close(self):
+            pass
+
+    def fake_prediction(cw, *args, **kwargs):
+        seen.update(kwargs)
+        return make_record("prediction", True, "ran")
+
+    monkeypatch.setattr(job, "join_world", lambda: World())
+    monkeypatch.setattr(prediction, "run_prediction", fake_prediction)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert run_check(_args("--parts", "prediction", "--max-ratio", "7.5", "--device", "h100",
+                           "--out", str(tmp_path))) == 0
+    assert seen["max_ratio"] == 7.5
 
 
 def test_gpu_script_dry_run_prints_every_step(tmp_path):

@@ -145,7 +145,7 @@ def run_check(args) -> int:
             steps = args.timed_steps or (3 if args.quick else 5)
             records.append(_run_part(cw, "prediction", lambda: run_prediction(
                 cw, args.model, args.mesh, args.batch, options, args.image_size, steps=steps,
-                warmup=1 if args.quick else 2, directory=args.out)))
+                warmup=1 if args.quick else 2, directory=args.out, max_ratio=args.max_ratio)))
     finally:
         passed = len(records) == len(args.parts) and all(r["passed"] for r in records)
         if cw.rank == 0:
