@@ -57,7 +57,7 @@ class CutSolver:
         are those of the whole matrix.  Column blocks of ``_BLOCK`` last segments at a time, each over the
         first segments j <= its last k (j > k is no stage): every column's minima are over the same
         candidates, in the same order, as on the whole matrix, on blocks that stay in the CPU's cache
-        (the whole matrix of a 48-block ViT's ~440 segments does not: 10x slower per element)."""
+        (the whole matrix of a 48-block ViT's ~440 segments does not: 2-3x slower per element)."""
         s, K, inf = len(self.best), self.K, np.inf
         if s:
             be, bm, bq = self.best[-1]
