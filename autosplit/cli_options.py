@@ -11,6 +11,7 @@ turn it into the option's value:
   --leaf-modules A,B            ["A", "B"] (class names or package.module.ClassName)
   --concrete-args JSON          a JSON object, e.g. '{"attn_mask": null}'
   --device NAME|FILE.json       a profile name, or a profile file (python -m autosplit profile --out FILE.json)
+  --max-tp N|node|none          the search's max_tp: N, "node" or None
 """
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ def device_arg(text: str, extra: tuple = ()) -> str:
         return text
     raise argparse.ArgumentTypeError(f"{text!r}: expected a profile name ({', '.join(NAMES + extra)}) or a "
                                      f"profile file ending in .json (python -m autosplit profile --out FILE.json)")
+
+
+def max_tp_arg(text: str):
+    """``--max-tp``: "node", "none" (None) or a positive number, as ``autosplit.search``'s ``max_tp``."""
+    if text in ("node", "none"):
+        return None if text == "none" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number, 'node' or 'none'")
+    return int(text)
 
 
 def add_plan_options(parser: argparse.ArgumentParser) -> None:

@@ -21,14 +21,13 @@ warning line names the new one; autosplit/deprecated.py).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 from autosplit.cli_options import AUTOCAST as AUTOCAST_NAMES
-from autosplit.cli_options import DeviceChoices, device_arg
+from autosplit.cli_options import DeviceChoices, device_arg, max_tp_arg
 from autosplit.cost_model.optimizer_step import NAMES as OPTIMIZERS
 from autosplit.cost_model.profile_file import is_path
 from autosplit.cost_model.profiles import NAMES, get_profile
@@ -88,18 +87,9 @@ def add_search_parser(sub) -> None:
                    help="rank for training under torch.autocast in bf16 or fp16 (default: off, float32)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="the optimizer whose step is priced (default adamw)")
-    p.add_argument("--max-tp", type=_max_tp, default="node", metavar="N|node|none",
+    p.add_argument("--max-tp", type=max_tp_arg, default="node", metavar="N|node|none",
                    help="largest tensor-parallel degree tried: node (default: the device's GPUs per node), a "
                         "number, or none (every divisor of --world)")
-
-
-def _max_tp(text: str):
-    """--max-tp's value as ``search``'s ``max_tp``."""
-    if text in ("node", "none"):
-        return None if text == "none" else text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number, 'node' or 'none'")
-    return int(text)
 
 
 def run_search(args, build_model) -> int:

@@ -23,6 +23,7 @@ import timm
 import torch
 
 import autosplit
+from autosplit.cli_options import max_tp_arg
 
 CASES = {   # name: (model factory, world, global batch)
     "vit_b16@8": (lambda: timm.create_model("vit_base_patch16_224"), 8, 256),
@@ -64,17 +65,17 @@ def main() -> None:
     p.add_argument("--traced", action="store_true", help="also the peak traced Python memory (a second search)")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="search for training under autocast")
     p.add_argument("--no-cp", action="store_true", help="without the cp layouts (context_parallel=False)")
-    p.add_argument("--max-tp", default="node", help="search's max_tp: node (default), a number or none")
+    p.add_argument("--max-tp", type=max_tp_arg, default="node",
+                   help="search's max_tp: node (default), a number or none")
     args = p.parse_args()
     if args.only is None:           # one process per case: max RSS is the case's own
         for name in CASES:
-            subprocess.run([sys.executable, __file__, "--only", name, "--max-tp", args.max_tp] +
+            subprocess.run([sys.executable, __file__, "--only", name, "--max-tp", str(args.max_tp).lower()] +
                            (["--traced"] if args.traced else []) + (["--no-cp"] if args.no_cp else []) +
                            (["--autocast", args.autocast] if args.autocast else []), check=False)
         return
-    max_tp = {"node": "node", "none": None}.get(args.max_tp) or int(args.max_tp)
     r = run(args.only, args.traced, {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast],
-            not args.no_cp, max_tp)
+            not args.no_cp, args.max_tp)
     print(r.pop("table"))
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 

@@ -102,13 +102,6 @@ class StepPrediction:
                 f"pp {self.pp_comm * 1e3:.3f}){dp}{opt} (slowest rank, pp rank {self.rank})")
 
 
-def _structure(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> tuple[list[_Node], list[int], int]:
-    """The timed run's dependency graph as ``_Node``s (``_flat``'s, for the run with sharing), the rank
-    of each stage, and the stage count."""
-    flat = _flat(schedule, pp, m, v, posts)
-    return flat.nodes, flat.rank_of, flat.S
-
-
 @functools.lru_cache(maxsize=256)
 def _flat(schedule: str, pp: int, m: int, v: int, posts: bool = False) -> _Flat:
     """The timed run's dependency graph (nodes in an order where every dependency comes first); with
@@ -230,8 +223,8 @@ class _Flat:
 
     def __init__(self, kinds: list[str], ranks: list[int], deps: list[tuple], actions: list, transfers: list[tuple],
                  feeds: list[int], rank_of: list[int], S: int):
-        codes = {"compute": _COMPUTE, "active": _ACTIVE, "posted": _POSTED, "done": _DONE}
-        self.names, self.n = kinds, len(kinds)
+        codes = {name: code for code, name in enumerate(_KIND_NAMES)}
+        self.n = len(kinds)
         self.kinds = [codes[k] for k in kinds]
         self.deps, self.ranks, self.actions, self.transfers, self.feeds = deps, ranks, actions, transfers, feeds
         self.rank_of, self.S = rank_of, S
@@ -254,11 +247,12 @@ class _Flat:
     @functools.cached_property
     def nodes(self) -> list[_Node]:
         """The same graph as ``_Node``s (the run with sharing, host_contention.py, reads these)."""
-        return [_Node(*fields) for fields in zip(self.names, self.ranks, self.deps, self.actions, self.transfers,
-                                                 self.feeds)]
+        return [_Node(_KIND_NAMES[code], *fields)
+                for code, *fields in zip(self.kinds, self.ranks, self.deps, self.actions, self.transfers, self.feeds)]
 
 
 _COMPUTE, _ACTIVE, _POSTED, _DONE = range(4)
+_KIND_NAMES = ("compute", "active", "posted", "done")           # by code
 
 
 class _Parts:
