@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from autosplit.cost_model.comm import all_gather_time, all_reduce_time, group_nodes, reduce_scatter_time
 from autosplit.model_layers import path_layer
 
@@ -72,21 +74,31 @@ def dp_cost(param_bytes: float, largest_unit: float, dp: int, microbatches: int,
         gather_ratio: all-gather bytes per parameter byte (0.5 when FSDP gathers bfloat16 copies).
         nodes: the nodes the dp group spans (comm.group_nodes); None: consecutive ranks.
     """
+    state, step = dp_memory(param_bytes, largest_unit, dp, sharding, gather_ratio)
     if sharding is None or dp == 1:
         k = dp_buckets(param_bytes, None)
-        return DataParallelCost(None, STATE_FACTOR * param_bytes, 0.0, 2 * (dp - 1) / dp * param_bytes,
+        return DataParallelCost(None, state, step, 2 * (dp - 1) / dp * param_bytes,
                                 _pieces(all_reduce_time, param_bytes, k, dp, profile, nodes, DP_BUCKET_BYTES), k)
-    if sharding not in GRANULARITIES:
-        raise ValueError(f"sharding={sharding!r}: expected None or one of {GRANULARITIES}")
     gathered = gather_ratio * param_bytes
     gathers = 1 if sharding == "stage" else 2 * microbatches
-    unsharded = gathered if sharding == "stage" else 2 * gather_ratio * largest_unit
     traffic = (dp - 1) / dp * (gathers * gathered + param_bytes)
     k = dp_buckets(param_bytes, sharding, largest_unit)
     sync = _pieces(reduce_scatter_time, param_bytes, k, dp, profile, nodes)
     gather = _pieces(all_gather_time, gathered, k, dp, profile, nodes)
-    return DataParallelCost(sharding, STATE_FACTOR * param_bytes / dp, param_bytes + min(unsharded, gathered),
-                            traffic, sync, k, gather, k, microbatches)
+    return DataParallelCost(sharding, state, step, traffic, sync, k, gather, k, microbatches)
+
+
+def dp_memory(param_bytes: float, largest_unit: float, dp: int, sharding: str | None,
+              gather_ratio: float = 1.0) -> tuple[float, float]:
+    """(state, step) bytes per rank of ``dp_cost`` with the same arguments, without pricing any time (a
+    memory-budgeted cut asks for every range of segments)."""
+    if sharding is None or dp == 1:
+        return STATE_FACTOR * param_bytes, 0.0
+    if sharding not in GRANULARITIES:
+        raise ValueError(f"sharding={sharding!r}: expected None or one of {GRANULARITIES}")
+    gathered = gather_ratio * param_bytes
+    unsharded = gathered if sharding == "stage" else 2 * gather_ratio * largest_unit
+    return STATE_FACTOR * param_bytes / dp, param_bytes + min(unsharded, gathered)
 
 
 def _pieces(fn, nbytes: float, k: int, dp: int, profile, nodes, size: float | None = None) -> float:
@@ -141,18 +153,32 @@ class StageDataParallel:
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
         self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
         self._units = units
+        self._prefix = None             # (segments + 1, units) prefix sums of the unit bytes (``_unit``)
         self._costs: dict[tuple, DataParallelCost] = {}  # (first, last, param_bytes) -> its cost (a pure function)
 
     def _unit(self, first: int, last: int) -> float:
-        """Bytes of the largest FSDP unit of segments first..last, from per-segment sums computed once (a memory-budgeted
-        cut asks for thousands of ranges)."""
-        if self._units is None:
-            self._units = [unit_sums(s, self.layers) for s in self.segments]
-        total: dict[str | None, float] = {}
-        for part in self._units[first:last + 1]:
-            for layer, size in part.items():
-                total[layer] = total.get(layer, 0.0) + size
-        return max(total.values(), default=0.0)
+        """Bytes of the largest FSDP unit of segments first..last: per unit, the difference of its prefix
+        sums over the segments (built once: a memory-budgeted cut asks for every range)."""
+        if self._prefix is None:
+            if self._units is None:
+                self._units = [unit_sums(s, self.layers) for s in self.segments]
+            names = list(dict.fromkeys(u for part in self._units for u in part))
+            table = np.zeros((len(self._units) + 1, max(1, len(names))))
+            for k, part in enumerate(self._units):
+                for j, u in enumerate(names):
+                    table[k + 1, j] = part.get(u, 0.0)
+            self._prefix = np.cumsum(table, axis=0)
+        return float(max(0.0, (self._prefix[last + 1] - self._prefix[first]).max()))
+
+    def memory_bytes(self, first: int, last: int, param_bytes: float | None = None) -> float:
+        """``self(first, last, param_bytes).memory_bytes`` without pricing the collectives."""
+        key = (first, last, param_bytes)
+        if key in self._costs:
+            return self._costs[key].memory_bytes
+        unit = self._unit(first, last) if self.sharding == "layer" else 0.0
+        total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
+        state, step = dp_memory(total, unit, self.dp, self.sharding, self.ratio)
+        return state + step
 
     def __call__(self, first: int, last: int, param_bytes: float | None = None) -> DataParallelCost:
         """``param_bytes``: the stage module's own count, where known (default: its segments' sum).  Kept

@@ -77,7 +77,7 @@ class TensorParallel(MetaPass):
         kept = decompose_attention(graph_module)
         if s.mesh.cp > 1:            # tokens over cp, 1D's layouts over tp inside it
             tp_plan = shard_context(graph_module, s.mesh.cp, tp, s.profile, price_vals=layout_vals(graph_module, s.inputs, 1),
-                                    microbatches=s.num_microbatches, attention=opts.cp_attention)
+                                    attention=opts.cp_attention)
         elif opts.tp_mode == "auto":   # the whole model on one tp group: the stages' budgets added
             budget = (s.budget if s.budget is not None else s.profile.memory_bytes) * s.mesh.pp
             tp_plan, graph_module, mode, depth, line = choose(graph_module, s.inputs, tp, s.profile, budget,

@@ -44,3 +44,11 @@ def train_perturbed(names: list[str], seeds: list[int], mesh=(1, 8, 1), tp_mode:
         with perturbed_prices(seed):
             out[seed] = checks_zoo.train_zoo(names, mesh, tp_mode, device="h100", **kw)
     return out
+
+
+def train_under_perturbed_prices(seed: int, *args, **kw) -> dict:
+    """On every rank: tests/dist_checks.py ``train_matches_single_device(*args, **kw)`` with every program
+    of the engine solved under prices perturbed by ``seed`` (a layout the suite's profiles do not pick)."""
+    from tests.dist_checks import train_matches_single_device
+    with perturbed_prices(seed):
+        return train_matches_single_device(*args, **kw)

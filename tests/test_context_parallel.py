@@ -211,14 +211,33 @@ def test_ulysses_all_to_all_trains_like_one_device(request, name, mesh):
     _assert_equal(results, ["cp"])
 
 
+# prices under which the engine runs tp_timm's attention projection on heads at 8 rows (tests/checks_layouts.py
+# ``perturbed_prices``): the H100 profile's own put it on tokens (an all-to-all back costs less than the sum)
+HEADS_PROJECTION_SEED = 2
+
+
+def _projection_on_heads(mesh):
+    """The rank-0 program of tp_timm at 8 rows under HEADS_PROJECTION_SEED: the projection's weight sliced
+    over cp, its sum reduce-scattered onto token rows and the bias added after."""
+    from tests.checks_layouts import perturbed_prices
+    with perturbed_prices(HEADS_PROJECTION_SEED):
+        plan = autosplit.compile(VARIANTS["tp_timm"](), mesh=mesh, example_input=torch.randn(8, 3, 32, 32),
+                                 num_microbatches=1, device="h100", cp_attention="all_to_all")
+    code = str(plan.stage_modules(0, 1)[0].code)
+    assert "reduce_scatter + blocks_0_attn_proj_bias" in code, code
+
+
 @pytest.mark.parametrize("name,attention", [("tp_timm", "all_to_all"), ("timm_cls", "auto")])
 @pytest.mark.default_cases("tp_timm-all_to_all")
 def test_one_microbatch_per_step_trains_like_one_device(pool2, name, attention):
-    """One microbatch of 8 rows: the engine runs the attention projection on heads (its weight sliced
-    over cp, its sum reduce-scattered onto token rows) and adds the bias to each rank's rows, so the
-    bias's gradient is a part per cp rank, the weight's whole.  Trained 0.02 off before the bias was
+    """One microbatch of 8 rows, the attention projection run on heads (perturbed prices: its weight
+    sliced over cp, its sum reduce-scattered onto token rows) and the bias added to each rank's rows, so
+    the bias's gradient is a part per cp rank, the weight's whole.  Trained 0.02 off before the bias was
     counted a part (lower.py ``_bias_on_rows``)."""
-    results = pool2.run(TRAIN, name, {"cp": 2}, "1f1b", 1, microbatches=1, device="h100", cp_attention=attention)
+    from tests.checks_layouts import train_under_perturbed_prices
+    _projection_on_heads({"cp": 2})
+    results = pool2.run(train_under_perturbed_prices, HEADS_PROJECTION_SEED, name, {"cp": 2}, "1f1b", 1,
+                        microbatches=1, device="h100", cp_attention=attention)
     _assert_equal(results, ["cp"])
 
 
@@ -227,12 +246,35 @@ def test_one_microbatch_per_step_trains_like_one_device(pool2, name, attention):
 @pytest.mark.default_cases("1-tp_timm")
 def test_ulysses_beside_tp_trains_like_one_device(pool4, name, microbatches):
     """cp x tp = 2 x 2, cp_attention="all_to_all": tp_1d splits the heads with the weights, the all-to-all
-    splits each tp rank's heads over cp (the heads dim nested tp_1d outermost).  At one microbatch the
-    attention projection's sum is partial over both axes (its input split on the heads over both): its
-    bias was added after each of the two sums, 0.1 off, before lower.py added it after the last only."""
-    results = pool4.run(TRAIN, name, {"cp": 2, "tp": 2}, "1f1b", 1, microbatches=microbatches, device="h100",
-                        cp_attention="all_to_all")
+    splits each tp rank's heads over cp (the heads dim nested tp_1d outermost).  Under the perturbed
+    prices above the attention projection's sum is partial over both axes (its input split on the heads
+    over both): its bias was added after each of the two sums, 0.1 off, before lower.py added it after
+    the last only."""
+    from tests.checks_layouts import train_under_perturbed_prices
+    _projection_on_heads({"cp": 2, "tp": 2})
+    results = pool4.run(train_under_perturbed_prices, HEADS_PROJECTION_SEED, name, {"cp": 2, "tp": 2}, "1f1b", 1,
+                        microbatches=microbatches, device="h100", cp_attention="all_to_all")
     _assert_equal(results, ["cp", "tp_1d"])
+
+
+def test_the_cp_rewrite_does_not_depend_on_the_microbatch_count():
+    """On cp the runtime sums every gradient with dp's buckets, whole or a part (lower.py *replicated
+    axis*), so reading a parameter whole into a token-split op costs no collective there, and tp inside
+    cp is priced at one microbatch as the fixed 1D layouts are: the same program at m = 1, 4 and 8.
+    Before, the engine charged cp a once-a-step sum per such read (1/m of an all-reduce): tp_timm's
+    attention all-to-all sat after the permute at m = 4 and before it at m = 1, and the strategy search
+    rewrote every cp layout once per microbatch count."""
+    from autosplit.passes.sharding.strategies import Enumerator
+    x = torch.randn(2, 3, 32, 32)
+    for mesh in ({"cp": 2}, {"cp": 2, "tp": 2}, {"cp": 4}):
+        codes = {m: str(autosplit.compile(VARIANTS["tp_timm"](), mesh=mesh, example_input=x, num_microbatches=m,
+                                          device="h100").stage_modules(0, 1)[0].code) for m in (1, 4, 8)}
+        assert codes[1] == codes[4] == codes[8], mesh
+    plan = autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x, device="h100")
+    enum = plan.tp_plan.sharding.enum
+    assert isinstance(enum, Enumerator) and not enum.split_params
+    weight = next(n for n in plan.tp_plan.root.graph.nodes if n.op == "get_attr" and n.target.endswith("qkv.weight"))
+    assert enum.transition(weight, "R", "R", None, 1e6, True) == 0.0
 
 
 def test_the_cost_model_chooses_each_attentions_lowering():

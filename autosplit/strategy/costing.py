@@ -236,7 +236,7 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     def memory(s, a, b):                      # compile's: the dp state as sharded instead of 4 x params
         kept, recompute = group.activations(a, b)
         return (OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + seg.in_flight[s] * kept + recompute
-                - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes)
+                - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc.memory_bytes(a, b))
 
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     if budget is not None:                    # compile's order: the budgeted stage cut, then rank balance

@@ -19,8 +19,8 @@ Terms:
   segment costs -- ``autosplit.segment_costs.SegmentCosts`` of the rescaled graph, per recompute mode.
   cp       -- a context-parallel layout (cp >= 2, 1D tensor parallelism over tp >= 1 inside it): the
               graph rewritten by passes/sharding/context.py ``shard_context`` as compile's TensorParallel
-              pass rewrites it (at the plan's microbatch count and size, priced at 2 rows: one graph per
-              distinct rewrite, ``ContextLayout``; rescaled to other sizes as any layout).  Its ``tp``
+              pass rewrites it (at the plan's microbatch size, priced at 2 rows: one graph per distinct
+              rewrite, ``ContextLayout``; rescaled to other sizes as any layout).  Its ``tp``
               is the block, cp * tp ranks (what compile prices as the tensor-parallel group: the
               collectives, core sharing, the dp group's stride), ``cp`` and ``tp_inner`` the axes;
               every node's value is tp rank 0's and cp rank 0's (its share of the tokens), so the
@@ -90,20 +90,18 @@ class LayoutGraph:
 
     def __init__(self, traced: fx.GraphModule, inputs: tuple[torch.Tensor, ...], tp: int, tp_mode: str,
                  sequence_parallel: bool, profile="h100", tp_depth: int | None = None, repeats: Repeats | None = None,
-                 autocast: torch.dtype | None = None, cp: int = 1, microbatches: int = 1, rows: int = 2,
-                 rewritten: tuple | None = None):
+                 autocast: torch.dtype | None = None, cp: int = 1, rows: int = 2, rewritten: tuple | None = None):
         """``traced``: ``trace_model``'s graph, shared by every layout (each works on a copy); ``profile``
         prices the sharding engine's candidates (compile's ``device``); ``tp_depth``: 2.5D's d;
         ``repeats``: ``traced`` reduced to four of its identical layers (passes/repeats.py): the rewrite
         works on it and copies the rest, or rewrites ``traced`` where the layers came out different
         (``tp_plan`` is then the reduced graph's plan: the search prices graphs, it builds no modules);
         ``autocast``: the half dtype the job trains in, or None (float32; module docstring); ``cp``: the
-        context-parallel ranks (see *cp*), 1D tensor parallelism over ``tp`` inside them, the engine's
-        choices priced for ``microbatches`` per step, rewritten on the graph at ``rows`` rows (the plan's
-        microbatch size: ``context_rewrite``); ``rewritten``: ``context_rewrite``'s result for this
-        layout, where the caller already has it (``ContextLayout``)."""
+        context-parallel ranks (see *cp*), 1D tensor parallelism over ``tp`` inside them, rewritten on the
+        graph at ``rows`` rows (the plan's microbatch size: ``context_rewrite``); ``rewritten``:
+        ``context_rewrite``'s result for this layout, where the caller already has it (``ContextLayout``)."""
         self.inputs, self.profile, self.autocast = inputs, get_profile(profile), autocast
-        self.cp, self.tp_inner, self.microbatches, self.rows = cp, tp, microbatches, rows
+        self.cp, self.tp_inner, self.rows = cp, tp, rows
         self.tp = tp * cp                   # the block: what compile prices as tp (mesh.block)
         grid = tp_mode in GRID_MODES and tp > 1
         self.axes = tp_axes(tp_mode, tp, tp_depth) if grid else ()
@@ -168,7 +166,7 @@ class LayoutGraph:
 
     def _build(self, traced, b, tp, tp_mode, sp):
         if self.cp > 1:
-            return context_rewrite(traced, self.inputs, self.cp, tp, self.profile, self.microbatches, self.rows)
+            return context_rewrite(traced, self.inputs, self.cp, tp, self.profile, self.rows)
         gm = _copy_at(traced, self.inputs, b)
         if tp == 1:
             return gm, None
@@ -244,18 +242,17 @@ def _copy_at(traced: fx.GraphModule, inputs, b: int) -> fx.GraphModule:
     return gm
 
 
-def context_rewrite(traced: fx.GraphModule, inputs, cp: int, tp: int, profile, microbatches: int = 1,
-                    rows: int = 2, propagate: bool = True):
+def context_rewrite(traced: fx.GraphModule, inputs, cp: int, tp: int, profile, rows: int = 2,
+                    propagate: bool = True):
     """(local graph, plan): ``traced`` (the trace or its reduced form) rewritten for cp x tp as
     compile's TensorParallel pass rewrites it (passes/sharding/context.py ``shard_context``): on the
-    graph at ``rows`` rows, priced at 2 rows (tensor_parallel.py ``layout_vals``) and the plan's
-    microbatch count, each attention's cp lowering chosen by cost (compile's default
-    ``cp_attention="auto"``).
+    graph at ``rows`` rows, priced at 2 rows (tensor_parallel.py ``layout_vals``), each attention's cp
+    lowering chosen by cost (compile's default ``cp_attention="auto"``).
 
-    ``rows``: the plan's microbatch size.  The cp rewrite does not depend on the priced values and m
-    alone: on the graph at another size it may come out different (tests/models.py ``tp_timm`` at cp=2,
-    m=4: an attention's all-to-all after the reshape that merges the heads at 2 rows, before it at 1
-    and 4 rows), so the search rewrites at the size compile rewrites at.  ``propagate``: the local
+    ``rows``: the plan's microbatch size.  The cp rewrite does not depend on the priced values alone:
+    which dims of the graph at ``rows`` rows divide by cp, and which lead a merged dim (a size-1 batch
+    leaf leads nothing), decide what can be split (samvit's window rows stay split inside one rank at
+    1 row, not at 2), so the search rewrites at the size compile rewrites at.  ``propagate``: the local
     graph's values at 2 rows (what LayoutGraph starts from); False leaves them stale (a signature needs
     none)."""
     gm = _copy_at(traced, inputs, rows)
@@ -266,7 +263,7 @@ def context_rewrite(traced: fx.GraphModule, inputs, cp: int, tp: int, profile, m
         if "vals" not in cache:
             cache["vals"] = layout_vals(gm, _with_batch(inputs, rows), 1)
         price_vals = cache["vals"]
-    plan = shard_context(gm, cp, tp, profile, price_vals=price_vals, microbatches=microbatches, attention="auto")
+    plan = shard_context(gm, cp, tp, profile, price_vals=price_vals, attention="auto")
     gm = _GraphModule(plan.local_root(0, gm.graph), gm.graph, type(gm).__name__)
     if propagate:
         MetaShapeProp(_with_batch(inputs, 2))(gm)
@@ -400,9 +397,12 @@ class DeferredLayout(_Unbuilt):
         self.graph: LayoutGraph | None = None
         self.error: str | None = None
 
-    def resolve(self, microbatches: int | None = None, rows: int | None = None) -> LayoutGraph | None:
-        """The built graph (once), or None with ``error`` the rewrite's refusal (one rewrite serves every
-        microbatch count and size: the arguments are ``ContextLayout``'s, unused here)."""
+    def refusal(self, rows: int) -> str | None:
+        return self.error
+
+    def resolve(self, rows: int | None = None) -> LayoutGraph | None:
+        """The built graph (once: one rewrite serves every microbatch size; ``rows`` is
+        ``ContextLayout``'s), or None with ``refusal(rows)`` the rewrite's refusal."""
         if self.graph is None and self.error is None:
             try:
                 self.graph = self._build()
@@ -414,15 +414,13 @@ class DeferredLayout(_Unbuilt):
 
 class ContextLayout(_Unbuilt):
     """A cp layout's LayoutGraphs (cp x tp, 1D inside; see the module docstring's *cp*), built when a
-    configuration of it is first priced (search.py, step 4), one per microbatch count m and size b it
-    is priced at.
+    configuration of it is first priced (search.py, step 4), one per microbatch size b it is priced at.
 
-    compile rewrites for cp at the plan's m (passes/tensor_parallel.py: the engine prices a whole
-    weight's partial gradient once a step, so its choices may depend on m) and on the graph at the
-    plan's b rows (which can change the rewrite too: ``context_rewrite``), so the graph of (m, b) is
-    that rewrite.  Rewrites that come out the same (``rewrite_signature`` of the rewritten reduced
+    compile rewrites for cp on the graph at the plan's b rows (which can change the rewrite:
+    ``context_rewrite``), and without the microbatch count (passes/sharding/context.py), so the graph of
+    b is that rewrite.  Rewrites that come out the same (``rewrite_signature`` of the rewritten reduced
     graph; the usual case) share one LayoutGraph, so the shape propagations, the layer copies and the
-    group costs are paid once; a further (m, b) costs one rewrite of the reduced graph.
+    group costs are paid once; a further b costs one rewrite of the reduced graph.
 
     Until built, bounds that hold for any layout of its cp * tp ranks, as ``DeferredLayout``'s: the
     split floor of the single-device graph ``base`` (each op's FLOPs and bytes split at most cp * tp
@@ -431,7 +429,7 @@ class ContextLayout(_Unbuilt):
 
     ``failures``: (cp, tp, message) of the rewrites refused so far, shared by a search's cp layouts: a
     layout whose cp and tp are multiples of a refused one's is refused as it was (as the search inherits
-    a tp refusal by multiples of tp), at every (m, b)."""
+    a tp refusal by multiples of tp), at every b."""
 
     unit = 1
 
@@ -441,45 +439,44 @@ class ContextLayout(_Unbuilt):
         self.cp, self.tp_inner, self.tp, self.base = cp, tp, cp * tp, base
         self.param_ways = tp                # parameters whole on every cp rank
         self.failures = failures if failures is not None else []
-        self.graphs: dict[tuple[int, int], LayoutGraph | None] = {}     # (m, b) -> its graph (None: refused)
-        self.errors: dict[tuple[int, int], str] = {}
+        self.graphs: dict[int, LayoutGraph | None] = {}     # b -> its graph (None: refused)
+        self.errors: dict[int, str] = {}
         self._by_signature: dict[tuple, LayoutGraph] = {}
 
     @property
     def error(self) -> str | None:
         return next(iter(self.errors.values()), None)
 
-    def refusal(self, microbatches: int, rows: int) -> str | None:
-        return self.errors.get((microbatches, rows))
+    def refusal(self, rows: int) -> str | None:
+        return self.errors.get(rows)
 
-    def resolve(self, microbatches: int = 1, rows: int = 2) -> LayoutGraph | None:
-        """The graph of plans of ``microbatches`` per step of ``rows`` rows each (built once per distinct
-        rewrite), or None with ``refusal(microbatches, rows)`` the rewrite's refusal."""
-        m = (microbatches, rows)
-        if m in self.graphs:
-            return self.graphs[m]
+    def resolve(self, rows: int = 2) -> LayoutGraph | None:
+        """The graph of plans of ``rows`` rows a microbatch (built once per distinct rewrite), or None with
+        ``refusal(rows)`` the rewrite's refusal."""
+        if rows in self.graphs:
+            return self.graphs[rows]
         known = next(((c, t, msg) for c, t, msg in self.failures if self.cp % c == 0 and self.tp_inner % t == 0), None)
         if known is not None:
             c, t, msg = known
-            self.errors[m] = msg if (c, t) == (self.cp, self.tp_inner) else f"as for cp={c}, tp={t} (divisors): {msg}"
-            self.graphs[m] = None
+            self.errors[rows] = msg if (c, t) == (self.cp, self.tp_inner) else f"as for cp={c}, tp={t} (divisors): {msg}"
+            self.graphs[rows] = None
             return None
         source = self.repeats.graph if self.repeats is not None else self.traced
         try:
-            rewritten = context_rewrite(source, self.inputs, self.cp, self.tp_inner, self.profile, *m,
+            rewritten = context_rewrite(source, self.inputs, self.cp, self.tp_inner, self.profile, rows,
                                         propagate=False)
             key = rewrite_signature(rewritten[0])
             graph = self._by_signature.get(key)
             if graph is None:
                 MetaShapeProp(_with_batch(self.inputs, 2))(rewritten[0])
                 graph = LayoutGraph(self.traced, self.inputs, self.tp_inner, "1d", False, self.profile,
-                                    repeats=self.repeats, autocast=self.autocast, cp=self.cp, microbatches=m[0],
-                                    rows=m[1], rewritten=rewritten)
+                                    repeats=self.repeats, autocast=self.autocast, cp=self.cp, rows=rows,
+                                    rewritten=rewritten)
                 graph.at(2)
                 self._by_signature[key] = graph
         except AutosplitError as exc:
-            self.errors[m] = str(exc).splitlines()[0]
-            self.failures.append((self.cp, self.tp_inner, self.errors[m]))
+            self.errors[rows] = str(exc).splitlines()[0]
+            self.failures.append((self.cp, self.tp_inner, self.errors[rows]))
             graph = None
-        self.graphs[m] = graph
+        self.graphs[rows] = graph
         return graph

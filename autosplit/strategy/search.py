@@ -10,8 +10,7 @@ Order of work, cheapest refusals first:
      inherited by multiples); a grid layout (2D, 2.5D, 3D) is rewritten only when a configuration of
      it is first priced (layout.py ``DeferredLayout``: bounds from the single-device graph until then),
      and so is a cp layout (cp x tp ranks, 1D inside: layout.py ``ContextLayout``), rewritten at each
-     (microbatch count, microbatch size) it is priced at, as compile rewrites it, one graph per
-     distinct rewrite;
+     microbatch size it is priced at, as compile rewrites it, one graph per distinct rewrite;
   2. enumerate meshes (pp, cp, tp, dp), microbatch counts, schedules, recomputation and dp sharding
      (space.py), rejecting what the compiler would refuse (batch and rows divisibility, stages beyond
      the graph's cuts, zero-bubble with dp_shard);
@@ -198,7 +197,7 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
             if single is None:                  # (the tp = 1 layout comes first and never fails)
                 continue
             graph = ContextLayout(traced, inputs, layout.cp, layout.tp, profile, repeats, autocast, single,
-                                  context_failures)                  # built per m when first priced
+                                  context_failures)                  # built per b when first priced
         elif known is None and layout.unit > 1 and single is not None:
             graph = DeferredLayout(build, layout.tp, layout.unit, single)   # built when first priced
         elif known is None:
@@ -298,10 +297,9 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
                 pruned += 1
                 continue
             with clock("rewrite"):
-                graph = deferred.resolve(m, b)
+                graph = deferred.resolve(b)
             if graph is None:
-                why = deferred.refusal(m, b) if isinstance(deferred, ContextLayout) else deferred.error
-                rejected.append(Rejected(mesh, options, why, "tensor parallel"))
+                rejected.append(Rejected(mesh, options, deferred.refusal(b), "tensor parallel"))
                 continue
             most = min(len(graph.cuts) + 1, 2 * len(layers)) if layers else len(graph.cuts) + 1
             if pp * v > most:

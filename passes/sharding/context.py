@@ -206,7 +206,7 @@ def keys_split(sh: Sharding, copies: list[fx.Node], tokens: set[int], ways: int,
 
 
 def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dict | None = None,
-                  microbatches: int = 1, attention: str = "auto") -> TensorParallelPlan:
+                  attention: str = "auto") -> TensorParallelPlan:
     """Rewrite ``gm`` (requires meta['val'], global shapes) for the cp x tp block of ranks.
 
     Args:
@@ -215,7 +215,6 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
         tp: ranks on the ``tp`` axis inside it (1D tensor parallelism, Megatron's layouts); 1 for none.
         profile: the DeviceProfile that prices the candidates.
         price_vals: the values to price candidates with (engine.py ``priced_at``); default gm's own.
-        microbatches: per step (prices the once-a-step sums of partial gradients).
         attention: "auto", "gather" or "all_to_all" (see *attention lowering*).
     """
     copies = insert_key_copies(gm)
@@ -236,7 +235,7 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
     if attention == "all_to_all":          # each attention runs on heads where any option splits them
         forced = lambda sh, table: {u: (lambda s, h=heads(sh, table, ways): s.cls in h) for u in readers(table)}  # noqa: E731
     shardings[AXIS] = first = analyse(gm, cp, profile, allowed_fn=allowed, must_split_fn=cp_tokens,
-                                      padded_fn=cp_tokens, price_vals=price_vals, microbatches=microbatches,
+                                      padded_fn=cp_tokens, price_vals=price_vals,
                                       grid=True, partial_linears=True, stride=tp, split_params=False,
                                       all_to_all=attention != "gather", must_options_fn=forced)
     tokens = cp_tokens(first, first.table)
@@ -244,10 +243,13 @@ def shard_context(gm: fx.GraphModule, cp: int, tp: int, profile, price_vals: dic
         raise PlanError(f"cp={cp}: the graph has no token dim (no attention pairing the tokens of two operands, "
                         f"no linear over a (B, N, C) activation), so nothing can be split over cp; use dp or tp")
     keys_split(first, copies, tokens, ways, attention == "all_to_all")
+    # No microbatch count on either axis, so the program is the same at every count: on cp the runtime
+    # sums the gradients with dp's buckets whatever the choice (no once-a-step charge), and tp inside it
+    # is priced at one microbatch, as compile prices the fixed 1D layouts (tensor_parallel.py)
     if tp > 1:
         shardings[TP_AXIS] = analyse(gm, tp, profile, allowed_fn=feature_classes, must_split_fn=feature_classes,
-                                  must_split_weights=True, price_vals=price_vals, microbatches=microbatches,
-                                  base=first, partial_linears=True)
+                                     must_split_weights=True, price_vals=price_vals, base=first,
+                                     partial_linears=True)
     main = shardings.get(TP_AXIS, first)
     plan = TensorParallelPlan(tp=math.prod(size.values()), root=gm, sharding=main)
     plan.axes = axes

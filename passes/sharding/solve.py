@@ -12,6 +12,13 @@ Terms (strategy, transition: strategies.py):
                each of them (y is their OR at any integer x).  Priced per edge instead, a tensor read by
                three split projections (q, k, v) paid its collective three times.
   memory    -- optionally, sum of bytes(v, s) x[v, s] <= budget: what a rank keeps (tp_mode="auto").
+  ties      -- plans of equal time (an all-to-all before or after a permute of the same bytes): each
+               collective costs TIE seconds more per node index of its producer, so the program puts
+               collectives at the earliest of equal-priced places.  The difference between two such
+               places is local (their distance in the node order), so identical layers break the tie
+               alike (the strategy search copies one rewritten layer: passes/repeats.py ``expand``),
+               which the solver's own choice between tied optima did not.  1e-11 s a node: 1e-7 s over
+               a 10,000-node graph, below any difference the cost model resolves.
   must      -- options the caller requires one of (tp_mode="1d": a Linear's weight is split when any
                rule can split it; Megatron's contract): a penalty above any plan's time on the others,
                so a requirement no plan can meet (a split no consumer can take) is given up alone,
@@ -30,6 +37,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from autosplit.errors import PlanError
+
+TIE = 1e-11         # seconds per node index of a collective's producer (*ties*)
 
 
 def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memory: tuple | None = None) -> list[int]:
@@ -87,6 +96,8 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
         for (a, b), t in pairs.items():
             by_a[a].append(nvar)
             by_b[b].append(nvar)
+            if t > 0:
+                t += TIE * p                    # *ties*: of equal-priced plans, collectives earliest
             key = keys.get((a, b))
             if key is not None and t > 0:
                 shared.setdefault((p, a, key), []).append((nvar, t))
@@ -107,8 +118,10 @@ def solve(nodes: list, edges: list, must: list[list[tuple[int, int]]] = (), memo
     a = coo_matrix((vals, (rows, cols)), shape=(row, nvar)).tocsr()
     integrality = np.zeros(nvar)
     integrality[:z_first] = 1
+    # microseconds: HiGHS's tolerances suit O(1) coefficients; solved to optimality (no relative gap), so
+    # that *ties* decide between equal-priced plans, not where the branch and bound stopped
     res = milp(np.asarray(cost) * 1e6, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
-               bounds=Bounds(0, 1))          # microseconds: HiGHS's tolerances suit O(1) coefficients
+               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0})
     if res.x is None:
         raise Infeasible(f"the sharding engine's program has no solution ({res.message}); this is an autosplit "
                          f"bug unless a memory budget was given")

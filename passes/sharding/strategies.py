@@ -244,7 +244,9 @@ class Enumerator:
             params = 4.0 * sum(p.numel() * p.element_size() for p in self.gm.get_submodule(n.target).parameters())
         out_time = self._output_time(n) if base else 0.0
         ns.compute = [self._compute(base, out_time, s) for s in ns.options]
-        if n.op == "call_module" and params:     # a split op on whole module weights: their gradient is summed
+        # a split op on whole module weights: their gradient is summed once a step (on a replicated axis
+        # the runtime sums it with dp's buckets, split or not: no charge)
+        if n.op == "call_module" and params and self.split_params:
             whole = all_reduce_time(params / 4.0, self.n, self.profile, self.nodes) / self.microbatches
             ns.compute = [c + (whole if s.sharded and not any(d is not None for _, d in s.params) else 0.0)
                           for c, s in zip(ns.compute, ns.options)]
@@ -279,8 +281,11 @@ class Enumerator:
             if need == R and consumer_sharded and is_key_copy(producer):
                 return 0.0                  # a key copy's gradient parts are summed by the gather before it
             if need == R and consumer_sharded and producer.op == "get_attr":
-                if not _is_parameter(self.gm, producer):
-                    return 0.0                                  # a buffer: no gradient
+                if not _is_parameter(self.gm, producer) or not self.split_params:
+                    # a buffer: no gradient.  A replicated axis (cp): the runtime sums every parameter's
+                    # gradient over it with dp's buckets, part or whole (lower.py *replicated axis*), so
+                    # reading it whole into a split op adds no collective
+                    return 0.0
                 return all_reduce_time(nbytes, n, prof, self.nodes) / self.microbatches   # its partial gradient, once a step
             if need == R and consumer_sharded and producer.op != "placeholder":
                 return all_reduce_time(nbytes, n, prof, self.nodes)        # copy: the gradient is partial
