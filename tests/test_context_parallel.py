@@ -260,16 +260,16 @@ def test_ulysses_beside_tp_trains_like_one_device(pool4, name, microbatches):
 def test_the_cp_rewrite_does_not_depend_on_the_microbatch_count():
     """On cp the runtime sums every gradient with dp's buckets, whole or a part (lower.py *replicated
     axis*), so reading a parameter whole into a token-split op costs no collective there, and tp inside
-    cp is priced at one microbatch as the fixed 1D layouts are: the same program at m = 1, 4 and 8.
+    cp is priced at one microbatch as the fixed 1D layouts are: the same program at m = 1 and 4.
     Before, the engine charged cp a once-a-step sum per such read (1/m of an all-reduce): tp_timm's
     attention all-to-all sat after the permute at m = 4 and before it at m = 1, and the strategy search
     rewrote every cp layout once per microbatch count."""
     from autosplit.passes.sharding.strategies import Enumerator
     x = torch.randn(2, 3, 32, 32)
-    for mesh in ({"cp": 2}, {"cp": 2, "tp": 2}, {"cp": 4}):
+    for mesh in ({"cp": 2}, {"cp": 2, "tp": 2}):
         codes = {m: str(autosplit.compile(VARIANTS["tp_timm"](), mesh=mesh, example_input=x, num_microbatches=m,
-                                          device="h100").stage_modules(0, 1)[0].code) for m in (1, 4, 8)}
-        assert codes[1] == codes[4] == codes[8], mesh
+                                          device="h100").stage_modules(0, 1)[0].code) for m in (1, 4)}
+        assert codes[1] == codes[4], mesh
     plan = autosplit.compile(VARIANTS["tp_timm"](), mesh={"cp": 2}, example_input=x, device="h100")
     enum = plan.tp_plan.sharding.enum
     assert isinstance(enum, Enumerator) and not enum.split_params

@@ -120,8 +120,8 @@ def test_identical_layers_rewrite_alike_under_cp(family):
         assert LayoutGraph(traced, (X32,), tp, "1d", False, repeats=repeats, cp=cp).expanded, (cp, tp)
 
 
+@pytest.mark.slow      # the default tier copies layers under cp in test_identical_layers_rewrite_alike_under_cp
 @pytest.mark.parametrize("family", ["timm", "hand"])
-@pytest.mark.default_cases("timm")
 def test_cp_layers_copied_price_as_the_whole_rewrite(family):
     """The search rewrites four of a model's identical blocks and copies the rest (passes/repeats.py): for
     a cp layout the copies price as the whole rewrite does (every stage cut's time, bytes and activations,
