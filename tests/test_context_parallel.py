@@ -261,9 +261,9 @@ def test_the_cp_rewrite_does_not_depend_on_the_microbatch_count():
     """On cp the runtime sums every gradient with dp's buckets, whole or a part (lower.py *replicated
     axis*), so reading a parameter whole into a token-split op costs no collective there, and tp inside
     cp is priced at one microbatch as the fixed 1D layouts are: the same program at m = 1 and 4.
-    Before, the engine charged cp a once-a-step sum per such read (1/m of an all-reduce): tp_timm's
-    attention all-to-all sat after the permute at m = 4 and before it at m = 1, and the strategy search
-    rewrote every cp layout once per microbatch count."""
+    Before, the engine charged cp a once-a-step sum per such read (1/m of an all-reduce): tp_timm's rank
+    program at cp = 2 differed between m = 1 and m = 4, and the strategy search rewrote every cp layout
+    once per microbatch count."""
     from autosplit.passes.sharding.strategies import Enumerator
     x = torch.randn(2, 3, 32, 32)
     for mesh in ({"cp": 2}, {"cp": 2, "tp": 2}):
