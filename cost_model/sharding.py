@@ -175,17 +175,19 @@ class StageDataParallel:
         key = (first, last, param_bytes)
         if key in self._costs:
             return self._costs[key].memory_bytes
-        unit = self._unit(first, last) if self.sharding == "layer" else 0.0
-        total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
-        state, step = dp_memory(total, unit, self.dp, self.sharding, self.ratio)
+        state, step = dp_memory(*self._sizes(first, last, param_bytes), self.dp, self.sharding, self.ratio)
         return state + step
+
+    def _sizes(self, first: int, last: int, param_bytes: float | None) -> tuple[float, float]:
+        """(parameter bytes, largest FSDP unit) of segments first..last (``__call__``'s arguments)."""
+        unit = self._unit(first, last) if self.sharding == "layer" else 0.0
+        return (sum(self.params[first:last + 1]) if param_bytes is None else param_bytes), unit
 
     def __call__(self, first: int, last: int, param_bytes: float | None = None) -> DataParallelCost:
         """``param_bytes``: the stage module's own count, where known (default: its segments' sum).  Kept
         per range: a memory-budgeted cut, and the search's every price of one group, ask again."""
         key = (first, last, param_bytes)
         if key not in self._costs:
-            unit = self._unit(first, last) if self.sharding == "layer" else 0.0
-            total = sum(self.params[first:last + 1]) if param_bytes is None else param_bytes
+            total, unit = self._sizes(first, last, param_bytes)
             self._costs[key] = dp_cost(total, unit, self.dp, self.m, self.sharding, self.profile, self.ratio, self.nodes)
         return self._costs[key]

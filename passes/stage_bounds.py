@@ -44,7 +44,7 @@ class ChooseStageBounds(MetaPass):
                                     sharding, s.profile, 0.5 if opts.autocast is not None else 1.0, tp=s.mesh.tp)
 
             def memory(st, a, b, dpc=dpc):     # the dp state as sharded, instead of 4 x parameter bytes
-                return seg.memory(st, a, b) - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc(a, b).memory_bytes
+                return seg.memory(st, a, b) - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc.memory_bytes(a, b)
             try:
                 if opts.stage_bounds is not None:
                     bounds = validate.stage_bounds(opts.stage_bounds, s.n_stages, len(s.segments))
