@@ -143,40 +143,58 @@ def candidates(dp_shard, dp: int) -> list[str | None]:
     return [dp_shard]
 
 
+class UnitTable:
+    """Per segment the bytes of each FSDP unit in it (``unit_sums``), and the largest unit of any range of
+    segments: per unit the difference of its prefix sums.  Built once per segment table and kept by its
+    owner (the search's group): every dp group, microbatch count and cut of it asks for the same ranges,
+    and a memory-budgeted cut for every range."""
+
+    def __init__(self, units: list[dict]):
+        names = {u: j for j, u in enumerate(dict.fromkeys(u for part in units for u in part))}
+        table = np.zeros((len(units) + 1, max(1, len(names))))
+        for k, part in enumerate(units):
+            for u, nbytes in part.items():
+                table[k + 1, names[u]] = nbytes
+        self.prefix = np.cumsum(table, axis=0)
+        self._largest: dict[tuple[int, int], float] = {}
+
+    def largest(self, first: int, last: int) -> float:
+        key = (first, last)
+        if key not in self._largest:
+            self._largest[key] = float(max(0.0, (self.prefix[last + 1] - self.prefix[first]).max()))
+        return self._largest[key]
+
+
 class StageDataParallel:
     """``dp_cost`` of a stage spanning segments first..last (see segment_costs.SegmentCosts)."""
 
     def __init__(self, segments, params: list[float], layers, dp: int, microbatches: int, sharding: str | None,
-                 profile, gather_ratio: float = 1.0, tp: int = 1, units: list[dict] | None = None):
-        """``units``: ``unit_sums`` of each segment, where already computed (the search keeps them per group)."""
+                 profile, gather_ratio: float = 1.0, tp: int = 1, units: UnitTable | list[dict] | None = None):
+        """``units``: ``unit_sums`` of each segment or their UnitTable, where already computed (the search keeps
+        one per group)."""
         self.segments, self.params, self.layers = segments, params, list(layers)
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
         self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
-        self._units = units
-        self._prefix = None             # (segments + 1, units) prefix sums of the unit bytes (``_unit``)
+        self._units = units             # a UnitTable, per-segment unit_sums, or None (built on first use)
         self._costs: dict[tuple, DataParallelCost] = {}  # (first, last, param_bytes) -> its cost (a pure function)
+        self._memory: dict[tuple, float] = {}            # the same key -> ``memory_bytes`` (bytes alone)
 
     def _unit(self, first: int, last: int) -> float:
-        """Bytes of the largest FSDP unit of segments first..last: per unit, the difference of its prefix
-        sums over the segments (built once: a memory-budgeted cut asks for every range)."""
-        if self._prefix is None:
-            if self._units is None:
-                self._units = [unit_sums(s, self.layers) for s in self.segments]
-            names = list(dict.fromkeys(u for part in self._units for u in part))
-            table = np.zeros((len(self._units) + 1, max(1, len(names))))
-            for k, part in enumerate(self._units):
-                for j, u in enumerate(names):
-                    table[k + 1, j] = part.get(u, 0.0)
-            self._prefix = np.cumsum(table, axis=0)
-        return float(max(0.0, (self._prefix[last + 1] - self._prefix[first]).max()))
+        """Bytes of the largest FSDP unit of segments first..last (``UnitTable``)."""
+        if not isinstance(self._units, UnitTable):
+            self._units = UnitTable(self._units if self._units is not None else
+                                    [unit_sums(s, self.layers) for s in self.segments])
+        return self._units.largest(first, last)
 
     def memory_bytes(self, first: int, last: int, param_bytes: float | None = None) -> float:
         """``self(first, last, param_bytes).memory_bytes`` without pricing the collectives."""
         key = (first, last, param_bytes)
         if key in self._costs:
             return self._costs[key].memory_bytes
-        state, step = dp_memory(*self._sizes(first, last, param_bytes), self.dp, self.sharding, self.ratio)
-        return state + step
+        if key not in self._memory:
+            state, step = dp_memory(*self._sizes(first, last, param_bytes), self.dp, self.sharding, self.ratio)
+            self._memory[key] = state + step
+        return self._memory[key]
 
     def _sizes(self, first: int, last: int, param_bytes: float | None) -> tuple[float, float]:
         """(parameter bytes, largest FSDP unit) of segments first..last (``__call__``'s arguments)."""

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from autosplit.cost_model import collective_time, get_profile, p2p_time
 from autosplit.cost_model.roofline import node_time
-from autosplit.cost_model.sharding import StageDataParallel, unit_sums
+from autosplit.cost_model.sharding import StageDataParallel, UnitTable, unit_sums
 from autosplit.cost_model.optimizer_step import optimizer_kind
 from autosplit.cost_model.step_time import (StageTimes, deferred_w_stages, lower_bound, predict_step, sharing_of,
                                            stage_gathers, step_collectives, tp_overlaps)
@@ -100,10 +100,11 @@ class Group:
         return self._seg
 
     @property
-    def units(self) -> list[dict]:
-        """FSDP unit bytes per segment (cost_model/sharding.py ``unit_sums``), for every dp_shard="layer" price."""
+    def units(self) -> UnitTable:
+        """FSDP unit bytes per segment (cost_model/sharding.py ``unit_sums``, ``UnitTable``), shared by every
+        dp_shard="layer" price of this group."""
         if not hasattr(self, "_units"):
-            self._units = [unit_sums(s, self.layers) for s in self.segments]
+            self._units = UnitTable([unit_sums(s, self.layers) for s in self.segments])
         return self._units
 
     @property
@@ -124,6 +125,16 @@ class Group:
         if self._solver is None:
             self._solver = CutSolver(self.seg.time, self.seg.out_time, self.seg.params)
         return self._solver.bounds(n_stages)
+
+    def range_terms(self, first: int, last: int) -> tuple[float, int, int]:
+        """(optimizer bytes as compile's memory function writes them, kept and recomputed activation bytes) of
+        segments first..last, kept per range: a budgeted cut asks for every range of every stage count, and
+        each configuration of the group for its cut's (~10^6 calls in a 1024-GPU search)."""
+        terms = self.__dict__.setdefault("_range_terms", {})
+        if (first, last) not in terms:
+            terms[first, last] = (OPTIMIZER_FACTOR * sum(self.seg.params[first:last + 1]),
+                                  *self.activations(first, last))
+        return terms[first, last]
 
     def activations(self, first: int, last: int):
         if self.recompute == "block" and (first, last) not in self.seg._activations:
@@ -234,9 +245,8 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     seg.in_flight = list(in_flight(schedule, pp, m, v))
 
     def memory(s, a, b):                      # compile's: the dp state as sharded instead of 4 x params
-        kept, recompute = group.activations(a, b)
-        return (OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + seg.in_flight[s] * kept + recompute
-                - OPTIMIZER_FACTOR * sum(seg.params[a:b + 1]) + dpc.memory_bytes(a, b))
+        opt, kept, recompute = group.range_terms(a, b)
+        return opt + seg.in_flight[s] * kept + recompute - opt + dpc.memory_bytes(a, b)   # compile's order
 
     ranges = list(zip([b + 1 for b in [-1, *bounds[:-1]]], bounds))
     if budget is not None:                    # compile's order: the budgeted stage cut, then rank balance
