@@ -24,7 +24,10 @@ Order of work, cheapest refusals first:
          them, 1/dp of that under dp_shard), which the fullest rank steps after its last compute;
      reject what the memory bound puts over the budget, and price the rest in increasing order of the
      time bound, stopping once the bound exceeds the ``top``-th best step time found (everything
-     after it is slower than ``top`` configurations already found: pruned, never wrongly);
+     after it is slower than ``top`` configurations already found: pruned, never wrongly); in two
+     passes, the layouts already rewritten first, then the grid and cp layouts from that incumbent
+     (their bounds know nothing of their own collectives, so they sort early and would be rewritten
+     against a loose one);
   4. pricing a configuration (costing.price; its group's costs built on first use) cuts, bounds again
      with the stage times (step_time.lower_bound: transfers, dp sync and the step's own collectives
      included), checks memory, and runs the timed schedule for its total alone; the returned ``top``
