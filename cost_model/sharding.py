@@ -169,21 +169,19 @@ class StageDataParallel:
     """``dp_cost`` of a stage spanning segments first..last (see segment_costs.SegmentCosts)."""
 
     def __init__(self, segments, params: list[float], layers, dp: int, microbatches: int, sharding: str | None,
-                 profile, gather_ratio: float = 1.0, tp: int = 1, units: UnitTable | list[dict] | None = None):
-        """``units``: ``unit_sums`` of each segment or their UnitTable, where already computed (the search keeps
-        one per group)."""
+                 profile, gather_ratio: float = 1.0, tp: int = 1, units: UnitTable | None = None):
+        """``units``: the segments' UnitTable, where already built (the search keeps one per group)."""
         self.segments, self.params, self.layers = segments, params, list(layers)
         self.dp, self.m, self.sharding, self.profile, self.ratio = dp, microbatches, sharding, profile, gather_ratio
         self.nodes = group_nodes(profile, dp, tp)      # the dp group: every tp-th rank (mesh.py's layout)
-        self._units = units             # a UnitTable, per-segment unit_sums, or None (built on first use)
+        self._units = units             # None: built on first use
         self._costs: dict[tuple, DataParallelCost] = {}  # (first, last, param_bytes) -> its cost (a pure function)
         self._memory: dict[tuple, float] = {}            # the same key -> ``memory_bytes`` (bytes alone)
 
     def _unit(self, first: int, last: int) -> float:
         """Bytes of the largest FSDP unit of segments first..last (``UnitTable``)."""
-        if not isinstance(self._units, UnitTable):
-            self._units = UnitTable(self._units if self._units is not None else
-                                    [unit_sums(s, self.layers) for s in self.segments])
+        if self._units is None:
+            self._units = UnitTable([unit_sums(s, self.layers) for s in self.segments])
         return self._units.largest(first, last)
 
     def memory_bytes(self, first: int, last: int, param_bytes: float | None = None) -> float:

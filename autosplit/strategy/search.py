@@ -288,9 +288,9 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     # cp configurations priced came out slower than the final top five).  Pruning is sound in any order (a
     # configuration is dropped only when its bound exceeds ``top`` step times already found), so the
     # ranking is the same; the second pass starts from the first pass's incumbent.
-    later = lambda c: isinstance(c[2][0], (DeferredLayout, ContextLayout))   # noqa: E731
-    passes = [sorted((c for c in bounded if not later(c)), key=lambda c: (c[0], c[1])),
-              sorted((c for c in bounded if later(c)), key=lambda c: (c[0], c[1]))]
+    bounded.sort(key=lambda c: (c[0], c[1]))
+    later = [isinstance(c[2][0], (DeferredLayout, ContextLayout)) for c in bounded]
+    passes = [[c for c, x in zip(bounded, later) if not x], [c for c, x in zip(bounded, later) if x]]
     found, best, pruned = [], [], 0            # best: max-heap (negated) of the top step times
     for configs in passes:
         for k, (bound, label, key, pp, dp, schedule, v, m, shard, options, after_floor, mesh) in enumerate(configs):
