@@ -35,6 +35,8 @@ Order of work, cheapest refusals first:
      step_time.predict_step's ``parts``).
 The result is deterministic (no clocks or randomness in the choices), so every rank of a job that
 searches reaches the same ranking.  ``SearchResult.phases`` says where the time went (``PHASES``).
+Python's collector runs paced inside it (collector.py: what survives a full collection is frozen, so
+the search's heap of graphs is not walked again at every full collection).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from autosplit.cost_model.optimizer_step import optimizer_kind
 from autosplit.model_layers import layer_paths
 from autosplit.options import AUTOCAST
 from autosplit.passes.repeats import reduce
+from autosplit.strategy.collector import frozen_survivors
 from autosplit.strategy.candidate import Candidate, Rejected, SearchResult, describe, search_mesh
 from autosplit.cost_model.comm import pipeline_crosses_nodes
 from autosplit.cost_model.step_time import step_collectives
@@ -115,6 +118,7 @@ def _options(layout, schedule, v, m, recompute, shard, budget, autocast=None) ->
 
 
 @keeps_module_state       # it traces and propagates shapes (leaves' forwards run) many times
+@frozen_survivors()       # its heap of graphs walked by full collections once, not each time (collector.py)
 def search(model, world_size: int, example_input, *, global_batch: int, device="h100", memory_budget=None,
            top: int = 10, prune: bool = True, leaf_modules=(), concrete_args=None, autocast=None,
            optimizer="adamw", context_parallel: bool = True, max_tp="node") -> SearchResult:
