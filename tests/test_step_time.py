@@ -169,6 +169,36 @@ def test_lower_bound_never_exceeds_the_prediction(name, v):
     assert lower_bound("1f1b", 4, 8, 1, equal) == predict_step("1f1b", 4, 8, 1, equal).total
 
 
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("gpipe", 1)])
+def test_a_limit_stops_only_runs_whose_total_passes_it(name, v):
+    """The search runs the schedule with its incumbent as ``limit``: None only where the full run's total
+    exceeds it, else the full run's prediction unchanged (random stage times, resume stretching computes
+    after idle, the limit on either side of the total)."""
+    import random
+    rng = random.Random(1)
+    stopped = kept = 0
+    for pp, m in ((2, 2), (3, 5), (4, 8), (4, 16)):
+        for _ in range(10):
+            stages = [StageTimes(fwd=rng.random(), bwd=2 * rng.random(), w=0.0, tp_fwd=0.1 * rng.random(),
+                                 tp_bwd=0.1 * rng.random(), send=0.2 * rng.random(), dp=rng.random(),
+                                 dp_buckets=rng.choice((1, 4)), opt=0.1 * rng.random())
+                      for _ in range(pp * v)]
+            fixed, resume = 0.1 * rng.random(), (1.0 + rng.random(), 1.0 + rng.random())
+            full = predict_step(name, pp, m, v, stages, fixed=fixed, resume=resume, parts=False)
+            for limit in (full.total * rng.uniform(0.5, 0.999), full.total * rng.uniform(1.0, 1.5)):
+                got = predict_step(name, pp, m, v, stages, fixed=fixed, resume=resume, parts=False, limit=limit)
+                if got is None:
+                    assert full.total > limit
+                    stopped += 1
+                else:
+                    assert got == full
+                    kept += 1
+    assert stopped and kept          # both happen: the limit stops runs, and leaves the others exact
+    # resume factors below 1 (a hand-written profile) could end a compute sooner than its part: no limit then
+    shrunk = predict_step(name, pp, m, v, stages, resume=(0.5, 0.5), parts=False)
+    assert predict_step(name, pp, m, v, stages, resume=(0.5, 0.5), parts=False, limit=0.0) == shrunk
+
+
 def test_lower_bound_counts_the_optimizer_on_its_own_rank():
     """pp = 2, one microbatch, stage 1's optimizer step long: rank 1 ends F0 + F1 + B1 + its step (1 + 1 + 2
     + 10 = 14) while the drain's B0 runs on rank 0, whose own step is short (6).  The bound once added the

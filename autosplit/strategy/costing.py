@@ -219,7 +219,8 @@ def _stage_times(group: Group, bounds, split: frozenset[int], dpc, overlap: bool
 def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, sharding, budget,
           incumbent: float = float("inf"), optimizer=None, parts: bool = True):
     """(prediction, memory of the fullest rank, cut) of one configuration; or why it does not fit (a str);
-    or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``.  ``optimizer``:
+    or PRUNED where ``step_time.lower_bound`` of its stages already exceeds ``incumbent``, or the timed run
+    shows its total will (``predict_step``'s ``limit``).  ``optimizer``:
     the OptimizerKind the job steps with (cost_model/optimizer_step.py), None: AdamW; ``parts``: as
     ``step_time.predict_step``'s (False: the total alone is exact)."""
     optimizer = optimizer if optimizer is not None else optimizer_kind("adamw")
@@ -270,5 +271,6 @@ def price(group: Group, pp: int, dp: int, schedule: str, v: int, m: int, shardin
     if budget is not None and rank_memory > budget:
         return f"memory {rank_memory / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB (the fullest rank's stages)"
     price = predict_step(schedule, pp, m, v, stages, sharing_of(group.profile, group.graph.tp * dp),
-                         profile.p2p_post, profile.p2p_wake, fixed, profile.resume, profile.pass_overhead, parts)
-    return price, rank_memory, bounds
+                         profile.p2p_post, profile.p2p_wake, fixed, profile.resume, profile.pass_overhead, parts,
+                         limit=incumbent)
+    return PRUNED if price is None else (price, rank_memory, bounds)

@@ -30,7 +30,8 @@ Order of work, cheapest refusals first:
      against a loose one);
   4. pricing a configuration (costing.price; its group's costs built on first use) cuts, bounds again
      with the stage times (step_time.lower_bound: transfers, dp sync and the step's own collectives
-     included), checks memory, and runs the timed schedule for its total alone; the returned ``top``
+     included), checks memory, and runs the timed schedule for its total alone, stopped (pruned) once
+     it is sure to pass the incumbent (step_time.predict_step's ``limit``); the returned ``top``
      are run once more with their parts (the run with free transfers that tells pp_comm from the bubble:
      step_time.predict_step's ``parts``).
 The result is deterministic (no clocks or randomness in the choices), so every rank of a job that
