@@ -16,8 +16,9 @@ millions of tracked objects. The 22B-like search on 1024 devices (benchmarks/ben
 full collections that walked that heap for 14-18 s of its 88-105 s. Freezing what survived each full
 collection leaves the next one only the objects made since (then 125 full collections, 1.2-1.6 s in
 all). The cycles a search drops (a rewrite whose graph came out as one already kept) are mostly young:
-a gen-0 or gen-1 collection still takes them before any freeze. On leaving, everything frozen goes back into generation
-2, where the next full collection frees the search's graphs as it would have without this.
+a gen-0 or gen-1 collection still takes them before any freeze. On leaving, everything frozen goes back
+into generation 2, where the next full collection frees the search's graphs as it would have without
+this.
 
 Nothing is done where the caller already froze objects (``gc.unfreeze()`` would thaw theirs) or turned the
 collector off.
