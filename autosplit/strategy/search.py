@@ -288,11 +288,12 @@ def search(model, world_size: int, example_input, *, global_batch: int, device="
     # Two passes, each in increasing order of the time bound: first the layouts already rewritten, then
     # the grid and cp layouts (rewritten when first priced).  Why: their bounds split the single-device
     # ops over every rank of the block and know nothing of the block's own collectives (cp's key
-    # all-gathers and all-to-alls, a grid's gathers), so they sort first, and priced first each costs a rewrite and a cut against a
-    # loose incumbent (the 22B on 1024: the first configuration priced was a cp one, and each of the 828
-    # cp configurations priced came out slower than the final top five).  Pruning is sound in any order (a
-    # configuration is dropped only when its bound exceeds ``top`` step times already found), so the
-    # ranking is the same; the second pass starts from the first pass's incumbent.
+    # all-gathers and all-to-alls, a grid's gathers), so they sort first, and priced first each costs a
+    # rewrite and a cut against a loose incumbent (the 22B on 1024: the first configuration priced was a cp
+    # one, and each of the 828 cp configurations priced came out slower than the final top five).
+    # Pruning is sound in any order (a configuration is dropped only when its bound exceeds ``top`` step
+    # times already found), so the ranking is the same; the second pass starts from the first pass's
+    # incumbent.
     bounded.sort(key=lambda c: (c[0], c[1]))
     later = [isinstance(c[2][0], (DeferredLayout, ContextLayout)) for c in bounded]
     passes = [[c for c, x in zip(bounded, later) if not x], [c for c, x in zip(bounded, later) if x]]
