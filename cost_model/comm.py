@@ -16,6 +16,15 @@ Terms:
              GPUs of a node drives its own NIC with 1/r of the data: rail-optimized rings and trees).
   latency -- alpha = steps x per-step latency: 2 (r-1) link + 2 (k-1) network latencies for all_reduce,
              half that for all_gather / reduce_scatter.
+  tree    -- an all-reduce over k > 2 nodes is priced as the faster of the ring above and NCCL's double
+             binary tree (NCCL >= 2.4 picks between the two per message size; its other collectives are
+             rings): the same node phase, a network phase of 2 nbytes / (r * B_net) (each GPU's share goes
+             up the tree reduced and comes down broadcast: the ring's bytes without its (k-1)/k) and
+             2 ceil(log2 k) network latencies instead of 2 (k-1).  At k <= 2 the ring is never slower
+             (the same steps, fewer bytes), so the one- and two-node fits to nccl-tests are unchanged; the
+             many-node data-parallel rows of the published training runs (Megatron-LM on 48 nodes, BERT
+             on 32) are what the tree's logarithmic latency is checked against (docs/benchmarks.md,
+             *Datacenter GPUs*).
   time    -- (sqrt(alpha) + sqrt(bus time))^2: a transfer cut into chunks that pipeline through the
              algorithm's steps, with the chunk size that minimizes alpha x chunks + bus time x (1 + 1 /
              chunks).  Between the alpha-beta sum (small messages) and the bus time (large ones), it follows
@@ -96,8 +105,13 @@ def _collective(kind: str, nbytes: float, n: int, profile, nodes: int | None) ->
     else:
         net_bw = p.network_bandwidth or p.link_bandwidth
         intra = phases * (r - 1) / r * nbytes / intra_bw if kind == "all_reduce" else (n - 1) / n * nbytes / intra_bw
+        net_lat = p.network_latency or p.link_latency
         bus = max(intra, phases * (k - 1) / k * nbytes / (r * net_bw))
-        alpha = phases * ((r - 1) * p.link_latency + (k - 1) * (p.network_latency or p.link_latency))
+        alpha = phases * ((r - 1) * p.link_latency + (k - 1) * net_lat)
+        if kind == "all_reduce" and k > 2:       # *tree*: NCCL's faster of ring and double binary tree
+            tree_bus = max(intra, 2 * nbytes / (r * net_bw))
+            tree_alpha = 2 * ((r - 1) * p.link_latency + math.ceil(math.log2(k)) * net_lat)
+            return min(_pipelined(alpha, bus), _pipelined(tree_alpha, tree_bus))
     return _pipelined(alpha, bus)
 
 

@@ -141,13 +141,13 @@ class DeviceProfile:
 # consumer fits' median: these rows' GEMM dims are all >= 768), nor op_overhead (4 us: datacenter_fit.py).
 # >>> datacenter fit: the lines up to the closing marker are written by benchmarks/datacenter_table.py --fit
 DATACENTER_FIT = {
-    "h100": dict(gemm_efficiency=0.4859, attention_efficiency=0.5, bandwidth_efficiency=0.9749, op_overhead=4.0e-6),
-    "a100": dict(gemm_efficiency=0.6839, attention_efficiency=1, bandwidth_efficiency=0.5, op_overhead=4.0e-6),
+    "h100": dict(gemm_efficiency=0.4858, attention_efficiency=0.5, bandwidth_efficiency=0.9755, op_overhead=4.0e-6),
+    "a100": dict(gemm_efficiency=0.6811, attention_efficiency=1, bandwidth_efficiency=0.5, op_overhead=4.0e-6),
 }
 DATACENTER_FIT_ROWS = {
     "h100": ("tt-05", "tt-15", "ao-01", "ibm-05", "ibm-06", "ibm-08", "mos-04", "mos-06", "mos-11"),
-    "a100": ("tt-04", "meg-10", "ibm-01", "ibm-04", "bert-02", "bert-06", "mos-13", "mos-14", "mos-16",
-              "mos-17", "mos-19"),
+    "a100": ("tt-04", "meg-10", "ibm-01", "ibm-04", "bert-02", "bert-06", "bert-09", "mos-13", "mos-14",
+              "mos-16", "mos-17", "mos-19"),
 }
 # <<< datacenter fit
 DATACENTER_FIT["h200"] = DATACENTER_FIT["h100"]

@@ -301,6 +301,25 @@ def test_collectives_priced_by_the_nodes_they_span():
     assert not pipeline_crosses_nodes(LINK, 64, 8)           # no node size: one node
 
 
+def test_many_node_all_reduce_takes_the_faster_of_ring_and_tree():
+    """Over k > 2 nodes an all-reduce is NCCL's faster of the ring and the double binary tree (comm.py
+    *tree*): 2 ceil(log2 k) network latencies at the full bytes, against the ring's 2 (k - 1) at (k-1)/k
+    of them.  Two nodes are the ring's (the nccl-tests fits); other collectives stay rings."""
+    ring = lambda nbytes, k: _pipelined(2 * (k - 1) * 5e-5, 2 * (k - 1) / k * nbytes / 10e9)   # noqa: E731
+    tree = lambda nbytes, k: _pipelined(2 * math.ceil(math.log2(k)) * 5e-5, 2 * nbytes / 10e9)  # noqa: E731
+    for k in (2, 3, 4, 48, 128):
+        for nbytes in (1e3, 1e6, 26e6, 1e9):
+            want = ring(nbytes, k) if k <= 2 else min(ring(nbytes, k), tree(nbytes, k))
+            assert all_reduce_time(nbytes, k, NODES, nodes=k) == pytest.approx(want), (k, nbytes)
+    assert all_reduce_time(1e9, 4, NODES, nodes=4) == pytest.approx(ring(1e9, 4))    # large: the ring's bytes
+    assert all_reduce_time(1e6, 4, NODES, nodes=4) == pytest.approx(tree(1e6, 4))    # small: the tree's steps
+    # a 25 MiB bucket over 48 nodes: 12 latencies, not 94 (the ring's 4.7 ms before any byte moved)
+    assert all_reduce_time(26e6, 48, NODES, nodes=48) == pytest.approx(tree(26e6, 48))
+    assert all_reduce_time(26e6, 48, NODES, nodes=48) < 0.5 * ring(26e6, 48)
+    # gathers and reduce-scatters stay rings
+    assert all_gather_time(1e6, 48, NODES, nodes=48) == pytest.approx(_pipelined(47 * 5e-5, 47 / 48 * 1e6 / 10e9))
+
+
 # ----------------------------------------------------------------------------- profiles and calibration
 
 def test_profiles():
