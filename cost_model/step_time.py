@@ -294,17 +294,32 @@ def _run(flat: _Flat, parts: _Parts, stages: Sequence[StageTimes], p2p: bool, po
     kinds, deps_of, ranks, key_of = flat.kinds, flat.deps, flat.ranks, flat.key_of
     part_of, tp_of = parts.part, parts.tp
     wait = post if p2p else 0.0
+    send = [t.send if p2p else 0.0 for t in stages]
     if caps is not None:        # per rank the compute it has left: each of its computes starts after the one
         left = [sum(n * (part_of[key] + tp_of[key]) for key, n in mine)       # before it (its list's order)
                 for mine in flat.key_counts]
     for k in range(flat.n):
         kind, deps = kinds[k], deps_of[k]
+        # max() spelled out for the one- and two-element cases (most nodes): the first of the largest,
+        # as max() picks, so the same floats
         if kind == _DONE:           # step_events._transfer_end
-            mine = value[deps[0]]
-            value[k] = max([max(mine, value[peer]) + (stages[b].send if p2p else 0.0)
-                            for peer, b in transfers[k]], default=mine)
+            mine = end = value[deps[0]]
+            first = True
+            for peer, b in transfers[k]:
+                v = value[peer]
+                t = (v if v > mine else mine) + send[b]
+                if first or t > end:
+                    end, first = t, False
+            value[k] = end
             continue
-        start = max([value[d] for d in deps]) if deps else 0.0
+        n_deps = len(deps)
+        if n_deps == 1:
+            start = value[deps[0]]
+        elif n_deps == 2:
+            a, b = value[deps[0]], value[deps[1]]
+            start = b if b > a else a
+        else:
+            start = max([value[d] for d in deps]) if deps else 0.0
         if kind == _ACTIVE:
             value[k] = start
         elif kind == _COMPUTE:

@@ -160,19 +160,23 @@ def rank_balanced_bounds(bounds: Sequence[int], seg_time: Sequence[float], out_t
 
     cut, best = list(start), keys(np.array([start]))[0]
     for _ in range(4 * S):                       # each round strictly improves the key: no cycle
-        candidates = []
+        moved, to = [], []                       # candidate c: ``cut`` with cut[moved[c]] = to[c]
         for i in range(S - 1):                   # the last bound is the graph's end
             lo, hi = (cut[i - 1] + 1 if i else 0), cut[i + 1] - 1
             for new in range(max(lo, cut[i] - max_shift), min(hi, cut[i] + max_shift) + 1):
                 if new != cut[i]:
-                    candidates.append([*cut[:i], new, *cut[i + 1:]])
-        if not candidates:
+                    moved.append(i)
+                    to.append(new)
+        if not moved:
             break
-        ranked = keys(np.array(candidates))
+        # the candidates as one array (rows of ``cut``, one entry changed each), in (cut, shift) order
+        candidates = np.tile(np.array(cut), (len(moved), 1))
+        candidates[np.arange(len(moved)), moved] = to
+        ranked = keys(candidates)
         k = min(range(len(ranked)), key=ranked.__getitem__)     # the first of the least keys
         if not ranked[k] < best:
             break
-        cut, best = candidates[k], ranked[k]
+        cut, best = candidates[k].tolist(), ranked[k]
     return cut if cut_fits(cut, feasible) else start
 
 
