@@ -17,10 +17,10 @@ Terms:
   latency -- alpha = steps x per-step latency: 2 (r-1) link + 2 (k-1) network latencies for all_reduce,
              half that for all_gather / reduce_scatter.
   tree    -- an all-reduce over k > 2 nodes is priced as the faster of the ring above and NCCL's double
-             binary tree (NCCL >= 2.4 picks between the two per message size; its other collectives are
-             rings): the same node phase, a network phase of 2 nbytes / (r * B_net) (each GPU's share goes
-             up the tree reduced and comes down broadcast: the ring's bytes without its (k-1)/k) and
-             2 ceil(log2 k) network latencies instead of 2 (k-1).  At k <= 2 the ring is never slower
+             binary tree (NCCL >= 2.4 picks between the two per message size; the other collectives stay
+             priced as rings): the same node phase, a network phase of 2 nbytes / (r * B_net) (each GPU's
+             share goes up the tree reduced and comes down broadcast: the ring's bytes without its
+             (k-1)/k) and 2 ceil(log2 k) network latencies instead of 2 (k-1).  At k <= 2 the ring is never slower
              (the same steps, fewer bytes), so the one- and two-node fits to nccl-tests are unchanged; the
              many-node data-parallel rows of the published training runs (Megatron-LM on 48 nodes, BERT
              on 32) are what the tree's logarithmic latency is checked against (docs/benchmarks.md,
