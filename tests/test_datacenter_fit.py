@@ -105,8 +105,8 @@ def test_published_rows_are_predicted_within_the_stated_error(row_id):
     assert abs(total / row.published_s - 1) <= 0.15, (row_id, total, row.published_s)
 
 
-# Replicated dp over 32 nodes (comm.py *tree*): held-out meg-11 (GPT 7.5B, tp 4, dp 32 on A100, +41 % when the
-# all-reduce was priced as a ring of 2 (k - 1) network latencies, +3 % as NCCL's faster of ring and tree)
+# Replicated dp over 16 nodes (comm.py *tree*): held-out meg-11 (GPT 7.5B, tp 4, dp 32 on 128 A100, +41 % when
+# the all-reduce was priced as a ring of 2 (k - 1) network latencies, +3 % as NCCL's faster of ring and tree)
 @needs_table
 def test_a_many_node_data_parallel_row_is_predicted_within_the_stated_error():
     sys.path.insert(0, str(BENCH))
