@@ -122,11 +122,16 @@ def _layout(row) -> str:
 
 def summary(results: list[dict], ids: list[str]) -> tuple[float, float, str]:
     """(median |error|, worst |error|, the worst row's id) over the rows ``ids`` that were priced."""
-    errs = {r["id"]: r["predicted"] / r["published"] - 1 for r in results if "predicted" in r and r["id"] in ids}
+    errs = {r["id"]: error(r) for r in results if "predicted" in r and r["id"] in ids}
     if not errs:
         return float("nan"), float("nan"), ""
     worst = max(errs, key=lambda k: abs(errs[k]))
     return statistics.median(abs(e) for e in errs.values()), abs(errs[worst]), worst
+
+
+def error(r: dict) -> float:
+    """A priced row's predicted / published - 1."""
+    return r["predicted"] / r["published"] - 1
 
 
 def free_comm(r: dict) -> float:
@@ -144,7 +149,7 @@ def table(results: list[dict]) -> str:
     for r in priced:
         lines.append(f"| {r['id']} | {r['gpu']} | {r['model']} | {r['layout']} | "
                      f"{'fit' if r['id'] in fit else 'held'} | {r['published']:.3f} | {r['predicted']:.3f} | "
-                     f"{r['predicted'] / r['published'] - 1:+.0%} | {r['mfu_published']:.0%} | "
+                     f"{error(r):+.0%} | {r['mfu_published']:.0%} | "
                      f"{r['mfu_predicted']:.0%} | {r['compute']:.2f} / {r['bubble']:.2f} / {r['tp']:.2f} / "
                      f"{r['pp']:.2f} / {r['dp']:.2f} / {r['optimizer']:.2f} |")
     lines.append("")
@@ -158,8 +163,8 @@ def table(results: list[dict]) -> str:
             lines.append(f"  - {gpu} {name} ({len(mine)} rows): median {med:.1%}, worst {worst:.1%} ({which})")
     for name, ids in (("fit half", fit), ("held-out half", held)):
         lines.append(f"- {name}, rows off by more than {WORST:.0%}, and with every collective free: " + (", ".join(
-            f"{r['id']} {r['predicted'] / r['published'] - 1:+.0%} ({free_comm(r):+.0%})" for r in priced
-            if r["id"] in ids and abs(r["predicted"] / r["published"] - 1) > WORST) or "none"))
+            f"{r['id']} {error(r):+.0%} ({free_comm(r):+.0%})" for r in priced
+            if r["id"] in ids and abs(error(r)) > WORST) or "none"))
     lines.append("")
     lines.append("Not priced: " + "; ".join(f"{r['id']} ({r['reason']})" for r in results if "reason" in r))
     return "\n".join(lines)

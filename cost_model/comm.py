@@ -20,11 +20,11 @@ Terms:
              binary tree (NCCL >= 2.4 picks between the two per message size; the other collectives stay
              priced as rings): the same node phase, a network phase of 2 nbytes / (r * B_net) (each GPU's
              share goes up the tree reduced and comes down broadcast: the ring's bytes without its
-             (k-1)/k) and 2 ceil(log2 k) network latencies instead of 2 (k-1).  At k <= 2 the ring is never slower
-             (the same steps, fewer bytes), so the one- and two-node fits to nccl-tests are unchanged; the
-             many-node data-parallel rows of the published training runs (Megatron-LM on 48 nodes, BERT
-             on 32) are what the tree's logarithmic latency is checked against (docs/benchmarks.md,
-             *Datacenter GPUs*).
+             (k-1)/k) and 2 ceil(log2 k) network latencies instead of 2 (k-1).  At k <= 2 the ring is
+             never slower (the same steps, fewer bytes), so the one- and two-node fits to nccl-tests are
+             unchanged; the many-node data-parallel rows of the published training runs (Megatron-LM on 48
+             nodes, BERT on 32) are what the tree's logarithmic latency is checked against
+             (docs/benchmarks.md, *Datacenter GPUs*).
   time    -- (sqrt(alpha) + sqrt(bus time))^2: a transfer cut into chunks that pipeline through the
              algorithm's steps, with the chunk size that minimizes alpha x chunks + bus time x (1 + 1 /
              chunks).  Between the alpha-beta sum (small messages) and the bus time (large ones), it follows

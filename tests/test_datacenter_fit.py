@@ -90,12 +90,14 @@ def test_surrogate_is_the_compiled_prediction_at_its_own_profile():
 
 
 # cheap held-out rows (24 layers, FSDP on 8 A100s): -1 % and -7 % with the fitted numbers, -23 % and -29 % with
-# the borrowed ones; 15 %: the table's median target
-HELD_OUT_ROWS = ("mos-18", "mos-20")
+# the borrowed ones; and replicated dp over 16 nodes (comm.py *tree*): meg-11 (GPT 7.5B, tp 4, dp 32 on 128 A100),
+# +41 % when the all-reduce was priced as a ring of 2 (k - 1) network latencies, +3 % as NCCL's faster of ring
+# and tree; 15 %: the table's median target
+HELD_OUT_ROWS = ("mos-18", "mos-20", "meg-11")
 
 
 @needs_table
-@pytest.mark.default_cases("mos-20")          # mos-18 (7 s) in the heavy tier
+@pytest.mark.default_cases("mos-20", "meg-11")          # mos-18 (7 s) in the heavy tier
 @pytest.mark.parametrize("row_id", HELD_OUT_ROWS)
 def test_published_rows_are_predicted_within_the_stated_error(row_id):
     sys.path.insert(0, str(BENCH))
@@ -105,28 +107,18 @@ def test_published_rows_are_predicted_within_the_stated_error(row_id):
     assert abs(total / row.published_s - 1) <= 0.15, (row_id, total, row.published_s)
 
 
-# Replicated dp over 16 nodes (comm.py *tree*): held-out meg-11 (GPT 7.5B, tp 4, dp 32 on 128 A100, +41 % when
-# the all-reduce was priced as a ring of 2 (k - 1) network latencies, +3 % as NCCL's faster of ring and tree)
-@needs_table
-def test_a_many_node_data_parallel_row_is_predicted_within_the_stated_error():
-    sys.path.insert(0, str(BENCH))
-    from datacenter_table import compile_row
-    row = next(r for r in load_rows() if r.id == "meg-11")
-    total = compile_row(row).predicted_step().total
-    assert abs(total / row.published_s - 1) <= 0.15, (total, row.published_s)
-
 
 def test_communication_free_error_is_a_floor_of_every_priced_row():
     """``free_comm`` (compute + bubble + optimizer alone) never exceeds a row's error, and the table lists
     every row past the worst-row bound with it."""
     sys.path.insert(0, str(BENCH))
-    from datacenter_table import WORST, free_comm, table
+    from datacenter_table import WORST, error, free_comm, table
     results = json.loads((BENCH / "datacenter_results.json").read_text())
     priced = [r for r in results if "predicted" in r]
     assert priced
     for r in priced:
-        assert free_comm(r) <= r["predicted"] / r["published"] - 1 + 1e-9, r["id"]
+        assert free_comm(r) <= error(r) + 1e-9, r["id"]
     text = table(results)
     for r in priced:
-        if abs(r["predicted"] / r["published"] - 1) > WORST:
-            assert f"{r['id']} {r['predicted'] / r['published'] - 1:+.0%} ({free_comm(r):+.0%})" in text, r["id"]
+        if abs(error(r)) > WORST:
+            assert f"{r['id']} {error(r):+.0%} ({free_comm(r):+.0%})" in text, r["id"]
